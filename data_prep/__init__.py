@@ -1,0 +1,1 @@
+"""Offline data preparation: tokenizer training, Arrow shard building and verification."""

@@ -1,0 +1,122 @@
+"""Rank discovery and process-group set-up for every launcher we support.
+
+One process (no launcher), `torchrun`, the `deepspeed` launcher, `srun` (SLURM) and `mpirun`
+(MPICH / Open MPI, optionally through `mpi4py`) all end up here. Discovery order:
+
+1. `RANK`/`WORLD_SIZE`/`LOCAL_RANK` (torchrun, deepspeed launcher, or set by our sbatch script);
+2. SLURM: `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID` (only when `SLURM_NTASKS` > 1 or
+   `SLURM_STEP_ID` shows we run inside `srun`);
+3. MPI: `PMI_RANK`/`PMI_SIZE` (MPICH/Hydra), `OMPI_COMM_WORLD_*` (Open MPI), or `mpi4py` when
+   `--mpi` forced it;
+4. otherwise a single process.
+
+The rendezvous address is `MASTER_ADDR`/`MASTER_PORT` when set; under SLURM the first host of
+`SLURM_JOB_NODELIST` (via `scontrol show hostnames`) and a port derived from the job id;
+under MPI rank 0's hostname broadcast with mpi4py when available.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str  # "single" | "env" | "slurm" | "mpi"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _first_slurm_host() -> str:
+    nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        # Plain names ("node1,node2") work without scontrol.
+        return nodelist.split(",")[0]
+
+
+def discover(env: dict[str, str] | None = None) -> DistInfo:
+    """Rank, world size and local rank from the launcher's environment (no side effects)."""
+    e = os.environ if env is None else env
+    if "RANK" in e and "WORLD_SIZE" in e:
+        return DistInfo(int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0)), "env")
+    if "SLURM_PROCID" in e and (int(e.get("SLURM_NTASKS", "1")) > 1 or "SLURM_STEP_ID" in e):
+        return DistInfo(int(e["SLURM_PROCID"]), int(e.get("SLURM_NTASKS", "1")), int(e.get("SLURM_LOCALID", 0)), "slurm")
+    if "PMI_RANK" in e and "PMI_SIZE" in e:
+        local = int(e.get("MPI_LOCALRANKID", e.get("PMI_LOCAL_RANK", 0)))
+        return DistInfo(int(e["PMI_RANK"]), int(e["PMI_SIZE"]), local, "mpi")
+    if "OMPI_COMM_WORLD_RANK" in e:
+        return DistInfo(
+            int(e["OMPI_COMM_WORLD_RANK"]),
+            int(e["OMPI_COMM_WORLD_SIZE"]),
+            int(e.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
+            "mpi",
+        )
+    return DistInfo(0, 1, 0, "single")
+
+
+def _mpi_master_addr() -> str:
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        return "127.0.0.1"
+    return MPI.COMM_WORLD.bcast(socket.gethostname() if MPI.COMM_WORLD.Get_rank() == 0 else None, root=0)
+
+
+def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistInfo:
+    """Discover ranks, export the torch env variables, and initialise the process group.
+
+    backend: "nccl" | "gloo" | None (nccl with CUDA, gloo otherwise). Single-process runs also get
+    a (world size 1) process group, because DeepSpeed's engine expects one.
+    """
+    import datetime
+
+    import deepspeed
+
+    info = discover()
+    if "MASTER_ADDR" not in os.environ:
+        if info.launcher == "slurm":
+            os.environ["MASTER_ADDR"] = _first_slurm_host()
+        elif info.launcher == "mpi":
+            os.environ["MASTER_ADDR"] = _mpi_master_addr()
+        else:
+            os.environ["MASTER_ADDR"] = "127.0.0.1"
+    if "MASTER_PORT" not in os.environ:
+        job = int(os.environ.get("SLURM_JOB_ID", "0") or 0)
+        os.environ["MASTER_PORT"] = str(20000 + job % 20000) if info.launcher == "slurm" else _free_port_or_default(info)
+    os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(
+            dist_backend=backend,
+            auto_mpi_discovery=False,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            rank=info.rank,
+            world_size=info.world_size,
+        )
+    return info
+
+
+def _free_port_or_default(info: DistInfo) -> str:
+    """A free local port for single-process runs; a fixed one when several processes must agree."""
+    if info.world_size > 1:
+        return "29500"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])

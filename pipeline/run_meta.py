@@ -1,0 +1,60 @@
+"""`pipeline_meta.json`: what a checkpoint must say about the run so it can be resumed or converted.
+
+Written by the training loop into every checkpoint tag directory (before the `latest` pointer
+moves); read by resume checks, `pipeline.convert` and the model card. One home for its fields.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+META_FILE = "pipeline_meta.json"
+META_VERSION = 1
+
+
+@dataclass
+class RunMeta:
+    encoder_config: dict[str, Any]  # pipeline.model.EncoderConfig fields
+    objectives: dict[str, float]  # name -> weight
+    objective_options: dict[str, dict[str, Any]]
+    special_tokens: dict[str, int]  # pad, cls, sep, mask, unk
+    tokenizer_dir: str  # directory loadable with AutoTokenizer (copied beside the shards)
+    data_dir: str
+    manifest_hash: str
+    config_hash: str
+    config: dict[str, Any]  # the full resolved training config
+    step: int = 0
+    consumed_samples: int = 0
+    tokens_seen: int = 0
+    zero_stage: int = 0
+    world_size: int = 1
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    version: int = META_VERSION
+
+    def write(self, directory: str | os.PathLike) -> Path:
+        """Atomic write of `<directory>/pipeline_meta.json`."""
+        path = Path(directory) / META_FILE
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, directory: str | os.PathLike) -> "RunMeta":
+        path = Path(directory) / META_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: missing; {directory} is not a complete pipeline checkpoint")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}: not valid JSON ({err}); the checkpoint is corrupt") from err
+        if raw.get("version") != META_VERSION:
+            raise ValueError(f"{path}: meta version {raw.get('version')} unsupported (expected {META_VERSION})")
+        known = set(cls.__dataclass_fields__)
+        missing = [k for k in ("encoder_config", "objectives", "special_tokens") if k not in raw]
+        if missing:
+            raise ValueError(f"{path}: missing fields {missing}")
+        return cls(**{k: v for k, v in raw.items() if k in known})
