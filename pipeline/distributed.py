@@ -4,19 +4,22 @@ One process (no launcher), `torchrun`, the `deepspeed` launcher, `srun` (SLURM) 
 (MPICH / Open MPI, optionally through `mpi4py`) all end up here. Discovery order:
 
 1. `RANK`/`WORLD_SIZE`/`LOCAL_RANK` (torchrun, deepspeed launcher, or set by our sbatch script);
-2. SLURM: `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID` (only when `SLURM_NTASKS` > 1 or
+2. MPI: `PMI_RANK`/`PMI_SIZE` (MPICH/Hydra), `OMPI_COMM_WORLD_*` (Open MPI). These come before
+   SLURM because `mpirun` inside an allocation starts its proxies with `srun`, so the ranks also
+   inherit the proxy step's `SLURM_PROCID` (one per node, not per rank): the innermost launcher wins;
+3. SLURM: `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID` (only when `SLURM_NTASKS` > 1 or
    `SLURM_STEP_ID` shows we run inside `srun`);
-3. MPI: `PMI_RANK`/`PMI_SIZE` (MPICH/Hydra), `OMPI_COMM_WORLD_*` (Open MPI), or `mpi4py` when
-   `--mpi` forced it;
 4. otherwise a single process.
 
-The rendezvous address is `MASTER_ADDR`/`MASTER_PORT` when set; under SLURM the first host of
-`SLURM_JOB_NODELIST` (via `scontrol show hostnames`) and a port derived from the job id;
-under MPI rank 0's hostname broadcast with mpi4py when available.
+The rendezvous address is `MASTER_ADDR`/`MASTER_PORT` when set (our sbatch script exports them
+once per job); under SLURM otherwise the `NodeAddr` of the first host of the step's node list
+(node names need not resolve, the address SLURM itself uses does) and a port derived from the job
+id; under MPI rank 0's hostname and a free port of rank 0, broadcast with mpi4py when available.
 """
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -37,15 +40,22 @@ class DistInfo:
 
 
 def _first_slurm_host() -> str:
+    """Address of the step's first node: its SLURM `NodeAddr`, else its name."""
     nodelist = os.environ.get("SLURM_STEP_NODELIST") or os.environ.get("SLURM_JOB_NODELIST", "")
     if not nodelist:
         return "127.0.0.1"
     try:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
-        return out.stdout.split()[0]
+        first = out.stdout.split()[0]
     except (OSError, subprocess.CalledProcessError, IndexError):
         # Plain names ("node1,node2") work without scontrol.
         return nodelist.split(",")[0]
+    try:
+        node = subprocess.run(["scontrol", "show", "node", "-o", first], capture_output=True, text=True, check=True)
+        match = re.search(r"\bNodeAddr=(\S+)", node.stdout)
+        return match.group(1) if match else first
+    except (OSError, subprocess.CalledProcessError):
+        return first
 
 
 def discover(env: dict[str, str] | None = None) -> DistInfo:
@@ -53,8 +63,6 @@ def discover(env: dict[str, str] | None = None) -> DistInfo:
     e = os.environ if env is None else env
     if "RANK" in e and "WORLD_SIZE" in e:
         return DistInfo(int(e["RANK"]), int(e["WORLD_SIZE"]), int(e.get("LOCAL_RANK", 0)), "env")
-    if "SLURM_PROCID" in e and (int(e.get("SLURM_NTASKS", "1")) > 1 or "SLURM_STEP_ID" in e):
-        return DistInfo(int(e["SLURM_PROCID"]), int(e.get("SLURM_NTASKS", "1")), int(e.get("SLURM_LOCALID", 0)), "slurm")
     if "PMI_RANK" in e and "PMI_SIZE" in e:
         local = int(e.get("MPI_LOCALRANKID", e.get("PMI_LOCAL_RANK", 0)))
         return DistInfo(int(e["PMI_RANK"]), int(e["PMI_SIZE"]), local, "mpi")
@@ -65,15 +73,23 @@ def discover(env: dict[str, str] | None = None) -> DistInfo:
             int(e.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
             "mpi",
         )
+    if "SLURM_PROCID" in e and (int(e.get("SLURM_NTASKS", "1")) > 1 or "SLURM_STEP_ID" in e):
+        return DistInfo(int(e["SLURM_PROCID"]), int(e.get("SLURM_NTASKS", "1")), int(e.get("SLURM_LOCALID", 0)), "slurm")
     return DistInfo(0, 1, 0, "single")
 
 
-def _mpi_master_addr() -> str:
+def _mpi_rendezvous() -> tuple[str, str]:
+    """Rank 0's hostname and a free port on it, broadcast to every rank with mpi4py.
+
+    Without mpi4py, ranks cannot agree on anything but fixed values (one host, port 29500).
+    """
     try:
         from mpi4py import MPI
     except ImportError:
-        return "127.0.0.1"
-    return MPI.COMM_WORLD.bcast(socket.gethostname() if MPI.COMM_WORLD.Get_rank() == 0 else None, root=0)
+        return "127.0.0.1", "29500"
+    comm = MPI.COMM_WORLD
+    mine = (socket.gethostname(), _free_port()) if comm.Get_rank() == 0 else None
+    return comm.bcast(mine, root=0)
 
 
 def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistInfo:
@@ -87,13 +103,12 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
     import deepspeed
 
     info = discover()
+    if info.launcher == "mpi" and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
+        addr, port = _mpi_rendezvous()  # collective: every rank calls it, whatever it lacks
+        os.environ.setdefault("MASTER_ADDR", addr)
+        os.environ.setdefault("MASTER_PORT", port)
     if "MASTER_ADDR" not in os.environ:
-        if info.launcher == "slurm":
-            os.environ["MASTER_ADDR"] = _first_slurm_host()
-        elif info.launcher == "mpi":
-            os.environ["MASTER_ADDR"] = _mpi_master_addr()
-        else:
-            os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_ADDR"] = _first_slurm_host() if info.launcher == "slurm" else "127.0.0.1"
     if "MASTER_PORT" not in os.environ:
         job = int(os.environ.get("SLURM_JOB_ID", "0") or 0)
         os.environ["MASTER_PORT"] = str(20000 + job % 20000) if info.launcher == "slurm" else _free_port_or_default(info)
@@ -113,10 +128,12 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
     return info
 
 
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return str(s.getsockname()[1])
+
+
 def _free_port_or_default(info: DistInfo) -> str:
     """A free local port for single-process runs; a fixed one when several processes must agree."""
-    if info.world_size > 1:
-        return "29500"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
+    return "29500" if info.world_size > 1 else _free_port()

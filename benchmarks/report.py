@@ -1,0 +1,157 @@
+"""One writer for every benchmark's output: JSON (with hardware and versions), a Markdown table, a PNG.
+
+`write_report(name, rows, out_dir, title, bar=("label_column", "value_column"))` writes
+`<out_dir>/<name>.json`, `<name>.md` and (when `bar` is given) `<name>.png`, each atomically.
+`line_chart(series, path, ...)` draws curves (e.g. quality against steps) for reports with more plots.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+
+def hardware_info() -> dict[str, Any]:
+    """Device, CPU count and library versions, recorded beside every result."""
+    import torch
+
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "gpu_count": torch.cuda.device_count(),
+    }
+    for lib in ("deepspeed", "transformers", "datasets", "tokenizers", "triton", "pyarrow"):
+        try:
+            info[lib] = __import__(lib).__version__
+        except Exception:  # noqa: BLE001 - a missing or broken optional library is just "absent"
+            info[lib] = None
+    try:
+        info["git_commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        ).stdout.strip() or None
+    except OSError:
+        info["git_commit"] = None
+    return info
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    """GitHub Markdown table of `rows` (columns: the union of keys, in first-seen order)."""
+    if not rows:
+        return "_no rows_\n"
+    if columns is None:
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def bar_chart(rows: Sequence[dict[str, Any]], label: str, value: str, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(r.get(label)) for r in rows if r.get(value) is not None]
+    values = [float(r[value]) for r in rows if r.get(value) is not None]
+    fig, ax = plt.subplots(figsize=(max(5.0, 0.6 * len(labels) + 2), 4))
+    ax.bar(range(len(values)), values, color="#4C72B0")
+    ax.set_xticks(range(len(values)), labels, rotation=30, ha="right")
+    ax.set_ylabel(value)
+    ax.set_title(title)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def line_chart(
+    series: dict[str, Sequence[tuple[float, float]]],
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    hline: tuple[float, str] | None = None,
+) -> None:
+    """Curves `{label: [(x, y), ...]}` on one axis (PNG, atomic); `hline=(y, label)` draws a target line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, points in series.items():
+        if points:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+    if hline is not None:
+        ax.axhline(hline[0], color="grey", linestyle="--", linewidth=1, label=hline[1])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def write_report(
+    name: str,
+    rows: list[dict[str, Any]],
+    out_dir: str | os.PathLike,
+    title: str,
+    bar: tuple[str, str] | None = None,
+    notes: Iterable[str] = (),
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Path]:
+    """Write JSON + Markdown (+ PNG bar chart of `bar=(label_col, value_col)`); returns the paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    notes = list(notes)
+    hw = hardware_info()
+    payload = {
+        "name": name,
+        "title": title,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "hardware": hw,
+        "notes": notes,
+        "rows": rows,
+        **(extra or {}),
+    }
+    paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
+    _atomic_write(paths["json"], json.dumps(payload, indent=2, default=str).encode())
+    md = [f"# {title}", "", f"Device: {hw['device']} ({hw['cpu_count']} CPU cores); torch {hw['torch']}, "
+          f"deepspeed {hw['deepspeed']}, triton {hw['triton']}; command: `{payload['command']}`", ""]
+    md.append(markdown_table(rows))
+    md += [f"- {n}" for n in notes]
+    _atomic_write(paths["md"], ("\n".join(md) + "\n").encode())
+    if bar is not None and rows:
+        paths["png"] = out / f"{name}.png"
+        bar_chart(rows, bar[0], bar[1], paths["png"], title)
+    return paths

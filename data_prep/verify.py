@@ -1,0 +1,99 @@
+"""Check a shard directory against its manifest; exit non-zero on any mismatch.
+
+    python -m data_prep.verify shards/
+
+Checks: every shard's size and sha256, its Arrow schema, row count, that `length` is within
+[2, seq_len], that each row is `[CLS] ... [SEP]` followed only by `[PAD]`, that every id is below
+the vocabulary size, the manifest's totals, and the tokenizer directory's hash.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from pipeline.shards import TOKENIZER_SUBDIR, hash_directory, iter_shard_paths, open_shard, read_manifest, sha256_file
+
+
+def _check_rows(name: str, ids: np.ndarray, length: np.ndarray, seq_len: int, vocab_size: int, specials: dict[str, int]) -> list[str]:
+    problems = []
+    if len(length) and (length.min() < 2 or length.max() > seq_len):
+        problems.append(f"{name}: lengths outside [2, {seq_len}] (min {length.min()}, max {length.max()})")
+        return problems
+    if ids.size and int(ids.max()) >= vocab_size:
+        problems.append(f"{name}: token id {int(ids.max())} >= vocab_size {vocab_size}")
+    rows = np.arange(len(length))
+    if len(length) and not (ids[:, 0] == specials["cls"]).all():
+        problems.append(f"{name}: a row does not start with [CLS] (id {specials['cls']})")
+    if len(length) and not (ids[rows, length - 1] == specials["sep"]).all():
+        problems.append(f"{name}: a row does not end with [SEP] (id {specials['sep']}) at its length")
+    padding = np.arange(seq_len)[None, :] >= length[:, None]
+    if not (ids[padding] == specials["pad"]).all():
+        problems.append(f"{name}: non-[PAD] ids after a row's length")
+    return problems
+
+
+def verify_directory(directory: str | Path) -> list[str]:
+    """All problems found (empty list when the directory is intact)."""
+    directory = Path(directory)
+    try:
+        manifest = read_manifest(directory)
+    except (FileNotFoundError, ValueError) as err:
+        return [str(err)]
+    problems: list[str] = []
+    tokenizer_dir = directory / TOKENIZER_SUBDIR
+    if not tokenizer_dir.is_dir():
+        problems.append(f"{tokenizer_dir}: missing")
+    elif hash_directory(tokenizer_dir) != manifest.tokenizer_hash:
+        problems.append(f"{tokenizer_dir}: hash differs from the manifest's tokenizer_hash")
+    total_rows = total_tokens = 0
+    for info, path in iter_shard_paths(directory, manifest):
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+            continue
+        if path.stat().st_size != info.bytes:
+            problems.append(f"{path}: {path.stat().st_size} bytes, manifest says {info.bytes}")
+        if sha256_file(path) != info.sha256:
+            problems.append(f"{path}: sha256 mismatch (file changed or corrupt)")
+            continue
+        try:
+            shard = open_shard(path, manifest.seq_len, manifest.id_dtype)
+        except ValueError as err:
+            problems.append(str(err))
+            continue
+        try:
+            if len(shard.length) != info.rows:
+                problems.append(f"{path}: {len(shard.length)} rows, manifest says {info.rows}")
+            problems += _check_rows(str(path), shard.input_ids, shard.length, manifest.seq_len, manifest.vocab_size, manifest.special_tokens)
+            total_rows += len(shard.length)
+            total_tokens += int(shard.length.sum())
+        finally:
+            shard.mapped.close()
+    if not problems:
+        if total_rows != manifest.total_sequences:
+            problems.append(f"manifest: total_sequences {manifest.total_sequences}, shards hold {total_rows}")
+        if total_tokens != manifest.total_tokens:
+            problems.append(f"manifest: total_tokens {manifest.total_tokens}, shards hold {total_tokens}")
+    return problems
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m data_prep.verify", description=__doc__.split("\n\n")[0])
+    parser.add_argument("directory", help="shard directory written by data_prep.build_shards")
+    args = parser.parse_args(argv)
+    problems = verify_directory(args.directory)
+    if problems:
+        for problem in problems:
+            print(f"FAIL {problem}", file=sys.stderr)
+        print(f"{args.directory}: {len(problems)} problem(s)", file=sys.stderr)
+        return 1
+    manifest = read_manifest(args.directory)
+    print(f"OK {args.directory}: {len(manifest.shards)} shards, {manifest.total_sequences:,} sequences, {manifest.total_tokens:,} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

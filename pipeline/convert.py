@@ -1,0 +1,263 @@
+"""`python -m pipeline.convert CHECKPOINT_DIR OUT_DIR`: a DeepSpeed checkpoint -> a Hugging Face BERT dir.
+
+CHECKPOINT_DIR is a checkpoint tag directory (it holds `pipeline_meta.json`), a checkpoints
+directory with a `latest` pointer, or a run's output directory (`<run>/checkpoints/latest`).
+
+Steps, each failing with a message that names the file at fault and leaving OUT_DIR untouched:
+1. read `pipeline_meta.json` (encoder shape, objectives, special tokens, tokenizer dir) and check
+   the tokenizer before any heavy work;
+2. consolidate the fp32 master weights of every rank with DeepSpeed's own
+   `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (ZeRO 1/2/3, any number of ranks,
+   CPU only). A checkpoint without ZeRO partitions (stage 0) is read from its single model file;
+3. check the weights against the model the meta describes, sort them into the HF main model,
+   the COCO-LM generator and `objective_heads.safetensors` (`pipeline.hf_export`);
+4. write config, safetensors, tokenizer and model card into a temporary sibling directory and
+   rename it to OUT_DIR only when everything is written.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import glob
+import json
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from pipeline.hf_export import (
+    ExportError,
+    HFExport,
+    bert_config,
+    check_state_dict,
+    contiguous_copies,
+    pretrain_model_from_meta,
+    render_model_card,
+    split_for_hf,
+)
+from pipeline.model import EncoderConfig
+from pipeline.run_meta import META_FILE, RunMeta
+
+GENERATOR_SUBDIR = "generator"
+OBJECTIVE_HEADS_FILE = "objective_heads.safetensors"
+SPECIAL_TOKEN_NAMES = ("pad", "cls", "sep", "mask", "unk")
+
+
+class CheckpointError(ValueError):
+    """The checkpoint is missing, incomplete or corrupt (the message names the path)."""
+
+
+def resolve_tag_dir(path: str | os.PathLike) -> Path:
+    """The checkpoint tag directory that `path` designates (follows `latest` pointers)."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    if (path / META_FILE).is_file():
+        return path
+    for base in (path, path / "checkpoints"):
+        latest = base / "latest"
+        if latest.is_file():
+            tag = latest.read_text().strip()
+            if not tag:
+                raise CheckpointError(f"{latest}: empty 'latest' pointer")
+            tag_dir = base / tag
+            if not tag_dir.is_dir():
+                raise CheckpointError(f"{latest} points to {tag!r}, but {tag_dir} does not exist")
+            if not (tag_dir / META_FILE).is_file():
+                raise CheckpointError(f"{tag_dir}: {META_FILE} missing; the checkpoint is incomplete")
+            return tag_dir
+    raise CheckpointError(
+        f"{path}: neither a checkpoint tag directory (no {META_FILE}) nor a directory with a 'latest' pointer"
+    )
+
+
+def _zero_partitioned(tag_dir: Path) -> bool:
+    return bool(glob.glob(str(tag_dir / "*zero_pp_rank_*_optim_states.pt")))
+
+
+def consolidate_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """(full fp32 state dict, description of where it came from) for one checkpoint tag dir."""
+    if _zero_partitioned(tag_dir) and not glob.glob(str(tag_dir / "bf16_zero_pp_rank_*")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        try:
+            # DeepSpeed reports progress on stdout; keep our stdout for our own summary.
+            with contextlib.redirect_stdout(sys.stderr):
+                state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        except Exception as err:  # torch.load / DeepSpeed raise many types for a broken file
+            raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {type(err).__name__}: {err}") from err
+        return state, "fp32 master weights consolidated from the ZeRO partitions"
+    # No ZeRO fp32 partitions (stage 0, or DeepSpeed's bf16 optimizer): the model file holds the
+    # full module. It is fp32 when training ran in fp32; half-precision copies are upcast, noted.
+    model_file = tag_dir / "mp_rank_00_model_states.pt"
+    if not model_file.is_file():
+        raise CheckpointError(f"{tag_dir}: no ZeRO optimizer partitions and no {model_file.name}; not a DeepSpeed checkpoint")
+    try:
+        module = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+    except Exception as err:
+        raise CheckpointError(f"{model_file}: unreadable: {type(err).__name__}: {err}") from err
+    half = sorted({str(v.dtype) for v in module.values() if v.is_floating_point() and v.dtype != torch.float32})
+    source = "module weights of the (non-ZeRO) model file"
+    if half:
+        warnings.warn(f"{model_file}: weights stored as {half}, no fp32 master copy; upcasting to fp32")
+        source += f", upcast from {', '.join(half)}"
+    return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}, source
+
+
+def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], encoder: EncoderConfig):
+    """The run's tokenizer, checked against the special-token ids the model was trained with."""
+    from transformers import AutoTokenizer
+
+    path = Path(tokenizer_dir or meta.tokenizer_dir or "")
+    if not str(path) or not path.is_dir():
+        raise CheckpointError(
+            f"pipeline_meta.json field tokenizer_dir={meta.tokenizer_dir!r} is not a directory; pass --tokenizer DIR"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:
+        raise CheckpointError(f"{path}: not loadable with AutoTokenizer: {err}") from err
+    for name in SPECIAL_TOKEN_NAMES:
+        if name not in meta.special_tokens:
+            continue
+        wanted = int(meta.special_tokens[name])
+        current = getattr(tokenizer, f"{name}_token_id", None)
+        if current is None:  # the tokenizer does not declare it: declare it from the meta's id
+            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(wanted))
+        elif current != wanted:
+            raise CheckpointError(
+                f"{path}: {name} token id {current} differs from special_tokens.{name}={wanted} in pipeline_meta.json"
+            )
+    if len(tokenizer) > encoder.vocab_size:
+        raise CheckpointError(f"{path}: {len(tokenizer)} tokens but the model's vocab_size is {encoder.vocab_size}")
+    tokenizer.model_max_length = encoder.max_position
+    return tokenizer
+
+
+def _write_hf_model(directory: Path, state: dict[str, torch.Tensor], encoder: EncoderConfig, meta: RunMeta, tokenizer) -> None:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    bert_config(encoder, meta.special_tokens).save_pretrained(str(directory))
+    save_file(contiguous_copies(state), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer.save_pretrained(str(directory))
+
+
+def write_export(
+    directory: Path, export: HFExport, meta: RunMeta, tokenizer, tag_dir: Path, source: str, with_generator: bool
+) -> None:
+    """Everything OUT_DIR holds, written into `directory`."""
+    from safetensors.torch import save_file
+
+    encoder = EncoderConfig(**meta.encoder_config)
+    _write_hf_model(directory, export.main, encoder, meta, tokenizer)
+    if export.objective_heads:
+        info = {"objectives": meta.objectives, "objective_options": meta.objective_options}
+        save_file(
+            contiguous_copies(export.objective_heads),
+            str(directory / OBJECTIVE_HEADS_FILE),
+            metadata={"format": "pt", "pipeline": json.dumps(info, sort_keys=True)},
+        )
+    if with_generator:
+        gen = export.generator
+        assert gen is not None
+        _write_hf_model(directory / GENERATOR_SUBDIR, gen.state, gen.config, meta, tokenizer)
+        (directory / GENERATOR_SUBDIR / "README.md").write_text(
+            render_model_card(meta, export, tag_dir, source, generator_card=True)
+        )
+    (directory / "README.md").write_text(render_model_card(meta, export, tag_dir, source, generator_card=False))
+
+
+def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir}: exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir}: not empty; pass --overwrite to replace it")
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished temp dir to `out_dir` (replacing an old one only after it is complete)."""
+    old: Optional[Path] = None
+    if out_dir.exists():
+        if any(out_dir.iterdir()):
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.replace(out_dir, old)
+        else:
+            out_dir.rmdir()
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def convert(
+    checkpoint_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    with_generator: bool = False,
+    tokenizer_dir: Optional[str | os.PathLike] = None,
+) -> Path:
+    """Convert one checkpoint; returns OUT_DIR. Nothing is written to OUT_DIR on any error."""
+    out_dir = Path(out_dir)
+    _check_out_dir(out_dir, overwrite)
+    tag_dir = resolve_tag_dir(checkpoint_dir)
+    meta = RunMeta.read(tag_dir)
+    encoder = EncoderConfig(**meta.encoder_config)
+    tokenizer = load_tokenizer(meta, tokenizer_dir, encoder)
+    model = pretrain_model_from_meta(meta)
+
+    state, source = consolidate_fp32_weights(tag_dir)
+    check_state_dict(model, state, str(tag_dir))
+    export = split_for_hf(model, state)
+    if with_generator and export.generator is None:
+        raise ExportError(f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write_export(tmp, export, meta, tokenizer, tag_dir, source, with_generator)
+        _check_out_dir(out_dir, overwrite)  # someone may have written there meanwhile
+        _publish(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pipeline.convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint_dir", help="checkpoint tag dir, a checkpoints dir with 'latest', or a run output dir")
+    p.add_argument("out_dir", help="Hugging Face model directory to create")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")
+    p.add_argument(
+        "--with-generator",
+        action="store_true",
+        help=f"also write the COCO-LM generator as a second model in OUT_DIR/{GENERATOR_SUBDIR}/",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer_dir from pipeline_meta.json)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out = convert(
+            args.checkpoint_dir,
+            args.out_dir,
+            overwrite=args.overwrite,
+            with_generator=args.with_generator,
+            tokenizer_dir=args.tokenizer,
+        )
+    except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps({"out_dir": str(out), "files": sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

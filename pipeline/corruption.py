@@ -1,0 +1,309 @@
+"""Corruption views of a packed batch: BERT / whole-word masking, InfoWord spans, COCO-LM crops,
+CAPT shuffles — the one home of all masking and noising in the project.
+
+Determinism: every random number a sample uses is a function of (seed, sample_index, stream,
+position) — a counter-based hash (splitmix64), not a stateful generator. So the same global
+sample gets the same corruption after a resume (no RNG state to save), a different one in every
+epoch (its `sample_index` differs), and the vectorised views cost a few numpy passes over [B, L]
+instead of a Python loop per sample. Only InfoWord span sampling is sequential by nature; it runs
+per sample from `numpy.random.default_rng([seed, stream, sample_index])`.
+
+"Content" positions are the non-special ones (not [CLS]/[SEP]/[PAD]); specials are never masked,
+replaced, shuffled or used as random replacements.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from pipeline.objectives.base import VIEWS
+
+IGNORE_INDEX = -100
+_MASK64 = (1 << 64) - 1
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+# One stream number per independent random decision (changing one never shifts another).
+STREAM_SELECT, STREAM_ACTION, STREAM_RANDOM_TOKEN, STREAM_WORD, STREAM_SPAN, STREAM_CROP, STREAM_SHUFFLE = range(1, 8)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 finaliser on a uint64 array (wrap-around arithmetic is intended)."""
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def hash_uniform(seed: int, sample_index: np.ndarray, stream: int, width: int) -> np.ndarray:
+    """Uniform [0, 1) floats, shape [B, width]: a pure function of (seed, sample_index, stream, column)."""
+    with np.errstate(over="ignore"):
+        base = _mix(np.array([(seed & _MASK64)], dtype=np.uint64) ^ (np.uint64(stream) * _GOLDEN))
+        rows = _mix(base ^ np.asarray(sample_index, dtype=np.int64).astype(np.uint64))
+        cols = (np.arange(1, width + 1, dtype=np.uint64) * _GOLDEN)[None, :]
+        bits = _mix(_mix(rows[:, None] + cols))
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+def _budget(counts: np.ndarray, fraction: float) -> np.ndarray:
+    """round(fraction * n), at least 1 where n > 0 (BERT's rule for how many tokens to predict)."""
+    k = np.floor(counts * fraction + 0.5).astype(np.int64)
+    return np.where(counts > 0, np.maximum(k, 1), 0)
+
+
+def select_tokens(candidates: np.ndarray, u: np.ndarray, fraction: float) -> np.ndarray:
+    """Exactly round(fraction * n) random candidate positions per row (n = candidates in the row)."""
+    keys = np.where(candidates, u, 2.0)
+    k = _budget(candidates.sum(1), fraction)
+    threshold = np.take_along_axis(np.sort(keys, axis=1), np.maximum(k - 1, 0)[:, None], axis=1)
+    return candidates & (keys <= threshold) & (k[:, None] > 0)
+
+
+def word_ids(candidates: np.ndarray, word_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(word number of every candidate position (-1 elsewhere), word-start flags used).
+
+    A candidate starts a word at a stored word start or right after a special token, so every
+    candidate belongs to exactly one word made of contiguous candidates.
+    """
+    after_special = np.ones_like(candidates)
+    after_special[:, 1:] = ~candidates[:, :-1]
+    starts = candidates & (word_starts.astype(bool) | after_special)
+    ids = np.cumsum(starts, axis=1) - 1
+    return np.where(candidates, ids, -1), starts
+
+
+def select_whole_words(candidates: np.ndarray, word_starts: np.ndarray, u: np.ndarray, fraction: float) -> np.ndarray:
+    """Whole words in random order while the selected sub-tokens stay within round(fraction * n).
+
+    Words are taken in the order of their random keys and the first word that would overflow the
+    budget ends the selection (at least one word is always taken), so rows land at or just under
+    the budget and a word is never split.
+    """
+    batch, length = candidates.shape
+    ids, starts = word_ids(candidates, word_starts)
+    rows = np.repeat(np.arange(batch), length).reshape(batch, length)
+    in_word = ids >= 0
+    word_len = np.bincount((rows * length + ids)[in_word], minlength=batch * length).reshape(batch, length)
+    word_key = np.full((batch, length), 2.0)
+    word_key[rows[starts], ids[starts]] = u[starts]
+    order = np.argsort(word_key, axis=1, kind="stable")
+    cumulative = np.cumsum(np.take_along_axis(word_len, order, axis=1), axis=1)
+    k = _budget(candidates.sum(1), fraction)
+    take_sorted = cumulative <= k[:, None]
+    take_sorted[:, 0] |= k > 0
+    take_word = np.zeros((batch, length), dtype=bool)
+    np.put_along_axis(take_word, order, take_sorted, axis=1)
+    return in_word & take_word[rows, np.maximum(ids, 0)]
+
+
+def replace_selected(
+    input_ids: np.ndarray,
+    selected: np.ndarray,
+    u_action: np.ndarray,
+    u_token: np.ndarray,
+    mask_id: int,
+    random_ids: np.ndarray,
+    mask_fraction: float = 0.8,
+    random_fraction: float = 0.1,
+) -> tuple[np.ndarray, np.ndarray]:
+    """BERT's 80/10/10: selected -> [MASK] / a random non-special token / unchanged. Returns (ids, labels)."""
+    masked = input_ids.copy()
+    to_mask = selected & (u_action < mask_fraction)
+    to_random = selected & (u_action >= mask_fraction) & (u_action < mask_fraction + random_fraction)
+    masked[to_mask] = mask_id
+    picks = np.minimum((u_token * len(random_ids)).astype(np.int64), len(random_ids) - 1)
+    masked[to_random] = random_ids[picks[to_random]]
+    labels = np.where(selected, input_ids, IGNORE_INDEX)
+    return masked, labels
+
+
+def span_mask_row(
+    candidates: np.ndarray,
+    word_starts: np.ndarray,
+    rng: np.random.Generator,
+    budget_fraction: float = 0.15,
+    mean: float = 5.0,
+    std: float = 1.0,
+    min_words: int = 1,
+    max_words: int = 10,
+) -> np.ndarray:
+    """InfoWord span masking for one row: span number per position (-1 = not masked).
+
+    Repeatedly draw n ~ N(mean, std) rounded and clipped to [min_words, max_words] whole words and a
+    uniform start word; the span stays inside one segment (never crosses [SEP]) and never overlaps
+    an earlier span. A span that would overflow round(budget_fraction * n_subwords) loses words
+    from its end; sampling stops at the budget. Spans are numbered left to right.
+    """
+    ids, starts = word_ids(candidates[None], word_starts[None])
+    ids, starts = ids[0], starts[0]
+    start_pos = np.flatnonzero(starts)
+    n_words = len(start_pos)
+    budget = int(_budget(np.array([candidates.sum()]), budget_fraction)[0])
+    span_of = np.full(len(candidates), -1, dtype=np.int64)
+    if n_words == 0:
+        return span_of
+    end_pos = np.empty(n_words, dtype=np.int64)  # exclusive end of each word
+    positions = np.flatnonzero(candidates)
+    last_of_word = np.searchsorted(positions, np.append(start_pos[1:], len(candidates))) - 1
+    end_pos[:] = positions[last_of_word] + 1
+    segment = np.cumsum(np.append(True, start_pos[1:] > end_pos[:-1]))  # a gap = a special token between words
+    masked, spans, attempts = 0, [], 0
+    max_attempts = 20 + 10 * budget
+    while masked < budget and attempts < max_attempts:
+        attempts += 1
+        n = int(np.clip(np.rint(rng.normal(mean, std)), min_words, max_words))
+        first = int(rng.integers(n_words))
+        last = first
+        while last + 1 < min(first + n, n_words) and segment[last + 1] == segment[first]:
+            last += 1
+        while last >= first and masked + end_pos[last] - start_pos[first] > budget:
+            last -= 1
+        if last < first:
+            continue
+        lo, hi = start_pos[first], end_pos[last]
+        if (span_of[lo:hi] >= 0).any():
+            continue
+        span_of[lo:hi] = len(spans)
+        spans.append(lo)
+        masked += hi - lo
+    renumber = np.argsort(np.argsort(np.array(spans, dtype=np.int64)))
+    return np.where(span_of >= 0, renumber[np.maximum(span_of, 0)] if spans else -1, -1)
+
+
+def crop(input_ids: np.ndarray, lengths: np.ndarray, u: np.ndarray, fraction: float, cls_id: int, sep_id: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """COCO-LM crop: a random contiguous `fraction` of each row's content, re-wrapped as [CLS] .. [SEP].
+
+    Content = positions 1 .. length-2; crop length = max(1, round(fraction * n)); the start is
+    uniform over the valid offsets. Returns (crop_ids, crop_attention_mask), both [B, L].
+    """
+    batch, length = input_ids.shape
+    n = np.maximum(lengths - 2, 0)
+    crop_len = np.where(n > 0, np.maximum(np.floor(fraction * n + 0.5).astype(np.int64), 1), 0)
+    start = np.minimum((u * (n - crop_len + 1)).astype(np.int64), n - crop_len)
+    cols = np.arange(length)[None, :]
+    source = np.clip(start[:, None] + cols, 0, length - 1)  # column j (1-based crop position j) reads 1 + start + j - 1
+    out = np.take_along_axis(input_ids, source, axis=1)
+    out = np.where(cols <= crop_len[:, None], out, pad_id)
+    out[:, 0] = cls_id
+    out[np.arange(batch), crop_len + 1] = sep_id
+    return out, (cols <= crop_len[:, None] + 1).astype(np.int64)
+
+
+def shuffle_within_window(input_ids: np.ndarray, candidates: np.ndarray, u: np.ndarray, window: int) -> np.ndarray:
+    """CAPT / Lample et al. local shuffle: sort content by position + U(0, window + 1).
+
+    Every token moves at most `window` positions; specials stay where they are and tokens never
+    cross a special (the sort key is offset by the number of specials seen so far).
+    """
+    length = input_ids.shape[1]
+    positions = np.arange(length, dtype=np.float64)[None, :]
+    segment = np.cumsum(~candidates, axis=1).astype(np.float64) * (2 * length + 2 * window + 2)
+    keys = segment + positions + np.where(candidates, u * (window + 1), 0.0)
+    order = np.argsort(keys, axis=1, kind="stable")
+    return np.take_along_axis(input_ids, order, axis=1)
+
+
+class CorruptionCollator:
+    """Builds the batch contract's tensors for the requested views (see `pipeline.objectives.base.VIEWS`).
+
+    `collate(input_ids, word_starts, sample_index)` is the fast path used by `PretrainBatches`;
+    calling the collator on a list of `{"input_ids", "word_starts", "sample_index"}` dicts works as a
+    DataLoader `collate_fn`.
+    """
+
+    def __init__(
+        self,
+        views: Iterable[str],
+        special_tokens: Mapping[str, int],
+        vocab_size: int,
+        seed: int,
+        mlm_probability: float = 0.15,
+        mask_fraction: float = 0.8,
+        random_fraction: float = 0.1,
+        span_budget: float = 0.15,
+        span_mean: float = 5.0,
+        span_std: float = 1.0,
+        span_min_words: int = 1,
+        span_max_words: int = 10,
+        crop_fraction: float = 0.9,
+        shuffle_window: int = 3,
+    ) -> None:
+        self.views = set(views) | {"original"}
+        unknown = sorted(self.views - set(VIEWS))
+        if unknown:
+            raise ValueError(f"views: unknown {unknown}; known: {list(VIEWS)}")
+        if {"masked", "wwm_masked"} <= self.views:
+            raise ValueError("views: 'masked' and 'wwm_masked' both fill masked_ids/mlm_labels; choose one")
+        missing = [k for k in ("pad", "cls", "sep", "mask") if k not in special_tokens]
+        if missing:
+            raise ValueError(f"special_tokens: missing {missing}")
+        for name, value in {"mlm_probability": mlm_probability, "span_budget": span_budget, "crop_fraction": crop_fraction}.items():
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} {value}: must be in (0, 1]")
+        if mask_fraction < 0 or random_fraction < 0 or mask_fraction + random_fraction > 1:
+            raise ValueError(f"mask_fraction {mask_fraction} + random_fraction {random_fraction}: must be within [0, 1]")
+        if not 1 <= span_min_words <= span_max_words:
+            raise ValueError(f"span_min_words {span_min_words} / span_max_words {span_max_words}: need 1 <= min <= max")
+        if shuffle_window < 0:
+            raise ValueError(f"shuffle_window {shuffle_window}: must be >= 0")
+        self.special_tokens = dict(special_tokens)
+        self.vocab_size, self.seed = vocab_size, seed
+        self.mlm_probability, self.mask_fraction, self.random_fraction = mlm_probability, mask_fraction, random_fraction
+        self.span = {"budget_fraction": span_budget, "mean": span_mean, "std": span_std, "min_words": span_min_words, "max_words": span_max_words}
+        self.crop_fraction, self.shuffle_window = crop_fraction, shuffle_window
+        self._special_ids = np.array(sorted({special_tokens[k] for k in ("pad", "cls", "sep")}), dtype=np.int64)
+        excluded = {v for v in special_tokens.values()}
+        self._random_ids = np.array([i for i in range(vocab_size) if i not in excluded], dtype=np.int64)
+
+    def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
+        return self.collate(
+            np.stack([np.asarray(s["input_ids"]) for s in samples]),
+            np.stack([np.asarray(s["word_starts"]) for s in samples]),
+            np.array([int(s["sample_index"]) for s in samples], dtype=np.int64),
+        )
+
+    def collate(self, input_ids: np.ndarray, word_starts: np.ndarray, sample_index: np.ndarray) -> dict[str, torch.Tensor]:
+        ids = input_ids.astype(np.int64)
+        sample_index = np.asarray(sample_index, dtype=np.int64)
+        special = np.isin(ids, self._special_ids)
+        candidates = ~special
+        attention = ids != self.special_tokens["pad"]
+        batch: dict[str, np.ndarray] = {
+            "input_ids": ids,
+            "attention_mask": attention.astype(np.int64),
+            "special_mask": special,
+            "word_starts": word_starts.astype(bool) & candidates,
+            "sample_index": sample_index,
+        }
+        width = ids.shape[1]
+
+        def uniform(stream: int) -> np.ndarray:
+            return hash_uniform(self.seed, sample_index, stream, width)
+
+        if self.views & {"masked", "wwm_masked"}:
+            if "masked" in self.views:
+                selected = select_tokens(candidates, uniform(STREAM_SELECT), self.mlm_probability)
+            else:
+                selected = select_whole_words(candidates, word_starts, uniform(STREAM_WORD), self.mlm_probability)
+            batch["masked_ids"], batch["mlm_labels"] = replace_selected(
+                ids, selected, uniform(STREAM_ACTION), uniform(STREAM_RANDOM_TOKEN), self.special_tokens["mask"],
+                self._random_ids, self.mask_fraction, self.random_fraction,
+            )
+        if "span_masked" in self.views:
+            span_index = np.stack([
+                span_mask_row(candidates[i], word_starts[i], np.random.default_rng([self.seed & _MASK64, STREAM_SPAN, int(sample_index[i])]), **self.span)
+                for i in range(len(ids))
+            ])
+            in_span = span_index >= 0
+            batch["span_masked_ids"] = np.where(in_span, self.special_tokens["mask"], ids)
+            batch["span_labels"] = np.where(in_span, ids, IGNORE_INDEX)
+            batch["span_index"] = span_index
+        if "crop" in self.views:
+            batch["crop_ids"], batch["crop_attention_mask"] = crop(
+                ids, attention.sum(1), uniform(STREAM_CROP)[:, 0], self.crop_fraction,
+                self.special_tokens["cls"], self.special_tokens["sep"], self.special_tokens["pad"],
+            )
+        if "shuffled" in self.views:
+            batch["shuffled_ids"] = shuffle_within_window(ids, candidates, uniform(STREAM_SHUFFLE), self.shuffle_window)
+        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}

@@ -1,0 +1,251 @@
+"""GLUE-format task directories: reading `train.tsv` / `dev.tsv`, the task table, the metrics.
+
+A task directory holds tab-separated files with a header row (CoLA's header-less original files
+are recognised by their four-column shape). Known tasks fix their text columns, label column,
+label set and metric (GLUE paper, Wang et al. 2019, Table 1); `generic` detects them:
+
+* label column: the first of `label`, `gold_label`, `score`, `is_duplicate`, `Quality`, else the
+  last column;
+* text columns: the known sentence/question columns present, else every other column that is
+  not purely numeric (ids); one column = single sentence, two = sentence pair;
+* regression when every label parses as a number and not all are integers, else classification.
+
+Metrics are plain numpy so fine-tuning needs no scikit-learn/scipy at run time; the tests check
+them against both. F1 is binary with the positive label `1` (MRPC, QQP); Spearman is the Pearson
+correlation of average ranks.
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+LABEL_COLUMN_NAMES = ("label", "gold_label", "score", "is_duplicate", "Quality")
+TEXT_COLUMN_NAMES = (
+    ("sentence1", "sentence2"),
+    ("question1", "question2"),
+    ("#1 String", "#2 String"),
+    ("question", "sentence"),
+    ("text_a", "text_b"),
+    ("sentence",),
+    ("text",),
+)
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """How to read one GLUE task and which metrics it reports (first one = the task's main metric)."""
+
+    text_cols: tuple[str, ...]
+    label_col: str
+    labels: Optional[tuple[str, ...]]  # None: regression
+    metrics: tuple[str, ...]
+    positive_label: str = "1"
+
+
+GLUE_TASKS: dict[str, TaskSpec] = {
+    "cola": TaskSpec(("sentence",), "label", ("0", "1"), ("matthews", "accuracy")),
+    "sst2": TaskSpec(("sentence",), "label", ("0", "1"), ("accuracy",)),
+    "mrpc": TaskSpec(("#1 String", "#2 String"), "Quality", ("0", "1"), ("f1", "accuracy")),
+    "qqp": TaskSpec(("question1", "question2"), "is_duplicate", ("0", "1"), ("f1", "accuracy")),
+    "stsb": TaskSpec(("sentence1", "sentence2"), "score", None, ("pearson", "spearman")),
+    "mnli": TaskSpec(("sentence1", "sentence2"), "gold_label", ("contradiction", "entailment", "neutral"), ("accuracy",)),
+    "qnli": TaskSpec(("question", "sentence"), "label", ("entailment", "not_entailment"), ("accuracy",)),
+    "rte": TaskSpec(("sentence1", "sentence2"), "label", ("entailment", "not_entailment"), ("accuracy",)),
+    "wnli": TaskSpec(("sentence1", "sentence2"), "label", ("0", "1"), ("accuracy",)),
+}
+TASK_CHOICES = (*GLUE_TASKS, "generic")
+#: CoLA's original files have no header: source, label, original label, sentence.
+_COLA_COLUMNS = ("source", "label", "original_label", "sentence")
+
+
+@dataclass
+class TsvTable:
+    path: Path
+    columns: list[str]
+    rows: list[list[str]] = field(default_factory=list)
+
+    def column(self, name: str, flag: str) -> list[str]:
+        if name not in self.columns:
+            raise ValueError(f"{self.path}: no column {name!r} (columns: {self.columns}); set {flag}")
+        i = self.columns.index(name)
+        return [r[i] for r in self.rows]
+
+
+def read_tsv(path: Path, task: str) -> TsvTable:
+    """A GLUE tsv (no quoting: GLUE text contains bare quotes). Short rows are an error, by line."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: missing (a GLUE task dir needs train.tsv and dev.tsv)")
+    csv.field_size_limit(sys.maxsize)
+    with path.open(newline="", encoding="utf-8") as f:
+        lines = [r for r in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if r and any(c.strip() for c in r)]
+    if not lines:
+        raise ValueError(f"{path}: empty")
+    headerless_cola = task == "cola" and len(lines[0]) == 4 and lines[0][1] in ("0", "1")
+    columns = list(_COLA_COLUMNS) if headerless_cola else [c.strip() for c in lines[0]]
+    body = lines if headerless_cola else lines[1:]
+    for n, row in enumerate(body, start=1 if headerless_cola else 2):
+        if len(row) < len(columns):
+            raise ValueError(f"{path}: line {n} has {len(row)} fields, the header has {len(columns)}")
+    if not body:
+        raise ValueError(f"{path}: no examples after the header")
+    return TsvTable(path, columns, body)
+
+
+def _is_number(value: str) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except ValueError:
+        return False
+
+
+def detect_spec(train: TsvTable, text_cols: Optional[Sequence[str]], label_col: Optional[str]) -> TaskSpec:
+    """A `TaskSpec` for a `generic` task, from the train file's header and labels."""
+    cols = train.columns
+    label = label_col or next((c for c in LABEL_COLUMN_NAMES if c in cols), cols[-1])
+    labels = train.column(label, "--label-col")
+    if text_cols:
+        texts = tuple(text_cols)
+    else:
+        texts = next((group for group in TEXT_COLUMN_NAMES if all(c in cols for c in group)), ())
+        if not texts:
+            texts = tuple(
+                c for c in cols if c != label and not all(_is_number(v) for v in train.column(c, "--text-cols"))
+            )
+    if not 1 <= len(texts) <= 2:
+        raise ValueError(f"{train.path}: found text columns {list(texts)}; pass one or two with --text-cols")
+    for c in texts:
+        train.column(c, "--text-cols")
+    regression = all(_is_number(v) for v in labels) and not all(float(v).is_integer() for v in labels)
+    if regression:
+        return TaskSpec(texts, label, None, ("pearson", "spearman"))
+    label_set = tuple(sorted(set(labels)))
+    if len(label_set) < 2:
+        raise ValueError(f"{train.path}: column {label!r} has a single label {label_set}; nothing to learn")
+    metrics = ("accuracy", "f1", "matthews") if len(label_set) == 2 else ("accuracy",)
+    positive = "1" if "1" in label_set else label_set[-1]
+    return TaskSpec(texts, label, label_set, metrics, positive)
+
+
+@dataclass
+class Split:
+    texts: list[tuple[str, ...]]
+    labels: list[float] | list[int]
+
+
+def load_split(table: TsvTable, spec: TaskSpec) -> Split:
+    """Examples of one file; labels as class indices (classification) or floats (regression)."""
+    columns = [table.column(c, "--text-cols") for c in spec.text_cols]
+    raw = table.column(spec.label_col, "--label-col")
+    if spec.labels is None:
+        bad = next((i for i, v in enumerate(raw) if not _is_number(v)), None)
+        if bad is not None:
+            raise ValueError(f"{table.path}: label {raw[bad]!r} in row {bad + 1} is not a number (regression task)")
+        labels: list = [float(v) for v in raw]
+    else:
+        index = {name: i for i, name in enumerate(spec.labels)}
+        unknown = sorted(set(raw) - set(index))
+        if unknown:
+            raise ValueError(f"{table.path}: labels {unknown[:5]} not in the task's label set {list(spec.labels)}")
+        labels = [index[v] for v in raw]
+    return Split(list(zip(*columns)), labels)
+
+
+# ---- metrics -------------------------------------------------------------------------------
+
+
+def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
+    return float(np.mean(pred == gold))
+
+
+def f1_binary(pred: np.ndarray, gold: np.ndarray, positive: int) -> float:
+    tp = float(np.sum((pred == positive) & (gold == positive)))
+    fp = float(np.sum((pred == positive) & (gold != positive)))
+    fn = float(np.sum((pred != positive) & (gold == positive)))
+    return 0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn)
+
+
+def matthews(pred: np.ndarray, gold: np.ndarray) -> float:
+    """Multi-class Matthews correlation (Gorodkin's R_K); 0 when undefined, as scikit-learn."""
+    classes = np.union1d(pred, gold)
+    conf = np.array([[np.sum((gold == a) & (pred == b)) for b in classes] for a in classes], dtype=np.float64)
+    t, p = conf.sum(axis=1), conf.sum(axis=0)
+    c, s = np.trace(conf), conf.sum()
+    denom = math.sqrt((s * s - p @ p) * (s * s - t @ t))
+    return 0.0 if denom == 0 else float((c * s - t @ p) / denom)
+
+
+def pearson(x: np.ndarray, y: np.ndarray) -> float:
+    x, y = x - x.mean(), y - y.mean()
+    denom = math.sqrt(float(x @ x) * float(y @ y))
+    return 0.0 if denom == 0 else float(x @ y) / denom
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """1-based ranks, ties sharing their average rank."""
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=np.float64)
+    sorted_x = x[order]
+    start = 0
+    while start < len(x):
+        end = start
+        while end + 1 < len(x) and sorted_x[end + 1] == sorted_x[start]:
+            end += 1
+        ranks[order[start : end + 1]] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    return pearson(average_ranks(x), average_ranks(y))
+
+
+def task_metrics(spec: TaskSpec, predictions: np.ndarray, gold: np.ndarray) -> dict[str, float]:
+    """The task's metrics; classification `predictions` are class indices, regression ones floats."""
+    out: dict[str, float] = {}
+    for name in spec.metrics:
+        if name == "accuracy":
+            out[name] = accuracy(predictions, gold)
+        elif name == "f1":
+            assert spec.labels is not None
+            out[name] = f1_binary(predictions, gold, spec.labels.index(spec.positive_label))
+        elif name == "matthews":
+            out[name] = matthews(predictions, gold)
+        elif name == "pearson":
+            out[name] = pearson(predictions.astype(np.float64), gold.astype(np.float64))
+        elif name == "spearman":
+            out[name] = spearman(predictions.astype(np.float64), gold.astype(np.float64))
+        else:  # pragma: no cover - the table above only names these
+            raise ValueError(f"unknown metric {name}")
+    return out
+
+
+def resolve_task(
+    task_dir: str | os.PathLike,
+    task: str,
+    text_cols: Optional[Sequence[str]] = None,
+    label_col: Optional[str] = None,
+    train_file: str = "train.tsv",
+    dev_file: str = "dev.tsv",
+) -> tuple[TaskSpec, Split, Split]:
+    """(spec, train split, dev split) of a GLUE-format directory."""
+    if task not in TASK_CHOICES:
+        raise ValueError(f"--task {task!r}: choose one of {list(TASK_CHOICES)}")
+    task_dir = Path(task_dir)
+    if not task_dir.is_dir():
+        raise FileNotFoundError(f"--task-dir {task_dir}: not a directory")
+    train = read_tsv(task_dir / train_file, task)
+    dev = read_tsv(task_dir / dev_file, task)
+    if task == "generic":
+        spec = detect_spec(train, text_cols, label_col)
+    else:
+        spec = GLUE_TASKS[task]
+        if text_cols or label_col:
+            spec = TaskSpec(tuple(text_cols or spec.text_cols), label_col or spec.label_col, spec.labels, spec.metrics, spec.positive_label)
+    return spec, load_split(train, spec), load_split(dev, spec)

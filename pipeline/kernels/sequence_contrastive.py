@@ -1,0 +1,277 @@
+"""Two-view sequence InfoNCE with a memory queue (CAPT, COCO-LM SCL, InfoWord DIM) in Triton.
+
+Same signature and semantics as `pipeline.objectives.functional.sequence_contrastive_loss`.
+Rows X = [a; b] (2B); anchors are the first R rows (R = 2B when symmetric, else B); the
+candidates of anchor r are all 2B batch rows (itself excluded, its own view excluded when
+same_view_negatives is off) and every queue row; its positive is its partner (r + B) mod 2B.
+
+    1. norms of X and the queue rows (fp32), one row-wise kernel;
+    2. scores S[r, c] = <x_r, y_c> / (|x_r| |y_c| tau) for the batch columns and the queue
+       columns, tiled tl.dot over (rows, columns, features) on the raw inputs (bf16 products are
+       exact in the fp32 accumulator, so nothing is rounded before the scores) - excluded pairs
+       are written as -inf;
+    3. the row kernel of `linear_cross_entropy` walks each row with an online log-sum-exp and
+       overwrites S with dL/dS = (softmax - onehot(partner)) / R;
+    4. dL/dx^_r = sum_c dS[r, c] y^_c / tau (anchor side) and dL/dy^_c = sum_r dS[r, c] x^_r / tau
+       (batch rows as candidates) as tiled, split-K matmuls accumulated into one fp32 [2B, D]
+       buffer; queue rows get nothing;
+    5. the normalisation backward x / max(|x|, eps) per row gives da, db.
+
+The [R, 2B + Q] fp32 score buffer is the only quadratic intermediate (8.6 MB at B = 128,
+Q = 8192), written once and reused for its own gradient; the reference holds several such
+matrices plus normalised fp32 copies of the queue. Gradients are computed in the forward pass
+(the loss is a scalar; backward scales them).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from pipeline.kernels.linear_cross_entropy import softmax_xent_rows
+from pipeline.kernels.token_contrastive import NORM_EPS
+
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _row_norms_kernel(x_ptr, stride_x, out_ptr, D, BLOCK_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs = d0 + tl.arange(0, BLOCK_D)
+        v = tl.load(x_ptr + row * stride_x + offs, mask=offs < D, other=0.0).to(tl.float32)
+        acc += v * v
+    tl.store(out_ptr + row, tl.sqrt(tl.sum(acc, axis=0)))
+
+
+@triton.jit
+def _inv_norm(norm, eps, NORMALIZE: tl.constexpr):
+    if NORMALIZE:
+        return 1.0 / tl.maximum(norm, eps)
+    else:
+        return norm * 0.0 + 1.0
+
+
+@triton.jit
+def _scores_kernel(
+    x_ptr, stride_x, x_norm_ptr,  # anchor rows [R, D] and their norms
+    y_ptr, stride_y, y_norm_ptr,  # candidate rows [NC, D] and their norms
+    s_ptr, stride_s, col_offset,  # scores [R, *] fp32; this launch fills columns col_offset + [0, NC)
+    R, NC, D, B, inv_tau, eps,
+    BATCH_COLS: tl.constexpr, SAME_VIEW: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    in_m, in_n = offs_m < R, offs_n < NC
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        in_d = offs_d < D
+        xa = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_d[None, :], mask=in_m[:, None] & in_d[None, :], other=0.0)
+        yb = tl.load(y_ptr + offs_n[:, None].to(tl.int64) * stride_y + offs_d[None, :], mask=in_n[:, None] & in_d[None, :], other=0.0)
+        acc = tl.dot(xa, tl.trans(yb), acc, input_precision=PRECISION)
+    ix = _inv_norm(tl.load(x_norm_ptr + offs_m, mask=in_m, other=1.0), eps, NORMALIZE)
+    iy = _inv_norm(tl.load(y_norm_ptr + offs_n, mask=in_n, other=1.0), eps, NORMALIZE)
+    s = acc * (ix * inv_tau)[:, None] * iy[None, :]
+    if BATCH_COLS:
+        excluded = offs_m[:, None] == offs_n[None, :]
+        if not SAME_VIEW:
+            excluded = excluded | ((offs_m // B)[:, None] == (offs_n // B)[None, :])
+        s = tl.where(excluded, float("-inf"), s)
+    out = s_ptr + offs_m[:, None].to(tl.int64) * stride_s + col_offset + offs_n[None, :]
+    tl.store(out, s, mask=in_m[:, None] & in_n[None, :])
+
+
+@triton.jit
+def _scaled_matmul_kernel(
+    a_ptr, stride_am, stride_ak,  # A [M, K] fp32 (any strides)
+    k_norm_ptr,  # [K] norms: A[:, k] is scaled by inv_tau / max(norm_k, eps) (or inv_tau)
+    b_ptr, stride_bk,  # B [K, D] (row stride, unit column stride)
+    out_ptr, stride_om,  # out [M, D] fp32, accumulated atomically (split over K)
+    M, K, D, k_per_split, inv_tau, eps,
+    NORMALIZE: tl.constexpr, SPLIT_HI_LO: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out += (A * scale_k) @ B. With bf16/fp16 B, fp32 A is split into hi + lo halves of B's dtype
+    so two tensor-core products keep ~16 mantissa bits of A."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_m, in_d = offs_m < M, offs_d < D
+    k_start = tl.program_id(2) * k_per_split
+    k_stop = tl.minimum(K, k_start + k_per_split)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    for k0 in range(k_start, k_stop, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        in_k = offs_k < k_stop
+        a = tl.load(a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :].to(tl.int64) * stride_ak,
+                    mask=in_m[:, None] & in_k[None, :], other=0.0)
+        scale_k = _inv_norm(tl.load(k_norm_ptr + offs_k, mask=in_k, other=1.0), eps, NORMALIZE) * inv_tau
+        a = a * scale_k[None, :]
+        b = tl.load(b_ptr + offs_k[:, None].to(tl.int64) * stride_bk + offs_d[None, :], mask=in_k[:, None] & in_d[None, :], other=0.0)
+        if SPLIT_HI_LO:
+            a_hi = a.to(b.dtype)
+            a_lo = (a - a_hi.to(tl.float32)).to(b.dtype)
+            acc = tl.dot(a_hi, b, acc)
+            acc = tl.dot(a_lo, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :]
+    tl.atomic_add(out, acc, mask=in_m[:, None] & in_d[None, :])
+
+
+@triton.jit
+def _normalize_backward_kernel(x_ptr, stride_x, norm_ptr, g_ptr, stride_g, D, eps,
+                               NORMALIZE: tl.constexpr, BLOCK_D: tl.constexpr):
+    """In place: g <- d(x / max(|x|, eps))^T g = (g - (g . x^) x^) / |x|  (no projection if |x| <= eps)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_D)
+    in_d = offs < D
+    g = tl.load(g_ptr + row * stride_g + offs, mask=in_d, other=0.0)
+    if NORMALIZE:
+        norm = tl.load(norm_ptr + row)
+        inv = 1.0 / tl.maximum(norm, eps)
+        x_hat = tl.load(x_ptr + row * stride_x + offs, mask=in_d, other=0.0).to(tl.float32) * inv
+        radial = tl.where(norm > eps, tl.sum(g * x_hat, axis=0), 0.0)
+        g = inv * (g - radial * x_hat)
+        tl.store(g_ptr + row * stride_g + offs, g, mask=in_d)
+
+
+def _row_norms(x: Tensor) -> Tensor:
+    out = torch.empty(x.shape[0], device=x.device, dtype=torch.float32)
+    if x.shape[0]:
+        _row_norms_kernel[(x.shape[0],)](x, x.stride(0), out, x.shape[1], BLOCK_D=min(1024, triton.next_power_of_2(x.shape[1])))
+    return out
+
+
+def _precision(dtype: torch.dtype, device: torch.device) -> str:
+    """tl.dot precision for fp32 operands: three TF32 products (~fp32 accuracy on tensor cores) on
+    GPU, plain fp32 in the interpreter; bf16/fp16 operands always accumulate in fp32."""
+    if dtype in _LOW_PRECISION:
+        return "tf32"
+    return "tf32x3" if device.type == "cuda" else "ieee"
+
+
+def _split_k(k: int, programs_mn: int, block_k: int) -> tuple[int, int]:
+    """(k_per_split, splits): enough programs to fill a GPU (about 2 per SM of a 132-SM H100)."""
+    splits = max(1, min(triton.cdiv(k, block_k), triton.cdiv(264, max(programs_mn, 1))))
+    per = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
+    return per, triton.cdiv(k, per)
+
+
+def _accumulate(out: Tensor, a: Tensor, stride_am: int, stride_ak: int, m: int, k: int,
+                k_norms: Tensor, b: Tensor, inv_tau: float, normalize: bool) -> None:
+    """out[:m] += (A * inv_tau / max(k_norms, eps)) @ b[:k] with A = a viewed through the strides."""
+    if m == 0 or k == 0:
+        return
+    d = out.shape[1]
+    block_m, block_k, block_d = 64, 32, 64
+    grid_mn = triton.cdiv(m, block_m) * triton.cdiv(d, block_d)
+    per, splits = _split_k(k, grid_mn, block_k)
+    _scaled_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(d, block_d), splits)](
+        a, stride_am, stride_ak, k_norms, b, b.stride(0), out, out.stride(0),
+        m, k, d, per, inv_tau, NORM_EPS,
+        NORMALIZE=normalize, SPLIT_HI_LO=b.dtype in _LOW_PRECISION, PRECISION=_precision(b.dtype, b.device),
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def _fill_scores(scores: Tensor, x: Tensor, x_norms: Tensor, rows: int, y: Tensor, y_norms: Tensor,
+                 col_offset: int, batch: int, inv_tau: float, batch_cols: bool, same_view: bool, normalize: bool) -> None:
+    if y.shape[0] == 0 or rows == 0:
+        return
+    block_m, block_n, block_d = 64, 64, 64
+    _scores_kernel[(triton.cdiv(rows, block_m), triton.cdiv(y.shape[0], block_n))](
+        x, x.stride(0), x_norms, y, y.stride(0), y_norms, scores, scores.stride(0), col_offset,
+        rows, y.shape[0], x.shape[1], batch, inv_tau, NORM_EPS,
+        BATCH_COLS=batch_cols, SAME_VIEW=same_view, NORMALIZE=normalize, PRECISION=_precision(x.dtype, x.device),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=3,
+    )
+
+
+def _forward_and_grads(a: Tensor, b: Tensor, tau: float, queue: Optional[Tensor], normalize: bool,
+                       symmetric: bool, same_view: bool, want_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+    """Loss and the fp32 gradient with respect to X = [a; b] (None unless want_grad)."""
+    batch, dim = a.shape
+    dtype = a.dtype if queue is None else torch.promote_types(a.dtype, queue.dtype)
+    x = torch.cat([a, b]).to(dtype).contiguous()
+    q = None if queue is None else queue.detach().to(dtype).contiguous()
+    rows = 2 * batch if symmetric else batch
+    cols = 2 * batch + (0 if q is None else q.shape[0])
+    inv_tau = 1.0 / tau
+    x_norms = _row_norms(x)
+    q_norms = None if q is None else _row_norms(q)
+
+    scores = torch.empty(rows, cols, device=a.device, dtype=torch.float32)
+    _fill_scores(scores, x, x_norms, rows, x, x_norms, 0, batch, inv_tau, True, same_view, normalize)
+    if q is not None:
+        _fill_scores(scores, x, x_norms, rows, q, q_norms, 2 * batch, batch, inv_tau, False, same_view, normalize)
+    partners = (torch.arange(rows, device=a.device) + batch) % (2 * batch)
+    inv_count = torch.full((1,), 1.0 / rows, device=a.device)
+    loss_rows = torch.empty(rows, device=a.device, dtype=torch.float32)
+    softmax_xent_rows(scores, partners, loss_rows, inv_count, grad=scores if want_grad else None)
+    loss = (loss_rows.sum() / rows).reshape(())
+    if not want_grad:
+        return loss, None
+
+    d_x = torch.zeros(2 * batch, dim, device=a.device, dtype=torch.float32)
+    stride_s = scores.stride(0)
+    # anchors: dL/dx^_r += sum_c dS[r, c] y^_c / tau, batch columns then queue columns
+    _accumulate(d_x, scores, stride_s, 1, rows, 2 * batch, x_norms, x, inv_tau, normalize)
+    if q is not None:
+        _accumulate(d_x, scores[:, 2 * batch:], stride_s, 1, rows, q.shape[0], q_norms, q, inv_tau, normalize)
+    # batch rows as candidates: dL/dy^_c += sum_r dS[r, c] x^_r / tau  (A = dS[:, :2B]^T)
+    _accumulate(d_x, scores, 1, stride_s, 2 * batch, rows, x_norms, x, inv_tau, normalize)
+    if normalize:
+        _normalize_backward_kernel[(2 * batch,)](
+            x, x.stride(0), x_norms, d_x, d_x.stride(0), dim, NORM_EPS,
+            NORMALIZE=True, BLOCK_D=triton.next_power_of_2(dim), num_warps=4,
+        )
+    return loss, d_x
+
+
+class _SequenceInfoNCE(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, tau, queue, normalize, symmetric, same_view_negatives):
+        want = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        loss, d_x = _forward_and_grads(a, b, tau, queue, normalize, symmetric, same_view_negatives, want)
+        ctx.dtypes = (a.dtype, b.dtype)
+        ctx.batch = a.shape[0]
+        ctx.save_for_backward(d_x)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (d_x,) = ctx.saved_tensors
+        if d_x is None:
+            return (None,) * 7
+        d_x = d_x * grad_loss
+        da, db = d_x[: ctx.batch].to(ctx.dtypes[0]), d_x[ctx.batch:].to(ctx.dtypes[1])
+        return da, db, None, None, None, None, None
+
+
+def sequence_contrastive_loss(
+    a: Tensor,
+    b: Tensor,
+    tau: float,
+    queue: Optional[Tensor] = None,
+    normalize: bool = True,
+    symmetric: bool = True,
+    same_view_negatives: bool = True,
+) -> Tensor:
+    """Fused `functional.sequence_contrastive_loss`: InfoNCE of a_i against positive b_i, negatives
+    b_j (j != i), a_j (j != i, if same_view_negatives) and the queue rows (no gradient);
+    `symmetric` averages with the b-anchored direction."""
+    if a.dim() != 2 or a.shape != b.shape:
+        raise ValueError(f"sequence_contrastive_loss: a and b must both be [B, D], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if queue is not None and (queue.dim() != 2 or queue.shape[1] != a.shape[1]):
+        raise ValueError(f"sequence_contrastive_loss: queue must be [Q, {a.shape[1]}], got {tuple(queue.shape)}")
+    if not tau > 0:
+        raise ValueError(f"sequence_contrastive_loss: tau must be positive, got {tau}")
+    if a.shape[0] == 0:  # nothing to contrast: a graph-connected zero, like the reference
+        return (a.sum() + b.sum()).float() * 0.0
+    return _SequenceInfoNCE.apply(a, b, float(tau), queue, normalize, symmetric, same_view_negatives)

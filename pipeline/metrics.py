@@ -1,0 +1,236 @@
+"""Training metrics: model FLOPs of what actually ran, MFU, throughput, and the JSONL/TensorBoard writer.
+
+FLOPs (per training step, all ranks together) follow Megatron-LM's encoder formula (Narayanan et
+al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", Sec. 5.1), generalised
+to an FFN of size f instead of 4h. One transformer layer on a [B, s] input, forward:
+
+    2 B s (4 h^2 + 2 h f)      Q, K, V, output projections and the two FFN matmuls
+  + 4 B s^2 h                  attention scores Q K^T and the weighted sum with V
+
+The MLM head is counted only on the rows it is applied to (the predicted positions):
+`2 N h^2` for the transform and `2 N h C` for the tied projection, where C is the vocabulary size,
+or K + 1 for a sampled softmax that scores K negatives (BERT-NCE). Training costs 3x the forward
+(backward = 2x) for passes that build a graph, 1x for no-grad passes (COCO-LM's sampling pass).
+
+"Every objective's extra passes counted" is done by measurement rather than by bookkeeping: forward
+hooks on every `BertLayerStack` (main encoder, COCO-LM's generator), `PredictionHeadTransform` and
+`TiedVocabProjection` add up the formula for each call with its real shapes, so CAPT's second
+encoder pass, COCO-LM's generator + crop passes and InfoWord's n-gram pass are all included with
+no per-objective code. Embedding lookups, small objective heads (CAPT's aggregation MLP, TACO's
+similarities) and metric-only computations are not counted: they are < 1% at base size.
+
+MFU = counted FLOPs / (step time x world size x peak FLOPs of one device), with the peak looked up
+by device name and precision (`PEAK_FLOPS`); no MFU on CPU or unknown devices.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from pipeline.model import BertLayerStack, PredictionHeadTransform, TiedVocabProjection
+
+
+def layer_forward_flops(batch: int, seq: int, hidden: int, ffn: int) -> float:
+    """Forward FLOPs of one post-LN transformer layer on a [batch, seq] input (formula above)."""
+    return 2.0 * batch * seq * (4 * hidden * hidden + 2 * hidden * ffn) + 4.0 * batch * seq * seq * hidden
+
+
+def _needs_backward(module: nn.Module, inputs: tuple) -> bool:
+    if not torch.is_grad_enabled():
+        return False
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return True
+    return any(p.requires_grad for p in module.parameters(recurse=False))
+
+
+class FlopCounter:
+    """Adds up training FLOPs of the hooked modules' forward calls (see the module docstring)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.flops = 0.0
+        self._handles = []
+        for module in model.modules():
+            if isinstance(module, (BertLayerStack, PredictionHeadTransform, TiedVocabProjection)):
+                self._handles.append(module.register_forward_hook(self._hook))
+
+    def _hook(self, module: nn.Module, inputs: tuple, _output: Any) -> None:
+        factor = 3.0 if _needs_backward(module, inputs) else 1.0
+        x = inputs[0]
+        if isinstance(module, BertLayerStack):
+            batch, seq, hidden = x.shape
+            ffn = module.layer[0].intermediate.dense.out_features
+            self.flops += factor * len(module.layer) * layer_forward_flops(batch, seq, hidden, ffn)
+        elif isinstance(module, PredictionHeadTransform):
+            rows, hidden = x.reshape(-1, x.shape[-1]).shape
+            self.flops += factor * 2.0 * rows * hidden * hidden
+        else:  # TiedVocabProjection(hidden, fn, *args): a full softmax, or K sampled negatives
+            rows, hidden = x.reshape(-1, x.shape[-1]).shape
+            columns = module.bias.shape[0]
+            for arg in inputs[2:]:
+                if isinstance(arg, torch.Tensor) and arg.dim() == 2 and arg.shape[0] == rows and not arg.is_floating_point():
+                    columns = arg.shape[1] + 1  # sampled softmax: target + K negative ids per row
+            self.flops += factor * 2.0 * rows * hidden * columns
+
+    def pop(self) -> float:
+        """FLOPs counted since the last call (this rank only)."""
+        flops, self.flops = self.flops, 0.0
+        return flops
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+#: Dense peak FLOP/s of one device from the vendors' datasheets (no sparsity), by precision.
+#: "tf32" is used for fp32 runs when torch allows TF32 matmuls. Matched by substring of the
+#: device name, first match wins (so the more specific names come first).
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H100 PCIe", {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12}),
+    ("H100 NVL", {"bf16": 835e12, "fp16": 835e12, "tf32": 418e12, "fp32": 60e12}),
+    ("H100", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("H200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("GH200", {"bf16": 989.4e12, "fp16": 989.4e12, "tf32": 494.7e12, "fp32": 66.9e12}),
+    ("A100", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}),
+    ("V100", {"fp16": 125e12, "fp32": 15.7e12}),
+    ("L40S", {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12}),
+    ("MI300X", {"bf16": 1307.4e12, "fp16": 1307.4e12, "tf32": 653.7e12, "fp32": 163.4e12}),
+    ("MI250X", {"bf16": 383e12, "fp16": 383e12, "fp32": 47.9e12}),
+]
+
+
+def peak_flops(device_name: str, precision: str, tf32: bool = False) -> Optional[float]:
+    """Peak FLOP/s of one device for `precision` (fp32/bf16/fp16), or None when unknown."""
+    key = "tf32" if precision == "fp32" and tf32 else precision
+    for pattern, table in PEAK_FLOPS:
+        if pattern in device_name:
+            return table.get(key)
+    return None
+
+
+def device_peak_flops(precision: str) -> Optional[float]:
+    """Peak of the current CUDA device (None on CPU)."""
+    if not torch.cuda.is_available():
+        return None
+    return peak_flops(torch.cuda.get_device_name(), precision, torch.backends.cuda.matmul.allow_tf32)
+
+
+def peak_memory_gb() -> dict[str, float]:
+    """Peak allocated accelerator memory (GiB), or the process's peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return {"peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30}
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return {"peak_rss_gb": rss / (2**30 if sys.platform == "darwin" else 2**20)}
+
+
+class ThroughputMeter:
+    """Samples, tokens and FLOPs since the last report, turned into rates over the wall time."""
+
+    def __init__(self, world_size: int, peak: Optional[float]) -> None:
+        self.world_size, self.peak = world_size, peak
+        self.reset()
+
+    def reset(self) -> None:
+        self.start = time.perf_counter()
+        self.steps = 0
+        self.samples = 0
+        self.tokens = 0
+        self.flops = 0.0
+
+    def add_step(self, samples: int, tokens: int, flops: float) -> None:
+        """One optimizer step: global samples, global non-pad tokens, global FLOPs."""
+        self.steps += 1
+        self.samples += samples
+        self.tokens += tokens
+        self.flops += flops
+
+    def report(self) -> dict[str, float]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        out = {
+            "step_time_s": elapsed / max(self.steps, 1),
+            "samples_per_s": self.samples / elapsed,
+            "tokens_per_s": self.tokens / elapsed,
+            "tflops_per_device": self.flops / elapsed / self.world_size / 1e12,
+        }
+        if self.peak:
+            out["mfu"] = self.flops / elapsed / self.world_size / self.peak
+        self.reset()
+        return out
+
+
+class MetricsWriter:
+    """Rank-0 writer of `<output_dir>/metrics.jsonl` (one object per logged step) and TensorBoard.
+
+    On resume from step S, lines of steps > S (written by the interrupted run after its last
+    checkpoint, possibly a torn last line) are dropped first, and TensorBoard purges events after
+    S, so the files of a resumed run read like those of an uninterrupted one.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool, resume_step: int, tensorboard: bool) -> None:
+        self.enabled = enabled
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self._tb = None
+        self._fh = None
+        if not enabled:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        truncate_jsonl(self.path, resume_step)
+        self._fh = open(self.path, "a", encoding="utf-8")
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(output_dir) / "tb"), purge_step=resume_step + 1)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        record = {"step": step, **metrics}
+        self._fh.write(json.dumps(record, sort_keys=True) + "\n")  # type: ignore[union-attr]
+        self._fh.flush()  # type: ignore[union-attr]
+        if self._tb is not None:
+            for key, value in metrics.items():
+                if isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Records of a metrics file; a torn last line (killed mid-write) is ignored."""
+    records = []
+    p = Path(path)
+    if not p.is_file():
+        return records
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep only records with step <= last_step (atomic rewrite; nothing to do if none is dropped)."""
+    if not path.is_file():
+        return
+    records = read_jsonl(path)
+    kept = [r for r in records if r.get("step", 0) <= last_step]
+    raw_lines = path.read_text(encoding="utf-8").splitlines()
+    if len(kept) == len(raw_lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
+    os.replace(tmp, path)

@@ -1,0 +1,205 @@
+"""`cocolm`: COCO-LM — corrective LM + sequence contrastive learning (Meng et al. 2021,
+"COCO-LM: Correcting and Contrasting Text Sequences for Language Model Pretraining", Sec. 3).
+
+1. Auxiliary generator: `generator_layers` transformer layers (default max(1, layers // 3), the
+   paper's 1/3 depth for base) with the main model's hidden size, on top of the *main model's*
+   embeddings module (token + position embeddings and embedding LayerNorm shared, called as
+   `ctx.model.bert.embeddings` inside forward so ZeRO-3 gathers it). Its own MLM head (transform +
+   bias) projects with the tied word embeddings through `ctx.model.cls.predictions.decoder`.
+   Trained with MLM on the 15%-masked input X^mask: L_gen.
+2. X^MLM: X^mask with every selected position replaced by a sample from the generator's softmax
+   (fp32, `torch.multinomial` with `ctx.generator`), computed without gradient and without
+   dropout. `sample_mode="eval"` (the public code's default) runs an extra no-grad pass with the
+   generator and shared embeddings in eval mode; `"zero_dropout"` runs the generator without
+   dropout always and samples from its (detached) training pass — one generator pass instead of two.
+3. Corrective LM on the main model's states h_i of X^MLM:
+       L_copy = mean_{non-pad i} BCE(sigmoid(w . h_i), 1[x^MLM_i == x^orig_i])
+       p_LM(x_t | h_i) = 1[x_t == x^MLM_i] sg(p_copy_i) + (1 - sg(p_copy_i)) softmax(E T(h_i) + b)_t
+       L_LM = mean_{masked i} -log p_LM(x^orig_i | h_i)
+       L_CLM = lambda_copy * L_copy + L_LM          (lambda_copy 50: the public code's binary weight)
+   *Choice*: the LM projection is the main model's `cls.predictions` (transform + tied embeddings),
+   so a converted `BertForMaskedLM` carries the trained LM head; the public code projects h_i
+   without the transform.
+4. SCL: NT-Xent over the 2N views (X^MLM_i, X^crop_i): representation = SCL head (Linear ->
+   GELU -> LayerNorm) on [CLS], cosine / tau; positives are the other view of the same sequence,
+   negatives all other 2N - 2 views. tau defaults to 1.0 (the public model code's `temperature`
+   default); the crop itself is built by the collator (`crop` view).
+
+   L = lambda_gen * L_gen + L_CLM + lambda_scl * L_SCL      (all weights 1 except lambda_copy)
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Mapping, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.model import BertLayerStack, EncoderConfig, PredictionHeadTransform
+from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.mlm import check_masked_view, selected_positions
+
+SAMPLE_MODES = ("eval", "zero_dropout")
+
+
+@contextlib.contextmanager
+def eval_mode(*modules: nn.Module) -> Iterator[None]:
+    """Temporarily put modules in eval mode (dropout off), restoring each one's previous mode."""
+    previous = [m.training for m in modules]
+    try:
+        for m in modules:
+            m.eval()
+        yield
+    finally:
+        for m, was_training in zip(modules, previous):
+            m.train(was_training)
+
+
+class GeneratorHead(nn.Module):
+    """The generator's MLM head: its own transform and output bias, the tied word embeddings.
+
+    The projection is delegated to the main model's `TiedVocabProjection` (which owns the tied
+    weight, ZeRO-3 safe) with a function that swaps in this head's bias.
+    """
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.transform = PredictionHeadTransform(cfg)
+        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
+
+    def forward(self, hidden: Tensor, projection: nn.Module, fn, *args):
+        own_bias = self.bias
+
+        def with_own_bias(h, weight, _main_bias, *rest):
+            return fn(h, weight, own_bias, *rest)
+
+        return projection(self.transform(hidden), with_own_bias, *args)
+
+
+def _logits_fp32(hidden: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        return F.linear(hidden.float(), weight.float(), bias.float())
+
+
+class SCLHead(nn.Module):
+    """COCO-LM's sequence-contrast head on [CLS]: Linear(H, H) -> GELU -> LayerNorm."""
+
+    def __init__(self, cfg: EncoderConfig) -> None:
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, cls_state: Tensor) -> Tensor:
+        return self.LayerNorm(F.gelu(self.dense(cls_state)))
+
+
+@register
+class CorrectingContrasting(Objective):
+    """COCO-LM (see the module docstring). Options: view, generator_layers, sample_mode,
+    lambda_copy, lambda_gen, lambda_scl, tau."""
+
+    name = "cocolm"
+    views = ("masked", "crop")
+
+    def __init__(
+        self,
+        encoder_config: EncoderConfig,
+        special_tokens: Mapping[str, int],
+        view: str = "masked",
+        generator_layers: Optional[int] = None,
+        sample_mode: str = "eval",
+        lambda_copy: float = 50.0,
+        lambda_gen: float = 1.0,
+        lambda_scl: float = 1.0,
+        tau: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if view == "span_masked":
+            raise ValueError("objective_options.cocolm.view must be 'masked' or 'wwm_masked'")
+        self.ids_key, self.labels_key = check_masked_view(self.name, view)
+        if sample_mode not in SAMPLE_MODES:
+            raise ValueError(f"objective_options.cocolm.sample_mode must be one of {SAMPLE_MODES}, got {sample_mode!r}")
+        layers = generator_layers if generator_layers is not None else max(1, encoder_config.num_layers // 3)
+        if layers < 1:
+            raise ValueError(f"objective_options.cocolm.generator_layers must be >= 1, got {layers}")
+        if tau <= 0:
+            raise ValueError(f"objective_options.cocolm.tau must be positive, got {tau}")
+        self.views = (view, "crop")
+        self.sample_mode = sample_mode
+        self.lambda_copy, self.lambda_gen, self.lambda_scl, self.tau = lambda_copy, lambda_gen, lambda_scl, tau
+        self.generator = BertLayerStack(encoder_config, num_layers=layers)
+        self.generator_head = GeneratorHead(encoder_config)
+        self.copy_head = nn.Linear(encoder_config.hidden_size, 1)
+        self.scl_head = SCLHead(encoder_config)
+
+    # -- generator ---------------------------------------------------------------------------
+    def _generator_states(self, ctx: StepContext, ids: Tensor, flat: Tensor) -> Tensor:
+        """Generator hidden states [N, H] at the selected positions (flat indices)."""
+        e = ctx.model.bert.embeddings(ids)
+        h = self.generator(e, ctx.batch["attention_mask"])
+        return h.reshape(-1, h.shape[-1])[flat]
+
+    def _generator_logits(self, ctx: StepContext, h_sel: Tensor) -> Tensor:
+        return self.generator_head(h_sel, ctx.model.cls.predictions.decoder, _logits_fp32)
+
+    def generate(self, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+        """Generator MLM loss and X^MLM. Returns (gen_loss, replaced_ids [B, L], flat, metrics)."""
+        masked_ids, labels = ctx.batch[self.ids_key], ctx.batch[self.labels_key]
+        targets, flat = selected_positions(labels)
+        decoder = ctx.model.cls.predictions.decoder
+        embeddings = ctx.model.bert.embeddings
+        if self.sample_mode == "zero_dropout":
+            with eval_mode(self.generator, embeddings):
+                h_sel = self._generator_states(ctx, masked_ids, flat)
+            h_sample = h_sel.detach()
+        else:
+            h_sel = self._generator_states(ctx, masked_ids, flat)
+            with torch.no_grad(), eval_mode(self.generator, embeddings):
+                h_sample = self._generator_states(ctx, masked_ids, flat)
+        gen_loss = self.generator_head(h_sel, decoder, ctx.op("linear_cross_entropy"), targets)
+        with torch.no_grad():
+            logits = self._generator_logits(ctx, h_sample)  # [N, V] for selected rows only
+            probs = torch.softmax(logits.float(), dim=-1)
+            sampled = torch.multinomial(probs, 1, generator=ctx.generator).squeeze(1) if flat.numel() else targets
+        replaced = masked_ids.clone().reshape(-1)
+        replaced[flat] = sampled
+        metrics = {
+            "gen_loss": gen_loss.detach(),
+            "gen_accuracy": (logits.argmax(-1) == targets).float().mean() if flat.numel() else logits.sum() * 0,
+            "replaced_fraction": (sampled != targets).float().mean() if flat.numel() else logits.sum() * 0,
+        }
+        return gen_loss, replaced.view_as(masked_ids), flat, metrics
+
+    # -- main model ----------------------------------------------------------------------------
+    def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
+        gen_loss, replaced_ids, flat, metrics = self.generate(ctx)
+        original = ctx.batch["input_ids"]
+        attention_mask = ctx.batch["attention_mask"]
+        h = ctx.model.bert(replaced_ids, attention_mask).last_hidden  # X^MLM is objective-private
+
+        flat_h = h.reshape(-1, h.shape[-1])
+        copy_all = self.copy_head(flat_h).squeeze(-1)  # [B*L]; a Linear(H, 1) is cheap even on padding
+        non_pad = torch.nonzero(attention_mask.reshape(-1).bool()).squeeze(1)
+        copy_logits = copy_all[non_pad]
+        is_original = replaced_ids.reshape(-1)[non_pad] == original.reshape(-1)[non_pad]
+        copy_loss = ctx.op("copy_loss")(copy_logits, is_original)
+
+        copy_prob = torch.sigmoid(copy_all[flat].float())  # stop-gradient is applied inside the loss
+        lm_loss = ctx.model.cls(
+            flat_h[flat], ctx.op("corrective_lm_loss"), copy_prob, replaced_ids.reshape(-1)[flat], original.reshape(-1)[flat]
+        )
+
+        crop_cls = ctx.encode("crop_ids", "crop_attention_mask").last_hidden[:, 0]
+        scl_loss = ctx.op("sequence_contrastive_loss")(
+            self.scl_head(h[:, 0]), self.scl_head(crop_cls), self.tau, None,
+            normalize=True, symmetric=True, same_view_negatives=True,
+        )
+        loss = self.lambda_gen * gen_loss + self.lambda_copy * copy_loss + lm_loss + self.lambda_scl * scl_loss
+        metrics.update(
+            copy_loss=copy_loss.detach(),
+            copy_accuracy=((copy_logits > 0) == is_original).float().mean().detach(),
+            clm_lm_loss=lm_loss.detach(),
+            scl_loss=scl_loss.detach(),
+        )
+        return loss, metrics

@@ -1,0 +1,269 @@
+"""Loss functions of every objective, as pure functions of explicit tensors (the torch reference).
+
+Each function receives everything it needs — hidden states, the (tied) weight, and every sampled
+index (positives, negatives, replacements) — so it can be tested exactly against a loop written
+from the paper, and swapped for a fused Triton kernel with the same signature
+(`pipeline.kernels.get_op`). Sampling happens in the objective modules, never here.
+
+Numerics: whatever the input dtype (bf16/fp16 under autocast), all logits, normalisations and
+log-sum-exps are computed in float32 with autocast switched off, and the result is a float32
+scalar. Contrastive logits at tau 0.05 reach |20|; `exp` of that overflows fp16, so nothing here
+exponentiates without subtracting a max (`logsumexp` / `log_softmax`).
+
+Empty inputs (no selected rows) give a zero that is still connected to the graph, so the
+backward pass (and DeepSpeed's) works on a micro-batch that happens to select nothing.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "linear_cross_entropy",
+    "sampled_softmax_cross_entropy",
+    "corrective_lm_loss",
+    "copy_loss",
+    "token_contrastive_loss",
+    "sequence_contrastive_loss",
+    "adaptive_temperature",
+    "prediction_accuracy",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Tensor])
+
+#: Upper clamp of COCO-LM's copy probability inside the LM mixture: a saturated copy head
+#: (sigmoid == 1.0 in fp32 for logits > ~17) would otherwise give log(0) for non-copied targets.
+COPY_PROB_MAX = 1.0 - 1e-6
+
+
+def _fp32_math(fn: _F) -> _F:
+    """Run `fn` with autocast disabled on the device of its first tensor argument."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        first = next((a for a in args if isinstance(a, Tensor)), None)
+        device_type = first.device.type if first is not None else "cpu"
+        with torch.autocast(device_type=device_type, enabled=False):
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _mean_or_zero(values: Tensor, count: Tensor | int) -> Tensor:
+    """sum(values) / max(count, 1): the mean, or a graph-connected 0 when nothing was selected."""
+    if isinstance(count, Tensor):
+        count = count.clamp(min=1)
+    else:
+        count = max(count, 1)
+    return values.sum() / count
+
+
+def _logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    return F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+
+
+@_fp32_math
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    ignore_index: int = -100,
+) -> Tensor:
+    """Masked-LM cross-entropy at selected positions (BERT, Devlin et al. 2019).
+
+        L = mean_{n : t_n != ignore_index} -log softmax(W h_n + b)_{t_n}
+
+    hidden [N, H] are the (head-transformed) states of the selected positions only, weight [V, H]
+    the tied word embeddings, bias [V], targets [N] int64. Logits are fp32 [N, V] for these N rows
+    only. Returns 0 (graph-connected) when every row is ignored.
+    """
+    logits = _logits(hidden, weight, bias)
+    keep = targets != ignore_index
+    losses = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
+    return _mean_or_zero(losses, keep.sum())
+
+
+@_fp32_math
+def sampled_softmax_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    negative_ids: Tensor,
+) -> Tensor:
+    """BERT-NCE: MLM with the softmax over the target and K sampled negatives (InfoWord, Kong et al.
+    2020, Sec. 3.1 / Eq. "I_MLM"; the sampled-softmax form of noise-contrastive MLM).
+
+        s_n(v) = w_v . h_n + b_v
+        L = mean_n -log( exp s_n(t_n) / (exp s_n(t_n) + sum_k [v_nk != t_n] exp s_n(v_nk)) )
+
+    hidden [N, H], weight [V, H], bias [V] or None, targets [N], negative_ids [N, K] (token ids).
+    A negative equal to its row's target is masked out (score -inf): it is the positive itself,
+    and counting it twice would push the target's own score down. Only the [N, K+1] scores
+    are built — never [N, V].
+    """
+    candidates = torch.cat([targets[:, None], negative_ids], dim=1)  # [N, K+1], column 0 = target
+    w = weight.float()[candidates]  # [N, K+1, H]
+    scores = torch.einsum("nh,nkh->nk", hidden.float(), w)
+    if bias is not None:
+        scores = scores + bias.float()[candidates]
+    duplicate = torch.cat([torch.zeros_like(targets[:, None], dtype=torch.bool), negative_ids == targets[:, None]], 1)
+    scores = scores.masked_fill(duplicate, float("-inf"))
+    losses = torch.logsumexp(scores, dim=1) - scores[:, 0]
+    return _mean_or_zero(losses, targets.shape[0])
+
+
+@_fp32_math
+def corrective_lm_loss(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    copy_prob: Tensor,
+    corrupted_ids: Tensor,
+    targets: Tensor,
+) -> Tensor:
+    """COCO-LM corrective LM, the LM part (Meng et al. 2021, Sec. 3.1, "Corrective Language Modeling").
+
+        p_LM(t | h_n) = 1[t == x^MLM_n] * sg(p_copy_n) + (1 - sg(p_copy_n)) * softmax(W h_n + b)_t
+        L = mean_n -log p_LM(x^orig_n | h_n)
+
+    hidden [N, H] (head-transformed states at the masked positions), weight [V, H] tied embeddings,
+    copy_prob [N] = sigmoid(copy head) (stop-gradient is applied here), corrupted_ids [N] = x^MLM,
+    targets [N] = x^orig. Computed in log space:
+    log p = logaddexp(log p_copy if t == x^MLM else -inf, log(1 - p_copy) + log_softmax_t), with
+    p_copy clamped to at most `COPY_PROB_MAX` so a saturated copy head cannot give log(0).
+    """
+    log_probs = F.log_softmax(_logits(hidden, weight, bias), dim=-1)
+    lm_term = log_probs.gather(1, targets[:, None]).squeeze(1)
+    p_copy = copy_prob.detach().float().clamp(0.0, COPY_PROB_MAX)
+    copy_term = torch.where(corrupted_ids == targets, torch.log(p_copy), torch.full_like(p_copy, float("-inf")))
+    log_p = torch.logaddexp(copy_term, torch.log1p(-p_copy) + lm_term)
+    return _mean_or_zero(-log_p, targets.shape[0])
+
+
+@_fp32_math
+def copy_loss(copy_logits: Tensor, is_original: Tensor) -> Tensor:
+    """COCO-LM copy mechanism loss (Meng et al. 2021, Sec. 3.1):
+
+        L_copy = mean_n BCE( sigmoid(w . h_n), 1[x^MLM_n == x^orig_n] )
+
+    copy_logits [N] = w . h_n for the positions that take part (COCO-LM: all non-pad tokens),
+    is_original [N] bool. Computed from logits (`binary_cross_entropy_with_logits`) for stability.
+    """
+    losses = F.binary_cross_entropy_with_logits(copy_logits.float(), is_original.float(), reduction="none")
+    return _mean_or_zero(losses, copy_logits.shape[0])
+
+
+@_fp32_math
+def token_contrastive_loss(
+    g: Tensor,
+    anchor_idx: Tensor,
+    positive_idx: Tensor,
+    negative_idx: Tensor,
+    tau: float,
+    detach_candidates: bool = True,
+) -> Tensor:
+    """TACO token-alignment contrastive loss (Fu et al. 2022, Eq. 6-8).
+
+        f(a, b) = cos(a, b) / tau
+        L = mean_n -log( exp f(g_{x_n}, g_{c_n}) / (exp f(g_{x_n}, g_{c_n}) + sum_k exp f(g_{x_n}, g_{k_n}^-)) )
+
+    g [T, H] are the global biases g = h - e of all T tokens of the batch, flattened; anchor_idx
+    [N], positive_idx [N] and negative_idx [N, K] index rows of g. With detach_candidates (the
+    public reference code's choice) positives and negatives are constants: the gradient reaches g
+    only through the anchor rows.
+    """
+    unit = F.normalize(g.float(), dim=-1, eps=1e-8)
+    candidates = unit.detach() if detach_candidates else unit
+    anchors = unit[anchor_idx]  # [N, H]
+    pos = (anchors * candidates[positive_idx]).sum(-1, keepdim=True)  # [N, 1]
+    neg = torch.einsum("nh,nkh->nk", anchors, candidates[negative_idx])  # [N, K]
+    logits = torch.cat([pos, neg], dim=1) / tau
+    losses = torch.logsumexp(logits, dim=1) - logits[:, 0]
+    return _mean_or_zero(losses, anchor_idx.shape[0])
+
+
+@_fp32_math
+def sequence_contrastive_loss(
+    a: Tensor,
+    b: Tensor,
+    tau: float,
+    queue: Optional[Tensor] = None,
+    normalize: bool = True,
+    symmetric: bool = True,
+    same_view_negatives: bool = True,
+) -> Tensor:
+    """Sequence-level InfoNCE between two views; covers CAPT, COCO-LM SCL and InfoWord DIM.
+
+    For anchor a_i the positive is b_i; the negatives are b_j (j != i), plus a_j (j != i) when
+    `same_view_negatives`, plus every queue row q:
+
+        L_a = mean_i -log( exp(a_i.b_i/tau) / ( sum_j exp(a_i.b_j/tau)
+                                                + [same_view] sum_{j!=i} exp(a_i.a_j/tau)
+                                                + sum_q exp(a_i.q/tau) ) )
+
+    `symmetric` adds L_b (the same with a and b swapped) and returns (L_a + L_b) / 2.
+    `normalize` l2-normalises a, b and the queue first (cosine scores).
+      - CAPT (Luo et al. 2021, Eq. 2-4): normalize, symmetric, same_view_negatives, queue.
+      - COCO-LM SCL (Meng et al. 2021, Sec. 3.2): NT-Xent over 2N = the same without a queue.
+      - InfoWord DIM (Kong et al. 2020, Eq. 3): dot product (normalize=False), symmetric=False,
+        same_view_negatives=False; a = masked sentence, b = n-gram.
+    The queue is a constant (no gradient). a, b [B, D]; queue [Q, D].
+    """
+    a, b = a.float(), b.float()
+    q = None if queue is None else queue.detach().float()
+    if normalize:
+        a, b = F.normalize(a, dim=-1, eps=1e-8), F.normalize(b, dim=-1, eps=1e-8)
+        q = None if q is None else F.normalize(q, dim=-1, eps=1e-8)
+
+    def one_direction(x: Tensor, y: Tensor) -> Tensor:
+        blocks = [x @ y.T]  # [B, B], positives on the diagonal
+        if same_view_negatives:
+            self_sim = x @ x.T
+            eye = torch.eye(x.shape[0], dtype=torch.bool, device=x.device)
+            blocks.append(self_sim.masked_fill(eye, float("-inf")))
+        if q is not None:
+            blocks.append(x @ q.T)
+        logits = torch.cat(blocks, dim=1) / tau
+        losses = torch.logsumexp(logits, dim=1) - torch.diagonal(logits[:, : x.shape[0]])
+        return _mean_or_zero(losses, x.shape[0])
+
+    loss = one_direction(a, b)
+    if symmetric:
+        loss = (loss + one_direction(b, a)) / 2
+    return loss
+
+
+@torch.no_grad()
+@_fp32_math
+def prediction_accuracy(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk_rows: int = 2048
+) -> Tensor:
+    """Metric, not a loss: fraction of rows whose argmax over the full vocabulary is the target.
+
+    Computed without gradient in chunks of `chunk_rows`, so at most [chunk_rows, V] logits exist.
+    """
+    if targets.numel() == 0:
+        return torch.zeros((), device=hidden.device)
+    correct = torch.zeros((), device=hidden.device)
+    for start in range(0, targets.numel(), chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        correct += (_logits(hidden[rows], weight, bias).argmax(-1) == targets[rows]).sum()
+    return correct / targets.numel()
+
+
+def adaptive_temperature(step: int, total_steps: int) -> float:
+    """CAPT's inverted-triangle temperature (Luo et al. 2021, Eq. 6):
+
+        tau(t) = |t - T/2| / T + 0.05
+
+    0.55 at t = 0 and t = T, 0.05 at t = T/2.
+    """
+    if total_steps <= 0:
+        raise ValueError(f"adaptive_temperature: total_steps must be positive, got {total_steps}")
+    return abs(step - total_steps / 2) / total_steps + 0.05

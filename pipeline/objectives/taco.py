@@ -1,0 +1,120 @@
+"""`taco`: TACO's token-alignment contrastive loss (Fu et al. 2022, "Contextual Representation
+Learning beyond Masked Language Modeling", Eq. 3 and 6-8).
+
+Global bias of token j of sequence i: g_j^i = h_j^i - e_j^i (last hidden state minus the
+embedding-layer output of the same input; the public code's `hidden_states[-1] - hidden_states[0]`).
+For every participating token x (anchor):
+  - one positive c sampled uniformly from the same sequence within the window W (|j_c - j| <= W//2,
+    j_c != j), restricted to participating-eligible positions, hence clipped at the sequence ends;
+  - K negatives sampled uniformly from the eligible tokens of *other* sequences in the micro-batch.
+
+    L_TC = mean_x -log( e^{f(g_x, g_c)} / (e^{f(g_x, g_c)} + sum_k e^{f(g_x, g_k^-)}) ),
+    f(a, b) = cos(a, b) / tau
+
+Defaults (paper Sec. 4.1, Table 5): W=5, K=50, tau=0.07; positives/negatives detached (public
+reference code): the gradient flows through the anchors only. The paper's recipe is
+`objectives: {mlm: 1, taco: 1}`; with the default `view="masked"` MLM and TACO share one pass.
+
+*Choices* (configurable):
+  - view: which input is encoded ("masked" default, "wwm_masked", "original");
+  - anchors: which tokens are anchors: "all" (default: every non-special, non-pad token, masked
+    ones included), "masked" (only MLM-selected positions), "unmasked" (only the others);
+    positives and negatives are always drawn from all non-special, non-pad tokens;
+  - anchors without an eligible neighbour in the window (one-token sequences) are skipped;
+  - max_anchors: optional cap on anchors per micro-batch (uniform subsample; None = all).
+"""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+import torch
+from torch import Tensor
+
+from pipeline.model import EncoderConfig
+from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.mlm import IGNORE_INDEX
+from pipeline.objectives.sampling import eligible_tokens, sample_from_other_rows, sample_window_positives
+
+TACO_VIEWS: dict[str, str] = {"masked": "masked_ids", "wwm_masked": "masked_ids", "original": "input_ids"}
+ANCHOR_SETS = ("all", "masked", "unmasked")
+
+
+def sample_taco_indices(
+    eligible: Tensor,
+    anchors: Tensor,
+    window: int,
+    num_negatives: int,
+    generator: torch.Generator,
+    max_anchors: Optional[int] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Sample TACO's anchors, positives and negatives.
+
+    eligible [B, L] bool: tokens that may be positives/negatives; anchors [B, L] bool (subset of
+    eligible). Returns flat indices into B*L: anchor_idx [N], positive_idx [N], negative_idx [N, K].
+    """
+    batch_size, length = eligible.shape
+    rows, cols = torch.nonzero(anchors & eligible, as_tuple=True)
+    if max_anchors is not None and rows.numel() > max_anchors:
+        keep = torch.randperm(rows.numel(), generator=generator, device=rows.device)[:max_anchors].sort().values
+        rows, cols = rows[keep], cols[keep]
+    pos_cols, has_pos = sample_window_positives(eligible, rows, cols, window, generator)
+    rows, cols, pos_cols = rows[has_pos], cols[has_pos], pos_cols[has_pos]
+    pool = torch.nonzero(eligible.reshape(-1)).squeeze(1)
+    if rows.numel() == 0:
+        empty = torch.zeros(0, dtype=torch.long, device=eligible.device)
+        return empty, empty, empty.reshape(0, num_negatives)
+    pick = sample_from_other_rows(pool // length, rows, batch_size, num_negatives, generator)
+    return rows * length + cols, rows * length + pos_cols, pool[pick]
+
+
+@register
+class TokenAlignmentContrastive(Objective):
+    """TACO's TC loss (see the module docstring for formula, defaults and choices)."""
+
+    name = "taco"
+    views = ("masked",)
+
+    def __init__(
+        self,
+        encoder_config: EncoderConfig,
+        special_tokens: Mapping[str, int],
+        view: str = "masked",
+        window: int = 5,
+        num_negatives: int = 50,
+        tau: float = 0.07,
+        anchors: str = "all",
+        detach_candidates: bool = True,
+        max_anchors: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        if view not in TACO_VIEWS:
+            raise ValueError(f"objective_options.taco.view must be one of {sorted(TACO_VIEWS)}, got {view!r}")
+        if anchors not in ANCHOR_SETS:
+            raise ValueError(f"objective_options.taco.anchors must be one of {ANCHOR_SETS}, got {anchors!r}")
+        if anchors != "all" and view == "original":
+            raise ValueError("objective_options.taco.anchors='masked'/'unmasked' needs a masked view, not 'original'")
+        if window < 2:
+            raise ValueError(f"objective_options.taco.window must be >= 2, got {window}")
+        if num_negatives < 1 or tau <= 0:
+            raise ValueError(f"objective_options.taco: num_negatives >= 1 and tau > 0 required, got {num_negatives}, {tau}")
+        self.views = (view,)
+        self.ids_key = TACO_VIEWS[view]
+        self.window, self.num_negatives, self.tau = window, num_negatives, tau
+        self.anchor_set, self.detach_candidates, self.max_anchors = anchors, detach_candidates, max_anchors
+
+    def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
+        out = ctx.encode(self.ids_key)
+        eligible = eligible_tokens(ctx.batch)
+        anchors = eligible
+        if self.anchor_set != "all":
+            selected = ctx.batch["mlm_labels"] != IGNORE_INDEX
+            anchors = eligible & (selected if self.anchor_set == "masked" else ~selected)
+        anchor_idx, positive_idx, negative_idx = sample_taco_indices(
+            eligible, anchors, self.window, self.num_negatives, ctx.generator, self.max_anchors
+        )
+        # in fp32: h and e are of similar size, so a bf16 difference would keep ~2 significant digits
+        g = (out.last_hidden.float() - out.embedding_output.float()).reshape(-1, out.last_hidden.shape[-1])
+        loss = ctx.op("token_contrastive_loss")(
+            g, anchor_idx, positive_idx, negative_idx, self.tau, self.detach_candidates
+        )
+        return loss, {"anchors": torch.tensor(float(anchor_idx.numel()), device=g.device)}

@@ -1,0 +1,226 @@
+"""The shard format: the one contract between `data_prep` (writer) and `pipeline.data` (reader).
+
+A shard directory holds
+  manifest.json          written last, atomically; its presence means the build is complete
+  shard_00000.arrow ...  Arrow IPC *file* format, one record batch per shard
+  tokenizer/             the tokenizer used (loadable with `transformers.AutoTokenizer`)
+
+Every shard has the same schema (`shard_schema`):
+  input_ids    fixed_size_list<uint8|uint16|uint32>[seq_len]  `[CLS] ... [SEP]` then `[PAD]`
+  word_starts  fixed_size_list<uint8>[seq_len]                  1 at the first sub-token of a word
+  length       int32                                            tokens before the padding
+
+Fixed-size lists make a shard a dense `[rows, seq_len]` matrix that the reader maps zero-copy
+(`pa.memory_map` -> numpy view); the id type is the smallest unsigned integer that holds the
+vocabulary, so a 30k vocabulary costs 2 bytes per token. Word starts are stored (not recomputed)
+because whole-word and InfoWord span masking need them and the tokenizer is not run at train time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import MISSING, asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import pyarrow as pa
+
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+TOKENIZER_SUBDIR = "tokenizer"
+SPECIAL_TOKEN_NAMES = ("pad", "cls", "sep", "mask", "unk")
+_HASH_CHUNK = 1 << 22
+
+
+def shard_name(index: int) -> str:
+    """File name of shard number `index` (zero-padded so names sort in build order)."""
+    return f"shard_{index:05d}.arrow"
+
+
+def id_dtype_for(vocab_size: int) -> np.dtype:
+    """Smallest unsigned integer dtype that holds every id in `range(vocab_size)`."""
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32")
+
+
+def shard_schema(seq_len: int, id_dtype: np.dtype | str) -> pa.Schema:
+    """Arrow schema of every shard of a build with this sequence length and id dtype."""
+    return pa.schema(
+        [
+            pa.field("input_ids", pa.list_(pa.from_numpy_dtype(np.dtype(id_dtype)), seq_len), nullable=False),
+            pa.field("word_starts", pa.list_(pa.uint8(), seq_len), nullable=False),
+            pa.field("length", pa.int32(), nullable=False),
+        ]
+    )
+
+
+def rows_per_shard(seq_len: int, id_dtype: np.dtype | str, shard_size_mb: float) -> int:
+    """How many sequences fit in a shard of at most `shard_size_mb` MiB (at least one)."""
+    row_bytes = seq_len * (np.dtype(id_dtype).itemsize + 1) + 4
+    return max(1, int(shard_size_mb * (1 << 20)) // row_bytes)
+
+
+@dataclass
+class ShardInfo:
+    """One shard file: name inside the directory, row count, sha256 of its bytes, size in bytes."""
+
+    name: str
+    rows: int
+    sha256: str
+    bytes: int
+
+
+@dataclass
+class Manifest:
+    """Everything a reader (or a person) needs to know about a shard directory."""
+
+    format_version: int
+    seq_len: int
+    vocab_size: int
+    special_tokens: dict[str, int]  # pad, cls, sep, mask, unk -> id
+    tokenizer_hash: str  # `hash_directory(<dir>/tokenizer)`
+    shards: list[ShardInfo]
+    total_sequences: int
+    total_tokens: int  # non-padding tokens, special tokens included
+    sources: list[dict[str, Any]]  # {path, bytes, sha256, documents}
+    build_args: dict[str, Any]  # the exact arguments of `data_prep.build_shards`
+    id_dtype: str = "uint16"
+    packing: str = "full"  # "full" (documents joined by [SEP]) or "doc" (one document per sequence run)
+    stats: dict[str, int] = field(default_factory=dict)  # documents, skipped_empty, replaced_chars, ...
+    fingerprint: str = ""  # hash of everything that determines the shard bytes (for resume/refusal)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "manifest") -> "Manifest":
+        known = set(cls.__dataclass_fields__)
+        fields = cls.__dataclass_fields__.values()
+        required = [f.name for f in fields if f.default is MISSING and f.default_factory is MISSING]
+        missing = [k for k in required if k not in raw]
+        if missing:
+            raise ValueError(f"{where}: missing fields {missing}")
+        if raw["format_version"] != FORMAT_VERSION:
+            raise ValueError(f"{where}: format_version {raw['format_version']} unsupported (expected {FORMAT_VERSION})")
+        values = {k: v for k, v in raw.items() if k in known}
+        values["shards"] = [ShardInfo(**s) for s in raw["shards"]]
+        absent = [n for n in SPECIAL_TOKEN_NAMES if n not in raw["special_tokens"]]
+        if absent:
+            raise ValueError(f"{where}: special_tokens lacks {absent}")
+        return cls(**values)
+
+
+def read_manifest(directory: str | os.PathLike) -> Manifest:
+    """Parse `<directory>/manifest.json`; a clear error if the directory is not a complete build."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: missing; {directory} is not a complete shard directory "
+            "(build it with `python -m data_prep.build_shards`, or re-run that command to finish it)"
+        )
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not valid JSON ({err})") from err
+    return Manifest.from_dict(raw, where=str(path))
+
+
+def manifest_hash(directory: str | os.PathLike) -> str:
+    """sha256 of the manifest file; identifies a dataset build (recorded in checkpoints)."""
+    return sha256_file(Path(directory) / MANIFEST_FILE)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def hash_directory(directory: str | os.PathLike) -> str:
+    """sha256 over the relative names and contents of every file below `directory` (sorted)."""
+    root = Path(directory)
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(sha256_file(path).encode() + b"\0")
+    return digest.hexdigest()
+
+
+def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
+    """Write to `<path>.tmp`, fsync, then rename: a reader never sees a half-written file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data.encode() if isinstance(data, str) else data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_shard(path: str | os.PathLike, input_ids: np.ndarray, word_starts: np.ndarray, lengths: np.ndarray) -> ShardInfo:
+    """Write one shard (`[rows, seq_len]` arrays) atomically; return its `ShardInfo`."""
+    path = Path(path)
+    rows, seq_len = input_ids.shape
+    schema = shard_schema(seq_len, input_ids.dtype)
+    batch = pa.record_batch(
+        [
+            pa.FixedSizeListArray.from_arrays(pa.array(input_ids.reshape(-1)), seq_len),
+            pa.FixedSizeListArray.from_arrays(pa.array(word_starts.astype(np.uint8, copy=False).reshape(-1)), seq_len),
+            pa.array(lengths.astype(np.int32, copy=False)),
+        ],
+        schema=schema,
+    )
+    tmp = path.with_name(path.name + ".tmp")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        writer.write_batch(batch)
+    with open(tmp, "rb+") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return ShardInfo(name=path.name, rows=rows, sha256=sha256_file(path), bytes=path.stat().st_size)
+
+
+@dataclass
+class ShardArrays:
+    """Zero-copy numpy views of one memory-mapped shard (valid while `mapped` stays open)."""
+
+    input_ids: np.ndarray  # [rows, seq_len], uint8/16/32
+    word_starts: np.ndarray  # [rows, seq_len], uint8
+    length: np.ndarray  # [rows], int32
+    mapped: pa.MemoryMappedFile
+
+
+def open_shard(path: str | os.PathLike, seq_len: int, id_dtype: np.dtype | str) -> ShardArrays:
+    """Memory-map a shard and expose its columns as numpy views; checks the schema."""
+    mapped = pa.memory_map(str(path), "r")
+    try:
+        reader = pa.ipc.open_file(mapped)
+    except pa.ArrowInvalid as err:
+        mapped.close()
+        raise ValueError(f"{path}: not an Arrow IPC file ({err})") from err
+    expected = shard_schema(seq_len, id_dtype)
+    if not reader.schema.equals(expected):
+        mapped.close()
+        raise ValueError(f"{path}: schema {reader.schema} differs from the manifest's {expected}")
+    table = reader.read_all().combine_chunks()  # one batch per shard: no copy
+
+    def matrix(name: str) -> np.ndarray:
+        column = table.column(name).chunk(0) if table.num_rows else None
+        if column is None:
+            return np.zeros((0, seq_len), dtype=expected.field(name).type.value_type.to_pandas_dtype())
+        return column.flatten().to_numpy(zero_copy_only=True).reshape(-1, seq_len)
+
+    length = table.column("length").chunk(0).to_numpy(zero_copy_only=True) if table.num_rows else np.zeros(0, np.int32)
+    return ShardArrays(matrix("input_ids"), matrix("word_starts"), length, mapped)
+
+
+def iter_shard_paths(directory: str | os.PathLike, manifest: Manifest) -> Iterable[tuple[ShardInfo, Path]]:
+    """(ShardInfo, absolute path) of every shard listed in the manifest, in order."""
+    for info in manifest.shards:
+        yield info, Path(directory) / info.name

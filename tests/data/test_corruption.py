@@ -1,0 +1,205 @@
+"""pipeline.corruption: each view matches its specification on large samples, deterministically."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pipeline.corruption import IGNORE_INDEX, CorruptionCollator, hash_uniform, word_ids
+
+SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
+VOCAB = 1000
+
+
+def synthetic_rows(batch: int = 512, length: int = 128, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Packed-looking rows: [CLS] doc [SEP] doc [SEP] [PAD]..., words of 1-3 sub-tokens (mean 1.3,
+    about what an English WordPiece vocabulary gives)."""
+    rng = np.random.default_rng(seed)
+    ids = np.full((batch, length), SPECIALS["pad"], dtype=np.uint16)
+    starts = np.zeros((batch, length), dtype=np.uint8)
+    for i in range(batch):
+        used = length if i % 3 else int(rng.integers(length // 2, length))
+        ids[i, 1 : used - 1] = rng.integers(5, VOCAB, used - 2)
+        ids[i, 0], ids[i, used - 1] = SPECIALS["cls"], SPECIALS["sep"]
+        if i % 2:
+            ids[i, int(rng.integers(10, used - 10))] = SPECIALS["sep"]  # a document boundary inside the row
+        pos = 1
+        while pos < used - 1:
+            starts[i, pos] = 1
+            pos += int(rng.choice([1, 2, 3], p=[0.75, 0.2, 0.05]))
+    return ids, starts
+
+
+def collate(views, rows=None, seed=7, first_index=0, **options) -> dict[str, torch.Tensor]:
+    ids, starts = rows if rows is not None else synthetic_rows()
+    collator = CorruptionCollator(views, SPECIALS, VOCAB, seed, **options)
+    return collator.collate(ids, starts, np.arange(first_index, first_index + len(ids)))
+
+
+def test_bert_masking_15_percent_80_10_10_never_specials() -> None:
+    ids, starts = synthetic_rows(batch=2048)
+    batch = collate(("masked",), (ids, starts))
+    original, masked, labels = batch["input_ids"], batch["masked_ids"], batch["mlm_labels"]
+    special = batch["special_mask"]
+    selected = labels != IGNORE_INDEX
+    content = (~special).sum(1)
+    expected = torch.clamp(torch.floor(content * 0.15 + 0.5), min=1)
+    assert torch.equal(selected.sum(1), expected.long())  # exactly round(15%) per sequence
+    assert not (selected & special).any()
+    assert torch.equal(labels[selected], original[selected])
+    assert torch.equal(masked[~selected], original[~selected])
+    n = selected.sum().item()
+    to_mask = (masked == SPECIALS["mask"]) & selected
+    changed = (masked != original) & selected & ~to_mask
+    unchanged = (masked == original) & selected
+    assert abs(to_mask.sum().item() / n - 0.8) < 0.01
+    # A random replacement can draw the original token (1 in 995); it then counts as unchanged.
+    assert abs(changed.sum().item() / n - 0.1) < 0.01
+    assert abs(unchanged.sum().item() / n - 0.1) < 0.01
+    replaced_ids = masked[changed]
+    assert replaced_ids.min() >= 5 and replaced_ids.max() < VOCAB  # never a special token
+    # Positions are uniform over content: no position bias beyond noise.
+    per_position = selected[:, 1:100].float().mean(0)
+    assert per_position.min() > 0.11 and per_position.max() < 0.19
+
+
+def test_masking_is_dynamic_deterministic_and_independent_of_the_batch() -> None:
+    ids, starts = synthetic_rows(batch=16)
+    views = ("masked", "span_masked", "crop", "shuffled")
+    a = collate(views, (ids, starts), seed=1, first_index=100)
+    b = collate(views, (ids, starts), seed=1, first_index=100)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    later_epoch = collate(views, (ids, starts), seed=1, first_index=100 + 16)  # same rows, later positions
+    other_seed = collate(views, (ids, starts), seed=2, first_index=100)
+    for other in (later_epoch, other_seed):
+        assert not torch.equal(other["masked_ids"], a["masked_ids"])
+        assert not torch.equal(other["span_masked_ids"], a["span_masked_ids"])
+    # Sample 105 alone gets exactly what it got inside the batch of 16.
+    alone = CorruptionCollator(views, SPECIALS, VOCAB, 1).collate(ids[5:6], starts[5:6], np.array([105]))
+    for key in alone:
+        assert torch.equal(alone[key][0], a[key][5]), key
+
+
+def test_hash_uniform_is_uniform_and_decorrelated() -> None:
+    u = hash_uniform(0, np.arange(4000), 1, 64)
+    assert abs(u.mean() - 0.5) < 0.005 and u.min() >= 0 and u.max() < 1
+    counts = np.histogram(u, bins=20, range=(0, 1))[0]
+    assert counts.min() > 0.95 * u.size / 20
+    v = hash_uniform(0, np.arange(4000), 2, 64)
+    assert abs(np.corrcoef(u.ravel(), v.ravel())[0, 1]) < 0.01
+    assert abs(np.corrcoef(u[:-1].ravel(), u[1:].ravel())[0, 1]) < 0.01  # neighbouring samples
+
+
+def _words(row_starts: np.ndarray, row_candidates: np.ndarray) -> list[range]:
+    ids, _ = word_ids(row_candidates[None], row_starts[None])
+    ids = ids[0]
+    return [range(int(np.flatnonzero(ids == w)[0]), int(np.flatnonzero(ids == w)[-1]) + 1) for w in range(ids.max() + 1)]
+
+
+def test_whole_word_masking_selects_whole_words_near_15_percent() -> None:
+    ids, starts = synthetic_rows(batch=1024)
+    batch = collate(("wwm_masked",), (ids, starts))
+    selected = (batch["mlm_labels"] != IGNORE_INDEX).numpy()
+    candidates = ~batch["special_mask"].numpy()
+    assert not (selected & ~candidates).any()
+    fractions = selected.sum(1) / candidates.sum(1)
+    budget = np.floor(candidates.sum(1) * 0.15 + 0.5)
+    assert (selected.sum(1) <= np.maximum(budget, 4)).all()  # never over budget (unless one word is bigger)
+    assert 0.125 < fractions.mean() <= 0.15
+    for i in range(0, 1024, 97):
+        for word in _words(starts[i], candidates[i]):
+            assert selected[i, word.start : word.stop].all() or not selected[i, word.start : word.stop].any()
+    masked = batch["masked_ids"][torch.from_numpy(selected)]
+    assert abs((masked == SPECIALS["mask"]).float().mean().item() - 0.8) < 0.02
+
+
+def test_span_masking_infoword_statistics() -> None:
+    ids, starts = synthetic_rows(batch=256, length=512)
+    batch = collate(("span_masked",), (ids, starts))
+    span_index = batch["span_index"].numpy()
+    in_span = span_index >= 0
+    candidates = ~batch["special_mask"].numpy()
+    assert not (in_span & ~candidates).any()
+    assert torch.equal(batch["span_masked_ids"][torch.from_numpy(in_span)], torch.full((int(in_span.sum()),), SPECIALS["mask"]))
+    assert torch.equal(batch["span_labels"][torch.from_numpy(in_span)], batch["input_ids"][torch.from_numpy(in_span)])
+    assert (batch["span_labels"][torch.from_numpy(~in_span)] == IGNORE_INDEX).all()
+    budget = np.floor(candidates.sum(1) * 0.15 + 0.5)
+    assert (in_span.sum(1) <= budget).all()
+    assert in_span.sum(1).mean() / budget.mean() > 0.95  # "until 15% of the sub-words"
+    lengths_in_words, truncated = [], 0
+    for i in range(len(ids)):
+        words = _words(starts[i], candidates[i])
+        start_of = {w.start: w for w in words}
+        spans = span_index[i][in_span[i]]
+        assert spans.tolist() == sorted(spans.tolist())  # numbered left to right
+        for s in range(spans.max() + 1 if len(spans) else 0):
+            where = np.flatnonzero(span_index[i] == s)
+            assert np.array_equal(where, np.arange(where[0], where[-1] + 1))  # contiguous, no [SEP] inside
+            assert where[0] in start_of  # starts at a word start ...
+            n_words = sum(1 for w in words if w.start >= where[0] and w.stop <= where[-1] + 1)
+            assert sum(len(w) for w in words if w.start >= where[0] and w.stop <= where[-1] + 1) == len(where)  # ... whole words
+            assert 1 <= n_words <= 10
+            lengths_in_words.append(n_words)
+    mean = float(np.mean(lengths_in_words))
+    # n ~ N(5, 1): mean 5, lowered slightly by spans cut at a segment end or at the budget.
+    assert 4.5 < mean < 5.1, mean
+    assert np.mean(np.array(lengths_in_words) == 5) > 0.25
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.5])
+def test_crop_is_a_contiguous_fraction_rewrapped(fraction: float) -> None:
+    ids, starts = synthetic_rows(batch=512)
+    batch = collate(("crop",), (ids, starts), crop_fraction=fraction)
+    crop_ids, crop_mask = batch["crop_ids"].numpy(), batch["crop_attention_mask"].numpy()
+    original, lengths = batch["input_ids"].numpy(), batch["attention_mask"].numpy().sum(1)
+    offsets = []
+    for i in range(len(ids)):
+        n = lengths[i] - 2
+        k = int(np.floor(fraction * n + 0.5))
+        assert crop_mask[i].sum() == k + 2
+        assert crop_ids[i, 0] == SPECIALS["cls"] and crop_ids[i, k + 1] == SPECIALS["sep"]
+        assert (crop_ids[i, k + 2 :] == SPECIALS["pad"]).all()
+        content, piece = original[i, 1 : n + 1], crop_ids[i, 1 : k + 1]
+        matches = [s for s in range(n - k + 1) if np.array_equal(content[s : s + k], piece)]
+        assert matches, i
+        offsets.append(matches[0] / max(1, n - k))
+    assert 0.4 < np.mean(offsets) < 0.6  # start uniform over the valid offsets
+
+
+def test_shuffle_moves_tokens_at_most_three_positions_and_keeps_specials() -> None:
+    ids, starts = synthetic_rows(batch=512)
+    batch = collate(("shuffled",), (ids, starts))
+    original, shuffled = batch["input_ids"].numpy(), batch["shuffled_ids"].numpy()
+    special = batch["special_mask"].numpy()
+    assert np.array_equal(shuffled[special], original[special])
+    moved = 0
+    for i in range(len(ids)):
+        assert sorted(shuffled[i].tolist()) == sorted(original[i].tolist())
+        # Content ids are almost all distinct per row: locate each token's new position.
+        values, counts = np.unique(original[i][~special[i]], return_counts=True)
+        for v in values[counts == 1]:
+            before, after = np.flatnonzero(original[i] == v)[0], np.flatnonzero(shuffled[i] == v)[0]
+            assert abs(int(after) - int(before)) <= 3
+            moved += before != after
+    assert moved / (~special).sum() > 0.5
+
+
+def test_collator_rejects_bad_configuration() -> None:
+    with pytest.raises(ValueError, match="unknown \\['bogus'\\]"):
+        CorruptionCollator(("bogus",), SPECIALS, VOCAB, 0)
+    with pytest.raises(ValueError, match="choose one"):
+        CorruptionCollator(("masked", "wwm_masked"), SPECIALS, VOCAB, 0)
+    with pytest.raises(ValueError, match="crop_fraction 1.5"):
+        CorruptionCollator(("crop",), SPECIALS, VOCAB, 0, crop_fraction=1.5)
+    with pytest.raises(TypeError):
+        CorruptionCollator(("masked",), SPECIALS, VOCAB, 0, not_an_option=1)
+
+
+def test_list_of_samples_entry_point_matches_the_array_path() -> None:
+    ids, starts = synthetic_rows(batch=4)
+    collator = CorruptionCollator(("masked", "crop"), SPECIALS, VOCAB, 5)
+    samples = [{"input_ids": ids[i], "word_starts": starts[i], "sample_index": 10 + i} for i in range(4)]
+    a, b = collator(samples), collator.collate(ids, starts, np.arange(10, 14))
+    for key in a:
+        assert torch.equal(a[key], b[key]), key

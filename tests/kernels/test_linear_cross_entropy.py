@@ -1,0 +1,115 @@
+"""Fused linear + cross-entropy (MLM), corrective LM (COCO-LM) and BERT-NCE against the torch reference."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.kernels import linear_cross_entropy as fused
+from pipeline.objectives import functional as ref
+from tests.kernels.helpers import assert_matches
+
+TOKENS, HIDDEN, VOCAB = 3 * 37, 48, 1001
+
+
+def make(device, rows=TOKENS, hidden=HIDDEN, vocab=VOCAB, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) * 0.3
+    b = torch.randn(vocab, generator=gen) * 0.1
+    t = torch.randint(0, vocab, (rows,), generator=gen)
+    return h.to(device), w.to(device), b.to(device), t.to(device)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_cross_entropy_matches_reference_with_ignored_rows(device, with_bias):
+    h, w, b, t = make(device)
+    t[::4] = -100
+    _, grads = assert_matches(ref.linear_cross_entropy, fused.linear_cross_entropy,
+                              [h, w, b if with_bias else None, t], [0, 1, 2] if with_bias else [0, 1])
+    assert grads[0][::4].abs().max() == 0 and grads[0][1::4].abs().max() > 0  # ignored rows get nothing
+
+
+def test_cross_entropy_custom_ignore_index_and_multiple_chunks(device, monkeypatch):
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * VOCAB * 20)  # 16-row chunks: 7 chunks, the last partial
+    assert fused.chunk_rows_for(VOCAB, TOKENS) == 16
+    h, w, b, t = make(device, seed=1)
+    t[5:40] = 7  # rows whose target is the ignore index below
+    assert_matches(lambda *a: ref.linear_cross_entropy(*a, ignore_index=7),
+                   lambda *a: fused.linear_cross_entropy(*a, ignore_index=7), [h, w, b, t], [0, 1, 2])
+
+
+def test_all_rows_ignored_gives_connected_zero(device):
+    h, w, b, t = make(device, rows=9)
+    t[:] = -100
+    loss, grads = assert_matches(ref.linear_cross_entropy, fused.linear_cross_entropy, [h, w, b, t], [0, 1, 2])
+    assert loss.item() == 0.0 and all(g.abs().max() == 0 for g in grads)
+
+
+def test_no_rows(device):
+    h, w, b, t = make(device, rows=0)
+    loss, _ = assert_matches(ref.linear_cross_entropy, fused.linear_cross_entropy, [h, w, b, t], [0, 1, 2])
+    assert loss.item() == 0.0
+
+
+def test_large_logits_stay_finite(device):
+    h, w, b, t = make(device, rows=13, seed=2)
+    assert_matches(ref.linear_cross_entropy, fused.linear_cross_entropy, [h * 40, w, b, t], [0, 1, 2],
+                   rtol=1e-4, atol=1e-4)
+
+
+def test_gradient_is_scaled_by_upstream_gradient(device):
+    h, w, b, t = make(device, rows=11, seed=3)
+    hr, hk = h.clone().requires_grad_(), h.clone().requires_grad_()
+    (3.5 * ref.linear_cross_entropy(hr, w, b, t)).backward()
+    (3.5 * fused.linear_cross_entropy(hk, w, b, t)).backward()
+    torch.testing.assert_close(hk.grad, hr.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_corrective_lm_matches_reference(device):
+    h, w, b, t = make(device, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    corrupted = torch.where(torch.rand(TOKENS, generator=gen) < 0.5, t.cpu(),
+                            torch.randint(0, VOCAB, (TOKENS,), generator=gen)).to(device)
+    copy_prob = torch.rand(TOKENS, generator=gen).to(device)
+    copy_prob[:3] = torch.tensor([0.0, 1.0, 1.0 - 1e-9])  # clamped at both ends
+    corrupted[:3] = t[:3]
+    copy_prob[3], corrupted[3] = 1.0, (t[3] + 1) % VOCAB  # saturated copy head, replaced token
+    _, grads = assert_matches(ref.corrective_lm_loss, fused.corrective_lm_loss,
+                              [h, w, b, copy_prob, corrupted, t], [0, 1, 2, 3])
+    assert grads[3] is None  # stop-gradient on the copy probability
+
+
+def test_corrective_lm_without_bias(device):
+    h, w, _, t = make(device, rows=17, seed=6)
+    copy_prob = torch.rand(17, device=device)
+    assert_matches(ref.corrective_lm_loss, fused.corrective_lm_loss, [h, w, None, copy_prob, t, t], [0, 1])
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_sampled_softmax_matches_reference(device, with_bias):
+    h, w, b, t = make(device, seed=7)
+    negatives = torch.randint(0, VOCAB, (TOKENS, 7), generator=torch.Generator().manual_seed(8)).to(device)
+    negatives[::3, 2] = t[::3]  # negatives equal to the target are excluded
+    negatives[1::3, 4] = negatives[1::3, 5]  # repeated negatives count twice (and scatter twice)
+    assert_matches(ref.sampled_softmax_cross_entropy, fused.sampled_softmax_cross_entropy,
+                   [h, w, b if with_bias else None, t, negatives], [0, 1, 2] if with_bias else [0, 1])
+
+
+def test_frozen_weight_gets_no_gradient_work(device):
+    h, w, b, t = make(device, rows=10, seed=9)
+    hk = h.clone().requires_grad_()
+    loss = fused.linear_cross_entropy(hk, w, b, t)  # weight and bias do not require grad
+    loss.backward()
+    hr = h.clone().requires_grad_()
+    ref.linear_cross_entropy(hr, w, b, t).backward()
+    torch.testing.assert_close(hk.grad, hr.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_shape_errors_name_the_argument(device):
+    h, w, b, t = make(device, rows=4)
+    with pytest.raises(ValueError, match="bias must be"):
+        fused.linear_cross_entropy(h, w, b[:-1], t)
+    with pytest.raises(ValueError, match="targets has 3 rows"):
+        fused.linear_cross_entropy(h, w, b, t[:3])
+    with pytest.raises(ValueError, match="hidden"):
+        fused.linear_cross_entropy(h[:, :5], w, b, t)

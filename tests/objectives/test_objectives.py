@@ -1,0 +1,334 @@
+"""Objectives inside `PretrainModel`: they learn, the right parameters get gradients (and COCO-LM's
+sampling none), bf16 stays finite at tau 0.05, combinations share passes, and no vocabulary-sized
+logits exist for unselected positions."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.objectives import OBJECTIVES
+from pipeline.objectives.base import StepContext
+from pipeline.objectives.infoword import build_ngram_inputs
+from tests.objectives.conftest import VOCAB, make_batch, tiny_model
+
+ALL = ["mlm", "mlm-nce", "taco", "capt", "cocolm", "infoword"]
+#: options making each objective quick and deterministic to train on one repeated batch (no CAPT
+#: queue here: queued copies of the very same batch would be negatives equal to the positives)
+FAST = {"capt": {"tau": 0.1, "queue_size": 0}, "mlm-nce": {"num_negatives": 16}, "infoword": {"num_negatives": 16}}
+
+
+def test_registry_holds_every_objective():
+    assert set(ALL) <= set(OBJECTIVES)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_loss_decreases_on_a_tiny_batch(name):
+    model = tiny_model({name: 1.0}, FAST, dropout=0.0, attention_dropout=0.0)
+    batch = make_batch(batch_size=6, seq_len=20, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    losses = []
+    for step in range(30):
+        model.set_progress(step, 30)
+        loss, metrics = model(batch)
+        assert torch.isfinite(loss) and metrics["loss"] == loss.detach()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < 0.8 * first, f"{name}: {losses}"
+
+
+def _trainable(model, prefixes):
+    return {n: p for n, p in model.named_parameters() if n.startswith(prefixes)}
+
+
+EXPECTED_LEARNERS = {
+    # every parameter under these prefixes must receive a non-zero gradient
+    "mlm": ("bert.", "cls."),
+    "mlm-nce": ("bert.", "cls."),
+    "taco": ("bert.",),
+    "capt": ("bert.", "objectives.capt."),
+    "cocolm": ("bert.", "cls.", "objectives.cocolm."),
+    "infoword": ("bert.", "cls."),
+}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_parameter_that_should_learn_gets_a_gradient(name):
+    model = tiny_model({name: 1.0}, FAST)
+    loss, _ = model(make_batch(seed=2))
+    loss.backward()
+    learners = _trainable(model, EXPECTED_LEARNERS[name])
+    assert learners
+    missing = [n for n, p in learners.items() if p.grad is None or not torch.count_nonzero(p.grad)]
+    assert not missing, f"{name}: no gradient for {missing}"
+    idle = [n for n, p in model.named_parameters() if n not in learners and p.grad is not None and torch.count_nonzero(p.grad)]
+    assert not idle, f"{name}: unexpected gradient for {idle}"
+
+
+def test_cocolm_generator_learns_only_from_its_mlm_loss():
+    model = tiny_model({"cocolm": 1.0}, {"cocolm": {"lambda_gen": 0.0}})
+    loss, _ = model(make_batch(seed=3))
+    loss.backward()
+    gen = _trainable(model, ("objectives.cocolm.generator.", "objectives.cocolm.generator_head."))
+    assert gen and all(p.grad is None or not torch.count_nonzero(p.grad) for p in gen.values())
+    main = _trainable(model, ("objectives.cocolm.copy_head.", "objectives.cocolm.scl_head.", "bert.encoder."))
+    assert all(p.grad is not None and torch.count_nonzero(p.grad) for p in main.values())
+
+
+@pytest.mark.parametrize("mode", ["eval", "zero_dropout"])
+def test_cocolm_replacements_are_sampled_without_dropout_at_selected_positions(mode):
+    model = tiny_model({"cocolm": 1.0}, {"cocolm": {"sample_mode": mode}}, dropout=0.5, attention_dropout=0.5)
+    model.train()
+    batch = make_batch(seed=4)
+    objective = model.objectives["cocolm"]
+    replaced = []
+    for _ in range(2):  # same sampling seed, different dropout draws
+        g = torch.Generator().manual_seed(123)
+        _, ids, flat, _ = objective.generate(StepContext(model, batch, 0, 1, g, "torch"))
+        replaced.append(ids)
+    assert torch.equal(replaced[0], replaced[1])
+    assert model.bert.embeddings.training and objective.generator.training  # modes restored
+    changed = (replaced[0] != batch["masked_ids"]).reshape(-1).nonzero().squeeze(1)
+    assert set(changed.tolist()) <= set(flat.tolist())
+    assert flat.numel() == int((batch["mlm_labels"] != -100).sum())
+
+
+def test_cocolm_generator_defaults_to_a_third_of_the_depth():
+    model = tiny_model({"cocolm": 1.0}, num_layers=6)
+    assert len(model.objectives["cocolm"].generator.layer) == 2
+    assert not any("embeddings" in n for n, _ in model.objectives["cocolm"].named_parameters())
+
+
+TAU_005 = {
+    "mlm": {},
+    "mlm-nce": {},
+    "taco": {"tau": 0.05},
+    "capt": {"tau": 0.05},
+    "cocolm": {"tau": 0.05},
+    "infoword": {"tau": 0.05, "score": "cosine"},
+}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_bf16_autocast_at_tau_005_stays_finite(name):
+    model = tiny_model({name: 1.0}, {name: TAU_005[name]})
+    for seed in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, metrics = model(make_batch(seed=10 + seed))
+        assert loss.dtype == torch.float32 and torch.isfinite(loss), metrics
+        loss.backward()
+    bad = [n for n, p in model.named_parameters() if p.grad is not None and not torch.isfinite(p.grad).all()]
+    assert not bad
+
+
+def test_infoword_dot_product_dim_is_finite_in_bf16():
+    model = tiny_model({"infoword": 1.0})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = model(make_batch(seed=5))
+    assert torch.isfinite(loss)
+
+
+def _count_encoder_calls(model) -> list[int]:
+    calls = []
+    model.bert.register_forward_hook(lambda mod, args, out: calls.append(args[0].shape[0]))
+    return calls
+
+
+def test_mlm_and_taco_share_one_encoder_pass():
+    model = tiny_model({"mlm": 1.0, "taco": 1.0})
+    calls = _count_encoder_calls(model)
+    loss, metrics = model(make_batch())
+    loss.backward()
+    assert len(calls) == 1
+    assert {"mlm/loss", "taco/loss", "taco/anchors"} <= set(metrics)
+    assert metrics["loss"] == pytest.approx(float(metrics["mlm/loss"] + metrics["taco/loss"]), rel=1e-6)
+
+
+def test_capt_encodes_both_views_once_each_and_mlm_reuses_the_masked_one():
+    model = tiny_model({"mlm": 1.0, "capt": 1.0})
+    calls = _count_encoder_calls(model)
+    model(make_batch())
+    assert len(calls) == 2
+
+
+def test_cocolm_plus_taco_in_one_model():
+    model = tiny_model({"cocolm": 1.0, "taco": 0.5})
+    loss, metrics = model(make_batch())
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert metrics["loss"] == pytest.approx(float(metrics["cocolm/loss"] + 0.5 * metrics["taco/loss"]), rel=1e-6)
+    assert model.views == {"original", "masked", "crop"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_no_vocabulary_logits_for_unselected_positions(name, monkeypatch):
+    """Every matmul against the [V, H] embedding matrix sees at most the selected rows."""
+    batch = make_batch()
+    labels = batch["span_labels"] if name == "infoword" else batch["mlm_labels"]
+    selected = int((labels != -100).sum())
+    rows_seen = []
+    real_linear = F.linear
+
+    def spy(x, weight, bias=None):
+        if weight.shape[0] == VOCAB:
+            rows_seen.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(F, "linear", spy)
+    model = tiny_model({name: 1.0}, FAST)
+    model(batch)
+    assert all(r <= selected for r in rows_seen), (rows_seen, selected)
+    if name in ("mlm", "cocolm"):
+        assert rows_seen  # the projection really went through F.linear
+
+
+def test_capt_temperature_follows_progress_and_queue_fills_only_in_training():
+    model = tiny_model({"capt": 1.0}, {"capt": {"queue_size": 20}})
+    batch = make_batch(batch_size=4)
+    for step, tau in [(0, 0.55), (50, 0.05), (100, 0.55)]:
+        model.set_progress(step, 100)
+        _, metrics = model(batch)
+        assert metrics["capt/tau"].item() == pytest.approx(tau)
+    assert len(model.objectives["capt"].queue) == 20  # 3 steps x 2 views x 4 = 24 > capacity
+    model.eval()
+    before = model.objectives["capt"].queue.state_dict()
+    model(batch)
+    assert torch.equal(model.objectives["capt"].queue.state_dict()["buffer"], before["buffer"])
+    fixed = tiny_model({"capt": 1.0}, {"capt": {"tau": 0.2}})
+    fixed.set_progress(50, 100)
+    assert fixed(batch)[1]["capt/tau"].item() == pytest.approx(0.2)
+
+
+def test_capt_queue_rows_are_negatives_of_the_next_step():
+    model = tiny_model({"capt": 1.0}, {"capt": {"tau": 0.1, "queue_size": 64}}, dropout=0.0, attention_dropout=0.0)
+    batch = make_batch()
+    first, _ = model(batch)  # empty queue
+    second, _ = model(batch)  # same batch, now with 2B queued negatives identical to its own views
+    assert second.item() > first.item()
+    no_queue = tiny_model({"capt": 1.0}, {"capt": {"tau": 0.1, "queue_size": 0}}, dropout=0.0, attention_dropout=0.0)
+    assert no_queue(batch)[0].item() == pytest.approx(first.item(), rel=1e-5)
+    assert no_queue.extra_state_for_checkpoint() == {}
+
+
+def test_taco_anchor_choice_and_log_k_plus_one_at_initialisation():
+    batch = make_batch()
+    eligible = batch["attention_mask"].bool() & ~batch["special_mask"]
+    selected = batch["mlm_labels"] != -100
+    for anchors, expected in [("all", eligible.sum()), ("masked", selected.sum()), ("unmasked", (eligible & ~selected).sum())]:
+        model = tiny_model({"taco": 1.0}, {"taco": {"anchors": anchors, "tau": 1e6}})
+        loss, metrics = model(batch)
+        assert metrics["taco/anchors"].item() == expected.item()
+        assert loss.item() == pytest.approx(math.log(51), rel=1e-4)  # tau -> inf: every score equal
+
+
+def test_infoword_ngram_inputs():
+    input_ids = torch.tensor([[1, 10, 11, 12, 13, 2], [1, 20, 21, 22, 2, 0]])
+    span_index = torch.tensor([[-1, 0, 0, -1, 1, -1], [-1, -1, 0, 0, -1, -1]])
+    ids, mask = build_ngram_inputs(input_ids, span_index, torch.tensor([0, 0]), 1, 2, 0)
+    assert ids.tolist() == [[1, 10, 11, 2], [1, 21, 22, 2]]
+    assert mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
+    ids, mask = build_ngram_inputs(input_ids, span_index, torch.tensor([1, 0]), 1, 2, 0)
+    assert ids.tolist() == [[1, 13, 2, 0], [1, 21, 22, 2]]
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+def test_infoword_encodes_the_ngrams_alone_and_skips_sentences_without_spans():
+    batch = make_batch()
+    batch["span_index"][0] = -1
+    batch["span_labels"][0] = -100
+    batch["span_masked_ids"][0] = batch["input_ids"][0]
+    model = tiny_model({"infoword": 1.0})
+    calls = _count_encoder_calls(model)
+    _, metrics = model(batch)
+    assert calls == [4, 3]  # span-masked sentences, then the 3 n-grams
+    assert metrics["infoword/dim_sentences"].item() == 3
+
+
+@pytest.mark.parametrize(
+    "name,options,match",
+    [
+        ("mlm", {"view": "bogus"}, "objective_options.mlm.view"),
+        ("mlm-nce", {"negatives": "zipf"}, "objective_options.mlm-nce.negatives"),
+        ("taco", {"anchors": "some"}, "objective_options.taco.anchors"),
+        ("taco", {"window": 1}, "objective_options.taco.window"),
+        ("capt", {"corruption": "drop"}, "objective_options.capt.corruption"),
+        ("capt", {"tau": -1.0}, "objective_options.capt.tau"),
+        ("cocolm", {"sample_mode": "train"}, "objective_options.cocolm.sample_mode"),
+        ("infoword", {"score": "l1"}, "objective_options.infoword.score"),
+    ],
+)
+def test_bad_options_name_the_option(name, options, match):
+    with pytest.raises(ValueError, match=match.replace(".", r"\.")):
+        tiny_model({name: 1.0}, {name: options})
+
+
+def test_objective_views_drive_the_model_views():
+    assert tiny_model({"infoword": 1.0}).views == {"original", "span_masked"}
+    assert tiny_model({"capt": 1.0}, {"capt": {"corruption": "shuffled"}}).views == {"original", "shuffled"}
+    assert tiny_model({"mlm": 1.0}, {"mlm": {"view": "wwm_masked"}}).views == {"original", "wwm_masked"}
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_degenerate_micro_batches_give_finite_losses(name):
+    """One sequence (no "other sequences" for negatives) and nothing selected must not crash."""
+    model = tiny_model({name: 1.0}, FAST)
+    single = make_batch(batch_size=1, seed=6)
+    loss, _ = model(single)
+    assert torch.isfinite(loss)
+    loss.backward()
+    empty = make_batch(batch_size=3, seed=6)
+    for key in ("mlm_labels", "span_labels"):
+        empty[key].fill_(-100)
+    empty["span_index"].fill_(-1)
+    empty["masked_ids"], empty["span_masked_ids"] = empty["input_ids"].clone(), empty["input_ids"].clone()
+    loss, _ = model(empty)
+    assert torch.isfinite(loss)
+    loss.backward()
+
+
+def test_taco_contrasts_h_minus_e_of_the_masked_view():
+    from pipeline.objectives.functional import token_contrastive_loss
+    from pipeline.objectives.taco import sample_taco_indices
+    from pipeline.pretrainer import micro_batch_seed
+
+    model = tiny_model({"taco": 1.0}, dropout=0.0, attention_dropout=0.0)
+    batch = make_batch()
+    loss, _ = model(batch)
+    out = model.bert(batch["masked_ids"], batch["attention_mask"])
+    g = (out.last_hidden - out.embedding_output).reshape(-1, out.last_hidden.shape[-1])
+    gen = torch.Generator().manual_seed(micro_batch_seed(0, int(batch["sample_index"][0]), 0))
+    eligible = batch["attention_mask"].bool() & ~batch["special_mask"]
+    expected = token_contrastive_loss(g, *sample_taco_indices(eligible, eligible, 5, 50, gen), 0.07)
+    torch.testing.assert_close(loss, expected)
+
+
+@pytest.mark.parametrize(
+    "name,options,parts",
+    [
+        ("cocolm", {"lambda_copy": 50.0, "lambda_gen": 0.5, "lambda_scl": 2.0},
+         {"gen_loss": 0.5, "copy_loss": 50.0, "clm_lm_loss": 1.0, "scl_loss": 2.0}),
+        ("infoword", {"lambda_mlm": 1.0, "lambda_dim": 0.4}, {"nce_loss": 1.0, "dim_loss": 0.4}),
+    ],
+)
+def test_composite_losses_are_the_weighted_sum_of_their_parts(name, options, parts):
+    _, metrics = tiny_model({name: 1.0}, {name: options})(make_batch())
+    total = sum(w * metrics[f"{name}/{k}"] for k, w in parts.items())
+    assert metrics[f"{name}/loss"].item() == pytest.approx(total.item(), rel=1e-5)
+    assert all(metrics[f"{name}/{k}"] > 0 for k in parts)
+
+
+def test_mlm_is_cross_entropy_of_the_tied_head_at_selected_positions():
+    model = tiny_model({"mlm": 1.0}, dropout=0.0, attention_dropout=0.0)
+    batch = make_batch()
+    loss, metrics = model(batch)
+    logits = model.cls(model.bert(batch["masked_ids"], batch["attention_mask"]).last_hidden)  # [B, L, V], test only
+    labels = batch["mlm_labels"]
+    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100))
+    sel = labels != -100
+    assert metrics["mlm/accuracy"].item() == pytest.approx((logits[sel].argmax(-1) == labels[sel]).float().mean().item())
+    assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight

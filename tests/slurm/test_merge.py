@@ -1,0 +1,77 @@
+"""`data_prep.merge`: the final step of the SLURM prep job (no cluster needed)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from data_prep.build_shards import build_shards
+from data_prep.merge import MergeRefused, main, merge_parts
+from data_prep.verify import verify_directory
+from pipeline.shards import MANIFEST_FILE, read_manifest
+from tests.fixtures_data import stdlib_documents, write_corpus
+
+
+@pytest.fixture(scope="module")
+def two_parts(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> list[Path]:
+    root = tmp_path_factory.mktemp("merge_parts")
+    documents = stdlib_documents()[:6]
+    parts = []
+    for i in range(2):
+        corpus = write_corpus(root / f"c{i}.txt", documents[i::2])
+        part = root / f"part_{i}"
+        build_shards([corpus], tiny_tokenizer_dir, part, seq_len=32, shard_size_mb=0.01, num_proc=1, progress=False)
+        parts.append(part)
+    return parts
+
+
+def test_merge_lists_every_part_shard_in_order_and_verifies(two_parts: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "merged"
+    merged = merge_parts(two_parts, out)
+    parts = [read_manifest(p) for p in two_parts]
+    assert verify_directory(out) == []
+    assert [s.sha256 for s in merged.shards] == [s.sha256 for p in parts for s in p.shards]
+    assert [s.name for s in merged.shards] == [f"shard_{i:05d}.arrow" for i in range(len(merged.shards))]
+    assert merged.total_sequences == sum(p.total_sequences for p in parts)
+    assert merged.stats["documents"] == sum(p.stats["documents"] for p in parts)
+    assert [r["dir"] for r in merged.build_args["merged_parts"]] == [str(p.resolve()) for p in two_parts]
+    # A re-run over the finished merge changes nothing; other parts into it are refused.
+    before = (out / MANIFEST_FILE).read_bytes()
+    assert merge_parts(two_parts, out).fingerprint == merged.fingerprint
+    assert (out / MANIFEST_FILE).read_bytes() == before
+    with pytest.raises(MergeRefused, match="different complete shard directory"):
+        merge_parts(two_parts[:1], out)
+
+
+def test_an_interrupted_merge_is_redone(two_parts: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "shard_00000.arrow").write_bytes(b"half a shard")  # crash before the manifest
+    (out / "shard_00000.arrow.tmp").write_bytes(b"")
+    merge_parts(two_parts, out)
+    assert verify_directory(out) == []
+
+
+def test_parts_that_disagree_are_refused_naming_part_and_field(
+    two_parts: list[Path], tiny_tokenizer_dir: Path, tmp_path: Path
+) -> None:
+    other = tmp_path / "seq64"
+    build_shards([write_corpus(tmp_path / "c.txt", stdlib_documents()[:2])], tiny_tokenizer_dir, other, seq_len=64, num_proc=1, progress=False)
+    with pytest.raises(ValueError, match=rf"{other}: seq_len 64 differs"):
+        merge_parts([two_parts[0], other], tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # refused before writing anything
+
+
+def test_an_unfinished_part_is_an_error_naming_it(two_parts: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    unfinished = tmp_path / "part_x"
+    unfinished.mkdir()
+    assert main(["--out", str(tmp_path / "out"), str(two_parts[0]), str(unfinished)]) == 2
+    assert f"{unfinished}: no manifest.json" in capsys.readouterr().err
+
+
+def test_a_foreign_non_empty_out_is_refused(two_parts: list[Path], tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(MergeRefused, match="not empty"):
+        merge_parts(two_parts, out)

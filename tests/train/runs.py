@@ -1,0 +1,138 @@
+"""Helpers of the training tests: run `pipeline.train` in-process, as a subprocess, or on 2 ranks.
+
+Every run uses a tiny preset (2 layers, hidden 64, seq_len 64 shards), fp32 on CPU, and writes
+one metrics line per step, so per-step losses can be compared bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from pipeline.checkpoint import CHECKPOINT_DIR, read_latest
+from pipeline.metrics import read_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+QUIET = ["train.progress_bar=false", "train.tensorboard=false", "train.log_every=1"]
+
+
+def overrides(shards: Path, out: Path, *extra: str) -> list[str]:
+    return [f"data.shards_dir={shards}", f"train.output_dir={out}", *QUIET, *extra]
+
+
+def run_inprocess(preset: str, shards: Path, out: Path, *extra: str) -> int:
+    """`pipeline.train.main` in this process (world size 1); returns the exit code."""
+    from pipeline.train import main
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(key, None)
+    return main(["--config", preset, *overrides(shards, out, *extra)])
+
+
+def _env(extra: Optional[dict] = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    env.update(extra or {})
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train_command(preset: str, shards: Path, out: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "pipeline.train", "--config", preset, *overrides(shards, out, *extra)]
+
+
+def start_subprocess(preset: str, shards: Path, out: Path, *extra: str) -> subprocess.Popen:
+    """One rank, no launcher, in its own process (so it can be killed)."""
+    return subprocess.Popen(train_command(preset, shards, out, *extra), cwd=REPO, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def start_ranks(preset: str, shards: Path, out: Path, *extra: str, world: int = 2) -> list[subprocess.Popen]:
+    """`world` processes with the torch env variables set, as srun or torchrun would."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world):
+        env = _env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+        procs.append(subprocess.Popen(train_command(preset, shards, out, *extra), cwd=REPO, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def run_torchrun(preset: str, shards: Path, out: Path, *extra: str, world: int = 2, timeout: int = 240) -> None:
+    """2 ranks under torchrun (gloo on CPU); fails the test with the output on a non-zero exit."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+           "-m", "pipeline.train", "--config", preset, *overrides(shards, out, *extra)]
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+def wait_all(procs: Sequence[subprocess.Popen], timeout: float = 240) -> list[int]:
+    deadline = time.monotonic() + timeout
+    codes = []
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        codes.append(proc.returncode)
+    return codes
+
+
+def output_of(proc: subprocess.Popen) -> str:
+    return proc.stdout.read() if proc.stdout else ""
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    """Poll metrics.jsonl until it shows `step` (fails if the process ends first)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r.get("step", 0) >= step for r in read_jsonl(out / "metrics.jsonl")):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (rc {proc.returncode}) before step {step}:\n{output_of(proc)[-3000:]}")
+        time.sleep(0.005)
+    raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl")}
+
+
+def metric_rows(out: Path) -> dict[int, dict]:
+    """step -> record without the timing/memory fields (which differ between runs by nature)."""
+    volatile = {"step_time_s", "samples_per_s", "tokens_per_s", "tflops_per_device", "mfu", "peak_rss_gb",
+                "peak_mem_gb"}
+    return {r["step"]: {k: v for k, v in r.items() if k not in volatile} for r in read_jsonl(out / "metrics.jsonl")}
+
+
+def tag_dir(out: Path, step: int) -> Path:
+    return out / CHECKPOINT_DIR / f"step_{step:08d}"
+
+
+def latest(out: Path) -> Optional[Path]:
+    return read_latest(out / CHECKPOINT_DIR)
+
+
+def module_state(tag: Path) -> dict[str, torch.Tensor]:
+    """Model weights of a ZeRO-1/2 checkpoint tag (DeepSpeed's module state dict)."""
+    return torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+
+
+def send_signal(proc: subprocess.Popen, sig: signal.Signals) -> None:
+    os.kill(proc.pid, sig)
