@@ -33,7 +33,8 @@ from tqdm import tqdm
 
 from data_prep.packing import PACKING_MODES, Packer
 from data_prep.readers import InputError, ReadOptions, Source, check_source, iter_documents, resolve_inputs
-from data_prep.tokenizer_io import LoadedTokenizer, encode_documents, encoder_from_json, load_tokenizer
+from data_prep.encode import DocumentEncoder
+from data_prep.tokenizer_io import LoadedTokenizer, load_tokenizer
 from pipeline.shards import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -69,6 +70,7 @@ class BuildStats:
     replaced_chars: int = 0  # undecodable byte sequences replaced by U+FFFD
     sequences: int = 0
     tokens: int = 0  # non-padding tokens in the sequences, [CLS]/[SEP] included
+    text_tokens: int = 0  # tokens of the documents themselves (no [CLS]/[SEP])
     per_source_raw: list[int] = field(default_factory=list)
     per_source_documents: list[int] = field(default_factory=list)
 
@@ -146,16 +148,16 @@ def _remove_unrecorded(out: Path, keep: set[str]) -> None:
             path.unlink()
 
 
-_WORKER_TOKENIZER = None
+_WORKER_TOKENIZER: DocumentEncoder | None = None
 
 
 def _init_worker(backend_json: str) -> None:
     global _WORKER_TOKENIZER
-    _WORKER_TOKENIZER = encoder_from_json(backend_json)
+    _WORKER_TOKENIZER = DocumentEncoder(backend_json)
 
 
 def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return encode_documents(_WORKER_TOKENIZER, texts)
+    return _WORKER_TOKENIZER.encode(texts)
 
 
 def _chunks(sources: list[Source], options: ReadOptions, skip: int) -> Iterator[list[tuple[int, str, int]]]:
@@ -322,6 +324,7 @@ def build_shards(
                     stats.skipped_empty += 1
                     continue
                 stats.documents += 1
+                stats.text_tokens += int(hi - lo)
                 stats.per_source_documents[source_index] += 1
                 packer.add_document(ids[lo:hi], starts[lo:hi])
                 emit(packer.ready(), bar)
@@ -360,6 +363,7 @@ def build_shards(
         packing=packing,
         stats={
             "documents": stats.documents,
+            "text_tokens": stats.text_tokens,
             "skipped_empty": stats.skipped_empty,
             "replaced_chars": stats.replaced_chars,
             "empty_inputs": sum(1 for raw in stats.per_source_raw if raw == 0),

@@ -1,20 +1,14 @@
 """Load a local tokenizer directory for shard building: special-token ids, vocabulary size, and
-the fast (Rust) tokenizer that does the actual encoding.
+the serialized fast (Rust) tokenizer that `data_prep.encode.DocumentEncoder` encodes with.
 
 Any directory `transformers.AutoTokenizer.from_pretrained(dir)` loads offline works (one made
-by `data_prep.train_tokenizer`, or a downloaded BERT/RoBERTa one). Encoding goes through the
-`tokenizers` object directly, without special tokens (the packer adds `[CLS]`/`[SEP]` itself),
-and with `encode_special_tokens` on so a literal "[SEP]" in the text is tokenized as text,
-never turned into a real separator.
+by `data_prep.train_tokenizer`, or a downloaded BERT/RoBERTa one).
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-from tokenizers import Tokenizer
 
 from pipeline.shards import SPECIAL_TOKEN_NAMES
 
@@ -47,31 +41,3 @@ def load_tokenizer(directory: str | os.PathLike) -> LoadedTokenizer:
     if missing:
         raise ValueError(f"--tokenizer {path}: special tokens {missing} are not defined (need {list(SPECIAL_TOKEN_NAMES)})")
     return LoadedTokenizer(path, {k: int(v) for k, v in ids.items()}, len(hf), backend.to_str())
-
-
-def encoder_from_json(backend_json: str) -> Tokenizer:
-    """A `tokenizers.Tokenizer` configured for packing: no truncation, padding or special tokens."""
-    tokenizer = Tokenizer.from_str(backend_json)
-    tokenizer.no_truncation()
-    tokenizer.no_padding()
-    tokenizer.encode_special_tokens = True
-    return tokenizer
-
-
-def encode_documents(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Tokenize documents; returns (flat ids int64, flat word-start flags uint8, per-document lengths).
-
-    A token starts a word when its pre-tokenizer word index differs from the previous token's;
-    the first token of every document starts a word.
-    """
-    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
-    lengths = np.fromiter((len(e.ids) for e in encodings), dtype=np.int64, count=len(encodings))
-    total = int(lengths.sum())
-    ids = np.fromiter((i for e in encodings for i in e.ids), dtype=np.int64, count=total)
-    words = np.fromiter((-1 if w is None else w for e in encodings for w in e.word_ids), dtype=np.int64, count=total)
-    starts = np.ones(total, dtype=np.uint8)
-    if total > 1:
-        starts[1:] = words[1:] != words[:-1]
-    doc_first = np.cumsum(lengths) - lengths
-    starts[doc_first[lengths > 0]] = 1
-    return ids, starts, lengths

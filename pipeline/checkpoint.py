@@ -8,13 +8,14 @@ Layout of `<output_dir>/checkpoints/`:
       train_state.pt            `TrainState`: step, consumed samples, tokens, guard counters,
                                 objective extra state (CAPT's memory queue)
       pipeline_meta.json        `RunMeta`: config + hashes, encoder/objectives, data, world size
-      COMPLETE.json             written after every rank finished: every file's size
+      COMPLETE.json             written after every rank finished: every file's size and sha256
       universal/                (only after a resume with another rank count or ZeRO stage)
 
-A tag counts only with `COMPLETE.json` and every listed file at its recorded size; `latest` moves
-only after that marker exists, so a crash mid-save leaves the previous checkpoint in charge. A
-partial tag directory is deleted and rewritten when that step is saved again; a complete one is
-never overwritten. The last `keep_last` complete checkpoints are kept.
+A tag counts only with `COMPLETE.json` and every listed file at its recorded size (and, checked
+once before resuming, its sha256: garbage is caught, not only truncation). `latest` moves only
+after that marker exists, so a crash mid-save leaves the previous checkpoint in charge. A partial
+tag directory is deleted and rewritten when that step is saved again; a complete one is never
+overwritten. The last `keep_last` complete checkpoints are kept.
 
 RNG: no generator state needs saving. Sampling in objectives uses per-micro-batch generators
 seeded from (seed, sample index, rank); masking hashes (seed, sample index); the training loop
@@ -105,17 +106,25 @@ def _fsync_tree(directory: Path) -> None:
                 os.fsync(fh.fileno())
 
 
-def _listing(tag_dir: Path) -> dict[str, int]:
-    """Relative path -> size of every file of a tag (the universal sub-directory excluded)."""
+def _listing(tag_dir: Path) -> dict[str, dict]:
+    """Relative path -> {bytes, sha256} of every file of a tag (the universal sub-directory excluded)."""
+    from pipeline.shards import sha256_file
+
     return {
-        p.relative_to(tag_dir).as_posix(): p.stat().st_size
+        p.relative_to(tag_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(tag_dir.rglob("*"))
         if p.is_file() and p.name != COMPLETE_FILE and p.relative_to(tag_dir).parts[0] != UNIVERSAL_TAG
     }
 
 
-def verify_checkpoint(tag_dir: Path) -> dict:
-    """The completeness record of `tag_dir`, or a `CheckpointError` saying what is wrong."""
+def verify_checkpoint(tag_dir: Path, check_hashes: bool = False) -> dict:
+    """The completeness record of `tag_dir`, or a `CheckpointError` saying what is wrong.
+
+    Always checks that every recorded file exists with its recorded size (cheap); with
+    `check_hashes` also its sha256 (reads everything: done once, by rank 0, before resuming).
+    """
+    from pipeline.shards import sha256_file
+
     marker = tag_dir / COMPLETE_FILE
     if not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir}: no such checkpoint directory")
@@ -127,14 +136,17 @@ def verify_checkpoint(tag_dir: Path) -> dict:
         files = record["files"]
     except (json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(f"{marker}: unreadable completeness record ({err}); the checkpoint is corrupt") from err
-    for name, size in files.items():
+    for name, expected in files.items():
         path = tag_dir / name
         if not path.is_file():
             raise CheckpointError(f"{tag_dir}: file {name} listed in {COMPLETE_FILE} is missing; the checkpoint is "
                                   "incomplete")
-        if path.stat().st_size != size:
-            raise CheckpointError(f"{tag_dir}: file {name} has {path.stat().st_size} bytes, {size} were written; the "
-                                  "checkpoint is truncated or corrupt")
+        if path.stat().st_size != expected["bytes"]:
+            raise CheckpointError(f"{tag_dir}: file {name} has {path.stat().st_size} bytes, {expected['bytes']} were "
+                                  "written; the checkpoint is truncated or corrupt")
+        if check_hashes and sha256_file(path) != expected["sha256"]:
+            raise CheckpointError(f"{tag_dir}: file {name} does not match the sha256 recorded when it was written; "
+                                  "the checkpoint is corrupt — resume from an older tag with train.resume=<tag dir>")
     for required in (TRAIN_STATE_FILE, META_FILE):
         if required not in files:
             raise CheckpointError(f"{tag_dir}: {required} missing from the checkpoint")
@@ -171,14 +183,15 @@ def list_tags(root: Path) -> list[tuple[int, Path]]:
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
-def _broadcast_flag(flag: bool) -> bool:
+def _broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every rank (a no-op without a process group)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
-    box = [flag]
+        return value
+    box = [value]
     dist.broadcast_object_list(box, src=0)
-    return bool(box[0])
+    return box[0]
 
 
 def _barrier() -> None:
@@ -201,7 +214,7 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
             else:
                 log.warning("removing partial checkpoint %s before saving it again", tag_dir)
                 shutil.rmtree(tag_dir)
-    if _broadcast_flag(skip):
+    if _broadcast_object(skip):
         log.info("checkpoint %s already complete; not rewritten", tag_dir)
         return tag_dir
     _barrier()
@@ -316,7 +329,17 @@ def ensure_universal(tag_dir: Path, is_main: bool) -> Path:
 
 
 def load_checkpoint(engine: Any, target: ResumeTarget, is_main: bool) -> TrainState:
-    """Load engine + train state (collective). Any failure is a `CheckpointError` naming the tag."""
+    """Verify (rank 0, sha256 of every file) and load engine + train state (collective).
+    Any failure is a `CheckpointError` naming the tag, raised on every rank."""
+    problem = ""
+    if is_main:
+        try:
+            verify_checkpoint(target.tag_dir, check_hashes=True)
+        except CheckpointError as err:
+            problem = str(err)
+    problem = _broadcast_object(problem)
+    if problem:
+        raise CheckpointError(problem)
     load_dir, tag = target.tag_dir.parent, target.tag_dir.name
     if target.universal:
         ensure_universal(target.tag_dir, is_main)

@@ -166,6 +166,9 @@ class TrainConfig:
     """Resume even if the checkpoint's config or data manifest differs (the differences are logged)."""
     max_nonfinite_steps: int = 10
     """Stop with an error after this many consecutive steps with a non-finite loss (each one is skipped)."""
+    deterministic: bool = False
+    """`torch.use_deterministic_algorithms` (e.g. scatter-add gradients in a fixed order): bitwise
+    reproducible runs and resumes; costs little on CPU, can be slower on GPU."""
     progress_bar: bool = True
     """Rank-0 tqdm progress bar."""
     tensorboard: bool = True
@@ -208,6 +211,7 @@ RESUME_IGNORED_FIELDS = (
     "train.resume",
     "train.allow_config_change",
     "train.max_nonfinite_steps",
+    "train.deterministic",
     "train.progress_bar",
     "train.tensorboard",
 )

@@ -4,8 +4,8 @@ CHECKPOINT_DIR is a checkpoint tag directory (it holds `pipeline_meta.json`), a 
 directory with a `latest` pointer, or a run's output directory (`<run>/checkpoints/latest`).
 
 Steps, each failing with a message that names the file at fault and leaving OUT_DIR untouched:
-1. read `pipeline_meta.json` (encoder shape, objectives, special tokens, tokenizer dir) and check
-   the tokenizer before any heavy work;
+1. check the tag is complete (`pipeline.checkpoint.verify_checkpoint`), read `pipeline_meta.json`
+   (encoder shape, objectives, special tokens, tokenizer dir) and the tokenizer before any heavy work;
 2. consolidate the fp32 master weights of every rank with DeepSpeed's own
    `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (ZeRO 1/2/3, any number of ranks,
    CPU only). A checkpoint without ZeRO partitions (stage 0) is read from its single model file;
@@ -40,6 +40,7 @@ from pipeline.hf_export import (
     split_for_hf,
 )
 from pipeline.model import EncoderConfig
+from pipeline.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.run_meta import META_FILE, RunMeta
 
 GENERATOR_SUBDIR = "generator"
@@ -47,32 +48,28 @@ OBJECTIVE_HEADS_FILE = "objective_heads.safetensors"
 SPECIAL_TOKEN_NAMES = ("pad", "cls", "sep", "mask", "unk")
 
 
-class CheckpointError(ValueError):
-    """The checkpoint is missing, incomplete or corrupt (the message names the path)."""
-
-
 def resolve_tag_dir(path: str | os.PathLike) -> Path:
-    """The checkpoint tag directory that `path` designates (follows `latest` pointers)."""
+    """The complete checkpoint tag directory that `path` designates (follows `latest` pointers).
+
+    Completeness is `pipeline.checkpoint.verify_checkpoint`'s: `COMPLETE.json` present and every
+    file every rank wrote at its recorded size, so a partial or truncated save is refused here,
+    before any weights are read.
+    """
     path = Path(path)
-    if not path.exists():
+    if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
-    if (path / META_FILE).is_file():
-        return path
-    for base in (path, path / "checkpoints"):
-        latest = base / "latest"
-        if latest.is_file():
-            tag = latest.read_text().strip()
-            if not tag:
-                raise CheckpointError(f"{latest}: empty 'latest' pointer")
-            tag_dir = base / tag
-            if not tag_dir.is_dir():
-                raise CheckpointError(f"{latest} points to {tag!r}, but {tag_dir} does not exist")
-            if not (tag_dir / META_FILE).is_file():
-                raise CheckpointError(f"{tag_dir}: {META_FILE} missing; the checkpoint is incomplete")
-            return tag_dir
-    raise CheckpointError(
-        f"{path}: neither a checkpoint tag directory (no {META_FILE}) nor a directory with a 'latest' pointer"
-    )
+    looks_like_tag = (path / META_FILE).is_file() or (path / COMPLETE_FILE).is_file() or any(path.glob("*_model_states.pt"))
+    tag_dir: Optional[Path] = path if looks_like_tag else None
+    for root in () if looks_like_tag else (path, path / CHECKPOINT_DIR):
+        tag_dir = read_latest(root)
+        if tag_dir is not None:
+            break
+    if tag_dir is None:
+        raise CheckpointError(
+            f"{path}: neither a checkpoint tag directory (no {META_FILE}) nor a directory with a 'latest' pointer"
+        )
+    verify_checkpoint(tag_dir)
+    return tag_dir
 
 
 def _zero_partitioned(tag_dir: Path) -> bool:
@@ -82,11 +79,12 @@ def _zero_partitioned(tag_dir: Path) -> bool:
 def consolidate_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
     """(full fp32 state dict, description of where it came from) for one checkpoint tag dir."""
     if _zero_partitioned(tag_dir) and not glob.glob(str(tag_dir / "bf16_zero_pp_rank_*")):
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
         try:
-            # DeepSpeed reports progress on stdout; keep our stdout for our own summary.
+            # DeepSpeed logs (from its import on) and reports progress on stdout; keep our stdout
+            # for our own one-line summary.
             with contextlib.redirect_stdout(sys.stderr):
+                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
                 state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
         except Exception as err:  # torch.load / DeepSpeed raise many types for a broken file
             raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {type(err).__name__}: {err}") from err
@@ -170,6 +168,16 @@ def write_export(
             render_model_card(meta, export, tag_dir, source, generator_card=True)
         )
     (directory / "README.md").write_text(render_model_card(meta, export, tag_dir, source, generator_card=False))
+    _make_readable(directory)
+
+
+def _make_readable(directory: Path) -> None:
+    """Plain umask permissions for every file (safetensors writes its files owner-only)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in directory.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _check_out_dir(out_dir: Path, overwrite: bool) -> None:

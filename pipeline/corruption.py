@@ -42,7 +42,7 @@ def hash_uniform(seed: int, sample_index: np.ndarray, stream: int, width: int) -
         base = _mix(np.array([(seed & _MASK64)], dtype=np.uint64) ^ (np.uint64(stream) * _GOLDEN))
         rows = _mix(base ^ np.asarray(sample_index, dtype=np.int64).astype(np.uint64))
         cols = (np.arange(1, width + 1, dtype=np.uint64) * _GOLDEN)[None, :]
-        bits = _mix(_mix(rows[:, None] + cols))
+        bits = _mix(rows[:, None] + cols)  # splitmix64: a Weyl sequence per row, one finaliser
     return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 

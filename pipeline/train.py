@@ -18,13 +18,14 @@ Exit codes: 0 done; 2 bad config or unusable checkpoint (message on stderr, befo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import logging
 import os
 import random
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -141,11 +142,7 @@ def build_model(cfg: RunConfig, plan: RunPlan):
 
 def train(cfg: RunConfig, check_only: bool = False) -> int:
     """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code."""
-    import deepspeed
-
-    from pipeline.corruption import CorruptionCollator
-    from pipeline.data import PretrainBatches, ShardDataset
-    from pipeline.distributed import discover, init_distributed
+    from pipeline.distributed import discover
 
     # ---- 1. everything that can be checked before compute ------------------------------------
     world = discover()
@@ -160,12 +157,40 @@ def train(cfg: RunConfig, check_only: bool = False) -> int:
     if resume_dir is not None:
         target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world.world_size, plan.zero_stage,
                              cfg.train.allow_config_change)
-    with torch.device("meta"):
-        build_model(cfg, plan)  # objective options are validated by the constructors: fail here, cheaply
+    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank, for any world size
+    model = build_model(cfg, plan)  # objective constructors validate their options: fail before compute
     if check_only:
         print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
               f"{'resume from ' + str(resume_dir) if resume_dir else 'fresh start'}")
         return 0
+    with deterministic_algorithms(cfg.train.deterministic):
+        return run_training(cfg, plan, model, target, config_dict)
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool) -> Iterator[None]:
+    """`train.deterministic`: torch's deterministic kernels for the duration of the run."""
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for deterministic matmuls
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def run_training(cfg: RunConfig, plan: RunPlan, model, target: Optional[ResumeTarget], config_dict: dict) -> int:
+    """Phases 2-3 of `train`: ranks, engine, resume, the loop. Returns the exit code."""
+    import deepspeed
+
+    from pipeline.corruption import CorruptionCollator
+    from pipeline.data import PretrainBatches, ShardDataset
+    from pipeline.distributed import init_distributed
+
+    output_dir = Path(cfg.train.output_dir)
+    ckpt_root = output_dir / CHECKPOINT_DIR
+    cuda = torch.cuda.is_available()
 
     # ---- 2. ranks, data, model, engine --------------------------------------------------------
     info = init_distributed()
@@ -176,8 +201,6 @@ def train(cfg: RunConfig, check_only: bool = False) -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dataset = ShardDataset(cfg.data.shards_dir)
 
-    torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank, for any world size
-    model = build_model(cfg, plan)
     model.rank = info.rank
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))

@@ -52,27 +52,68 @@ device_kind() {
     fi
 }
 
-# Launch COMMAND once per task of the allocation, each rank logging to LOG_DIR/rank<R>.log
-# through slurm/run_rank.sh. LAUNCHER=srun (default) or mpirun (MPICH/Open MPI; inside an
-# allocation they start their per-node proxies with srun themselves).
-launch_ranks() {
+# LAUNCH_CMD=(launcher ... run_rank.sh LOG_DIR COMMAND...): COMMAND once per task of the
+# allocation, each rank logging to LOG_DIR/rank<R>.log through slurm/run_rank.sh.
+# LAUNCHER=srun (default) or mpirun (MPICH/Open MPI; inside an allocation they start their
+# per-node proxies with srun themselves). No --kill-on-bad-exit: it would kill ranks that are
+# still writing their part of a preemption checkpoint, and hide their exit codes.
+set_launch_cmd() {
     local log_dir=$1
     shift
     case "${LAUNCHER:-srun}" in
-        srun)
-            srun --kill-on-bad-exit=0 "$CPT_ROOT/slurm/run_rank.sh" "$log_dir" "$@"
-            ;;
-        mpirun)
-            "${MPIRUN:-mpirun}" -np "$SLURM_NTASKS" "$CPT_ROOT/slurm/run_rank.sh" "$log_dir" "$@"
-            ;;
+        srun) LAUNCH_CMD=(srun --kill-on-bad-exit=0) ;;
+        mpirun) LAUNCH_CMD=("${MPIRUN:-mpirun}" -np "${SLURM_NTASKS:-$SLURM_NNODES}") ;;
         *)
             echo "error: LAUNCHER=${LAUNCHER}: expected srun or mpirun" >&2
-            return 2
+            exit 2
             ;;
     esac
+    LAUNCH_CMD+=(bash "$CPT_ROOT/slurm/run_rank.sh" "$log_dir" "$@")
 }
 
-# "requeue" if every one of N ranks wrote exit status CODE in LOG_DIR, else "no".
+# The launcher in the background while this shell waits, so it can act on signals:
+#   USR1 (--signal=B:USR1@SECS before the time limit, or `scancel --batch --signal=USR1`):
+#        passed on to the ranks (srun forwards USR1 to every task; mpirun forwards only TERM),
+#        which checkpoint and exit with the requeue code;
+#   TERM (scancel, or SLURM preempting/requeueing the job itself): passed on the same way, and
+#        remembered in PREEMPT_TERMINATED=1 so the caller does not requeue a cancelled job.
+# Sets LAUNCH_RC to the launcher's exit status.
+run_ranks_preemptible() {
+    PREEMPT_TERMINATED=0
+    LAUNCHER_PID=
+    trap 'forward_signal USR1' USR1
+    trap 'PREEMPT_TERMINATED=1; forward_signal TERM' TERM
+    set_launch_cmd "$@"
+    "${LAUNCH_CMD[@]}" &
+    LAUNCHER_PID=$!
+    # `wait` returns early (status > 128) when a trapped signal arrives; wait again until the
+    # launcher has really exited, then collect its status.
+    while kill -0 "$LAUNCHER_PID" 2>/dev/null; do
+        wait "$LAUNCHER_PID"
+    done
+    wait "$LAUNCHER_PID"
+    LAUNCH_RC=$?
+    trap - USR1 TERM
+}
+
+forward_signal() { # SIGNAL: tell the ranks started by the launcher LAUNCHER_PID
+    local sig=$1
+    [ "${LAUNCHER:-srun}" = mpirun ] && sig=TERM # Hydra/ORTE forward TERM to the ranks, not USR1
+    echo "== $(date '+%F %T') received $1: sending $sig to the ranks (launcher pid ${LAUNCHER_PID:-not started})"
+    [ -n "${LAUNCHER_PID:-}" ] && kill -s "$sig" "$LAUNCHER_PID" 2>/dev/null
+    return 0
+}
+
+# "rank0=75 rank1=1 ..." from LOG_DIR/rank<R>.exit (ranks that wrote none are left out).
+rank_exit_codes() {
+    local f
+    for f in "$1"/rank*.exit; do
+        [ -f "$f" ] && printf '%s=%s ' "$(basename "${f%.exit}")" "$(cat "$f")"
+    done
+    echo
+}
+
+# "yes" if every one of N ranks wrote exit status CODE in LOG_DIR, else "no".
 all_ranks_exited_with() {
     local log_dir=$1 n=$2 code=$3 r
     for ((r = 0; r < n; r++)); do

@@ -130,7 +130,7 @@ def softmax_xent_rows(
     if rows == 0:
         return
     corrective = copy_prob is not None
-    block_v = min(4096, triton.next_power_of_2(vocab))
+    block_v, warps = rows_launch_config(vocab)
     out = z if grad is None else grad
     _softmax_xent_rows_kernel[(rows,)](
         z, z.stride(0), out, out.stride(0),
@@ -140,8 +140,14 @@ def softmax_xent_rows(
         loss_rows, inv_count,
         vocab, ignore_index, COPY_PROB_MAX,
         HAS_BIAS=bias is not None, CORRECTIVE=corrective, WRITE_GRAD=grad is not None,
-        BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+        BLOCK_V=block_v, num_warps=warps,
     )
+
+
+def rows_launch_config(vocab: int) -> tuple[int, int]:
+    """(BLOCK_V, num_warps) of the row kernel: 4096-wide tiles, 16 fp32 per thread at 8 warps."""
+    block_v = min(4096, triton.next_power_of_2(vocab))
+    return block_v, 8 if block_v >= 2048 else 4
 
 
 def chunk_rows_for(vocab: int, rows: int) -> int:
@@ -167,6 +173,20 @@ def _mm_fp32_out_supported(device: torch.device) -> bool:
 
 def _mm(a: Tensor, b: Tensor, fp32_out: bool) -> Tensor:
     return torch.mm(a, b, out_dtype=torch.float32) if fp32_out else torch.mm(a, b)
+
+
+def _add_mm_fp32(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """acc + a @ b for low-precision a, b and an fp32 acc: one fused cuBLAS call where `addmm`
+    takes out_dtype, else a separate product and add."""
+    key = f"addmm:{acc.device}"
+    if _MM_OUT_DTYPE_OK.get(key, True):
+        try:
+            out = torch.addmm(acc, a, b, out_dtype=torch.float32)
+            _MM_OUT_DTYPE_OK[key] = True
+            return out
+        except (TypeError, RuntimeError, NotImplementedError):
+            _MM_OUT_DTYPE_OK[key] = False
+    return acc.add_(torch.mm(a, b, out_dtype=torch.float32))
 
 
 def _fused_forward(
@@ -225,7 +245,7 @@ def _fused_forward(
             d_hidden[start:stop] = _mm(grad, w_mat, low_precision)
         if want_w:
             if low_precision:
-                d_weight = torch.addmm(d_weight, grad.t(), h, out_dtype=torch.float32)
+                d_weight = _add_mm_fp32(d_weight, grad.t(), h)
             else:
                 d_weight.addmm_(grad.t(), h)
         if want_b:
@@ -239,8 +259,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Loss forward; the gradients come from the forward pass and are scaled by grad_output."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, copy_prob, corrupted_ids):
-        needs = ctx.needs_input_grad
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, copy_prob, corrupted_ids, grad_enabled):
+        # needs_input_grad stays True under torch.no_grad(); grad_enabled (taken by the caller) does not.
+        needs = [grad_enabled and n for n in ctx.needs_input_grad]
         want = (needs[0], needs[1], bias is not None and needs[2])
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             loss, dh, dw, db = _fused_forward(
@@ -257,7 +278,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         grads = []
         for g, dtype in zip((dh, dw, db), ctx.dtypes):
             grads.append(None if g is None else (g * grad_loss).to(dtype))
-        return grads[0], grads[1], grads[2], None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None
 
 
 def _check_rows(name: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], **per_row: Tensor) -> None:
@@ -276,7 +297,7 @@ def linear_cross_entropy(
     """Fused `functional.linear_cross_entropy`: mean over non-ignored rows of
     -log softmax(W h_n + b)_{t_n}, 0 when every row is ignored. Targets must lie in [0, V)."""
     _check_rows("linear_cross_entropy", hidden, weight, bias, targets=targets)
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, None, None)
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, None, None, torch.is_grad_enabled())
 
 
 def corrective_lm_loss(
@@ -287,7 +308,8 @@ def corrective_lm_loss(
     [0, COPY_PROB_MAX]; copy_prob gets no gradient."""
     _check_rows("corrective_lm_loss", hidden, weight, bias, copy_prob=copy_prob, corrupted_ids=corrupted_ids, targets=targets)
     return _FusedLinearCrossEntropy.apply(
-        hidden, weight, bias, targets.contiguous(), -1, copy_prob.detach().contiguous(), corrupted_ids.contiguous()
+        hidden, weight, bias, targets.contiguous(), -1, copy_prob.detach().contiguous(), corrupted_ids.contiguous(),
+        torch.is_grad_enabled(),
     )
 
 

@@ -35,6 +35,11 @@ from pipeline.kernels.linear_cross_entropy import softmax_xent_rows
 from pipeline.kernels.token_contrastive import NORM_EPS
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
+#: (BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of the score tiles and (BLOCK_M, BLOCK_K, BLOCK_D, num_warps)
+#: of the gradient matmuls. Chosen from ptxas reports for sm_90 (no register spills, 154-192
+#: registers) - not tuned by timing, which needs a GPU.
+SCORE_BLOCKS = (64, 64, 32, 4)
+MATMUL_BLOCKS = (64, 32, 64, 4)
 
 
 @triton.jit
@@ -68,13 +73,16 @@ def _scores_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m, in_n = offs_m < R, offs_n < NC
+    offs_d = tl.arange(0, BLOCK_D)
+    x_tile = x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_d[None, :]
+    y_tile = y_ptr + offs_n[None, :].to(tl.int64) * stride_y + offs_d[:, None]  # [BLOCK_D, BLOCK_N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        in_d = offs_d < D
-        xa = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_d[None, :], mask=in_m[:, None] & in_d[None, :], other=0.0)
-        yb = tl.load(y_ptr + offs_n[:, None].to(tl.int64) * stride_y + offs_d[None, :], mask=in_n[:, None] & in_d[None, :], other=0.0)
-        acc = tl.dot(xa, tl.trans(yb), acc, input_precision=PRECISION)
+        xa = tl.load(x_tile, mask=in_m[:, None] & (offs_d[None, :] < D - d0), other=0.0)
+        yb = tl.load(y_tile, mask=in_n[None, :] & (offs_d[:, None] < D - d0), other=0.0)
+        acc = tl.dot(xa, yb, acc, input_precision=PRECISION)
+        x_tile += BLOCK_D
+        y_tile += BLOCK_D
     ix = _inv_norm(tl.load(x_norm_ptr + offs_m, mask=in_m, other=1.0), eps, NORMALIZE)
     iy = _inv_norm(tl.load(y_norm_ptr + offs_n, mask=in_n, other=1.0), eps, NORMALIZE)
     s = acc * (ix * inv_tau)[:, None] * iy[None, :]
@@ -169,14 +177,14 @@ def _accumulate(out: Tensor, a: Tensor, stride_am: int, stride_ak: int, m: int, 
     if m == 0 or k == 0:
         return
     d = out.shape[1]
-    block_m, block_k, block_d = 64, 32, 64
+    block_m, block_k, block_d, warps = MATMUL_BLOCKS
     grid_mn = triton.cdiv(m, block_m) * triton.cdiv(d, block_d)
     per, splits = _split_k(k, grid_mn, block_k)
     _scaled_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(d, block_d), splits)](
         a, stride_am, stride_ak, k_norms, b, b.stride(0), out, out.stride(0),
         m, k, d, per, inv_tau, NORM_EPS,
         NORMALIZE=normalize, SPLIT_HI_LO=b.dtype in _LOW_PRECISION, PRECISION=_precision(b.dtype, b.device),
-        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=4,
+        BLOCK_M=block_m, BLOCK_K=block_k, BLOCK_D=block_d, num_warps=warps,
     )
 
 
@@ -184,12 +192,12 @@ def _fill_scores(scores: Tensor, x: Tensor, x_norms: Tensor, rows: int, y: Tenso
                  col_offset: int, batch: int, inv_tau: float, batch_cols: bool, same_view: bool, normalize: bool) -> None:
     if y.shape[0] == 0 or rows == 0:
         return
-    block_m, block_n, block_d = 64, 64, 64
+    block_m, block_n, block_d, warps = SCORE_BLOCKS
     _scores_kernel[(triton.cdiv(rows, block_m), triton.cdiv(y.shape[0], block_n))](
         x, x.stride(0), x_norms, y, y.stride(0), y_norms, scores, scores.stride(0), col_offset,
         rows, y.shape[0], x.shape[1], batch, inv_tau, NORM_EPS,
         BATCH_COLS=batch_cols, SAME_VIEW=same_view, NORMALIZE=normalize, PRECISION=_precision(x.dtype, x.device),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=3,
     )
 
 
@@ -197,7 +205,9 @@ def _forward_and_grads(a: Tensor, b: Tensor, tau: float, queue: Optional[Tensor]
                        symmetric: bool, same_view: bool, want_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
     """Loss and the fp32 gradient with respect to X = [a; b] (None unless want_grad)."""
     batch, dim = a.shape
-    dtype = a.dtype if queue is None else torch.promote_types(a.dtype, queue.dtype)
+    dtype = torch.promote_types(a.dtype, b.dtype)
+    if queue is not None:
+        dtype = torch.promote_types(dtype, queue.dtype)  # a bf16 batch against CAPT's fp32 queue: fp32
     x = torch.cat([a, b]).to(dtype).contiguous()
     q = None if queue is None else queue.detach().to(dtype).contiguous()
     rows = 2 * batch if symmetric else batch
@@ -236,8 +246,9 @@ def _forward_and_grads(a: Tensor, b: Tensor, tau: float, queue: Optional[Tensor]
 
 class _SequenceInfoNCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, tau, queue, normalize, symmetric, same_view_negatives):
-        want = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+    def forward(ctx, a, b, tau, queue, normalize, symmetric, same_view_negatives, grad_enabled):
+        # needs_input_grad stays True under torch.no_grad(); grad_enabled (taken by the caller) does not.
+        want = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         loss, d_x = _forward_and_grads(a, b, tau, queue, normalize, symmetric, same_view_negatives, want)
         ctx.dtypes = (a.dtype, b.dtype)
         ctx.batch = a.shape[0]
@@ -248,10 +259,10 @@ class _SequenceInfoNCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         (d_x,) = ctx.saved_tensors
         if d_x is None:
-            return (None,) * 7
+            return (None,) * 8
         d_x = d_x * grad_loss
         da, db = d_x[: ctx.batch].to(ctx.dtypes[0]), d_x[ctx.batch:].to(ctx.dtypes[1])
-        return da, db, None, None, None, None, None
+        return da, db, None, None, None, None, None, None
 
 
 def sequence_contrastive_loss(
@@ -274,4 +285,5 @@ def sequence_contrastive_loss(
         raise ValueError(f"sequence_contrastive_loss: tau must be positive, got {tau}")
     if a.shape[0] == 0:  # nothing to contrast: a graph-connected zero, like the reference
         return (a.sum() + b.sum()).float() * 0.0
-    return _SequenceInfoNCE.apply(a, b, float(tau), queue, normalize, symmetric, same_view_negatives)
+    return _SequenceInfoNCE.apply(a, b, float(tau), queue, normalize, symmetric, same_view_negatives,
+                                  torch.is_grad_enabled())

@@ -60,7 +60,10 @@ def _gathered_forward_kernel(
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     in_h = offs_h < H
-    a_row = tl.load(anchor_idx_ptr + n) if HAS_ANCHOR_IDX else n
+    if HAS_ANCHOR_IDX:
+        a_row = tl.load(anchor_idx_ptr + n)
+    else:
+        a_row = n
     a = tl.load(x_ptr + a_row * stride_x + offs_h, mask=in_h, other=0.0).to(tl.float32)
     a_sq = tl.sum(a * a, axis=0)
     ia = _unit_scale(a_sq, eps, NORMALIZE)
@@ -133,7 +136,10 @@ def _gathered_candidate_grad_kernel(
     n = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     in_h = offs_h < H
-    a_row = tl.load(anchor_idx_ptr + n) if HAS_ANCHOR_IDX else n
+    if HAS_ANCHOR_IDX:
+        a_row = tl.load(anchor_idx_ptr + n)
+    else:
+        a_row = n
     a = tl.load(x_ptr + a_row * stride_x + offs_h, mask=in_h, other=0.0).to(tl.float32)
     a_hat = a * _unit_scale(tl.sum(a * a, axis=0), eps, NORMALIZE)
     lse = tl.load(lse_ptr + n)
@@ -179,9 +185,10 @@ class _GatheredInfoNCE(torch.autograd.Function):
     """mean_n [logsumexp_k s_nk - s_n0] with s_nk = scale * <x^_{a_n}, y^_{c_nk}> + bias_{c_nk}."""
 
     @staticmethod
-    def forward(ctx, x, y, bias, anchor_idx, candidates, scale, normalize, mask_duplicates, candidate_grad):
+    def forward(ctx, x, y, bias, anchor_idx, candidates, scale, normalize, mask_duplicates, candidate_grad, grad_enabled):
         shared = x is y
-        needs = ctx.needs_input_grad
+        # needs_input_grad stays True under torch.no_grad(); grad_enabled (taken by the caller) does not.
+        needs = [grad_enabled and n for n in ctx.needs_input_grad]
         want_x = needs[0] or (shared and needs[1])
         want_y = candidate_grad and (needs[0] if shared else needs[1])
         want_b = candidate_grad and bias is not None and needs[2]
@@ -217,14 +224,14 @@ class _GatheredInfoNCE(torch.autograd.Function):
                 )
         ctx.shared = shared
         ctx.dtypes = (x.dtype, y.dtype, None if bias is None else bias.dtype)
-        ctx.save_for_backward(dx if want_x or shared else None, None if shared else dy, db)
+        ctx.save_for_backward(dx, None if shared else dy, db)  # shared: dx already holds both parts
         return (loss_rows.sum() * inv_count).reshape(())
 
     @staticmethod
     def backward(ctx, grad_loss):
         dx, dy, db = ctx.saved_tensors
         out = [None if g is None else (g * grad_loss).to(dt) for g, dt in zip((dx, dy, db), ctx.dtypes)]
-        return out[0], out[1], out[2], None, None, None, None, None, None
+        return out[0], out[1], out[2], None, None, None, None, None, None, None
 
 
 def gathered_infonce(
@@ -253,7 +260,8 @@ def gathered_infonce(
     if x.shape[1] != y.shape[1]:
         raise ValueError(f"anchor rows have {x.shape[1]} features, candidate rows {y.shape[1]}")
     return _GatheredInfoNCE.apply(
-        x, y, bias, anchor_idx, candidates, float(scale), normalize, mask_duplicates, candidate_grad
+        x, y, bias, anchor_idx, candidates, float(scale), normalize, mask_duplicates, candidate_grad,
+        torch.is_grad_enabled(),
     )
 
 

@@ -41,6 +41,15 @@ def _content_rows(directory: Path) -> list[np.ndarray]:
     return [s.input_ids[i, 1 : s.length[i] - 1].astype(np.int64) for s in shards for i in range(len(s.length))]
 
 
+def _word_starts_rows(directory: Path) -> list[np.ndarray]:
+    shards = ShardDataset(directory)._open()
+    return [s.word_starts[i, 1 : s.length[i] - 1] for s in shards for i in range(len(s.length))]
+
+
+def _expected_word_starts(word_ids: list[int]) -> list[int]:
+    return [1] + [int(b != a) for a, b in zip(word_ids, word_ids[1:])]
+
+
 def _build(inputs, tokenizer, out, **kwargs):
     kwargs.setdefault("seq_len", TINY_SEQ_LEN)
     kwargs.setdefault("shard_size_mb", TINY_SHARD_MB)
@@ -63,6 +72,15 @@ def test_round_trip_equals_direct_tokenization(tmp_path: Path, tiny_tokenizer_di
             got += next(rows).tolist()
         assert got == expected
     assert next(rows, None) is None
+    # Word starts agree with the tokenizer's own word segmentation (pre-tokenizer word ids).
+    starts = np.concatenate(_word_starts_rows(tmp_path / "doc")).tolist()
+    expected_starts = [s for d in docs for s in _expected_word_starts(tok(d, add_special_tokens=False).word_ids())]
+    # A document longer than one row restarts a word at each row boundary; compare elsewhere.
+    row_firsts = np.cumsum([0] + [len(r) for r in _word_starts_rows(tmp_path / "doc")])[:-1]
+    keep = np.ones(len(starts), dtype=bool)
+    keep[row_firsts] = False
+    assert np.array_equal(np.array(starts)[keep], np.array(expected_starts)[keep])
+    assert all(r[0] == 1 for r in _word_starts_rows(tmp_path / "doc"))
 
     # FULL-SENTENCES: the concatenated stream, without separators, is every document in order;
     # every row but the last is completely full.
@@ -277,3 +295,17 @@ def test_help_texts(module: str) -> None:
     if module == "data_prep.build_shards":
         for flag in ("--input", "--tokenizer", "--seq-len", "--out", "--num-proc", "--packing", "--text-field", "--doc-per-line"):
             assert flag in result.stdout
+
+
+def test_bpe_tokenizer_shards_store_pre_tokenizer_word_starts(tmp_path: Path, tiny_corpus_file: Path) -> None:
+    from data_prep.train_tokenizer import train_tokenizer
+
+    tok_dir = train_tokenizer([tiny_corpus_file], tmp_path / "bpe", kind="bpe", vocab_size=400, progress=False)
+    docs = _docs()[:2]
+    manifest = _build([write_corpus(tmp_path / "d.txt", docs)], tok_dir, tmp_path / "out", packing="doc", seq_len=16384)
+    assert manifest.special_tokens["cls"] == 0 and manifest.special_tokens["pad"] == 1
+    tok = AutoTokenizer.from_pretrained(str(tok_dir))
+    for doc, ids, starts in zip(docs, _content_rows(tmp_path / "out"), _word_starts_rows(tmp_path / "out")):
+        encoded = tok(doc, add_special_tokens=False)
+        assert ids.tolist() == encoded["input_ids"]
+        assert starts.tolist() == _expected_word_starts(encoded.word_ids())

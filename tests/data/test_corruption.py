@@ -12,21 +12,19 @@ VOCAB = 1000
 
 
 def synthetic_rows(batch: int = 512, length: int = 128, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Packed-looking rows: [CLS] doc [SEP] doc [SEP] [PAD]..., words of 1-3 sub-tokens (mean 1.3,
-    about what an English WordPiece vocabulary gives)."""
+    """Packed-looking rows: [CLS] doc [SEP] doc [SEP] [PAD]..., geometric word lengths with mean 1.3
+    sub-tokens (about what an English WordPiece vocabulary gives)."""
     rng = np.random.default_rng(seed)
-    ids = np.full((batch, length), SPECIALS["pad"], dtype=np.uint16)
-    starts = np.zeros((batch, length), dtype=np.uint8)
-    for i in range(batch):
-        used = length if i % 3 else int(rng.integers(length // 2, length))
-        ids[i, 1 : used - 1] = rng.integers(5, VOCAB, used - 2)
-        ids[i, 0], ids[i, used - 1] = SPECIALS["cls"], SPECIALS["sep"]
-        if i % 2:
-            ids[i, int(rng.integers(10, used - 10))] = SPECIALS["sep"]  # a document boundary inside the row
-        pos = 1
-        while pos < used - 1:
-            starts[i, pos] = 1
-            pos += int(rng.choice([1, 2, 3], p=[0.75, 0.2, 0.05]))
+    used = np.where(np.arange(batch) % 3 == 0, rng.integers(length // 2, length, batch), length)
+    cols = np.arange(length)[None, :]
+    content = (cols >= 1) & (cols < used[:, None] - 1)
+    ids = np.where(content, rng.integers(5, VOCAB, (batch, length)), SPECIALS["pad"]).astype(np.uint16)
+    ids[:, 0] = SPECIALS["cls"]
+    ids[np.arange(batch), used - 1] = SPECIALS["sep"]
+    inner = np.flatnonzero(np.arange(batch) % 2)
+    ids[inner, rng.integers(10, used[inner] - 10)] = SPECIALS["sep"]  # a document boundary inside the row
+    starts = (content & (rng.random((batch, length)) < 1 / 1.3)).astype(np.uint8)
+    starts[:, 1] = 1
     return ids, starts
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 import torch
 
@@ -36,7 +37,9 @@ def test_dataset_is_memory_mapped_and_matches_manifest(tiny_shards_dir: Path) ->
     ds = ShardDataset(tiny_shards_dir)
     manifest = read_manifest(tiny_shards_dir)
     assert len(ds) == manifest.total_sequences
+    allocated = pa.total_allocated_bytes()
     first = ds._open()[0]
+    assert pa.total_allocated_bytes() == allocated  # opening every shard copies nothing into memory
     assert not first.input_ids.flags.owndata and first.input_ids.dtype == np.uint16  # a view into the mapped file
     row = ds[len(ds) - 1]
     assert row["input_ids"].shape == row["word_starts"].shape == (manifest.seq_len,)

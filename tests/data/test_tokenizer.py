@@ -47,3 +47,47 @@ def test_cli_reports_missing_input_and_no_documents(tmp_path: Path, capsys: pyte
 def test_load_tokenizer_rejects_directory_without_tokenizer(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--tokenizer .*cannot be loaded"):
         load_tokenizer(tmp_path)
+
+
+TRICKY_DOCUMENTS = [
+    "Plain ASCII, with punctuation: don't stop-words (3.14)!",
+    "Tabs\tand\r\nline breaks\x0bvertical\x0cfeed, NUL\x00inside and a DEL\x7fcharacter, bell\x07.",
+    "Dashes – and — quotes ’ ” degrees 25 °C, pounds £5, primes 5′ 3″.",
+    "Accents: Café, naïve, Ångström, ÉCOLE, résumé; İstanbul; Straße.",
+    "Greek: ΟΔΥΣΣΕΥΣ ends in a final sigma, ΣΟΦΙΑ starts with one; αβγ.",
+    "CJK 中文字符 mixed with Latin, and Japanese かな.",
+    "Invisible: zero\u200bwidth, no\u00a0break space, soft\u00adhyphen, combining e\u0301 mark.",
+    "Emoji 😀 and symbols ♭ ♯ ∑ ∫ → ← ✓.",
+    "A literal [SEP] and [MASK] in the text are text, not special tokens.",
+    "",
+]
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe"])
+def test_document_encoder_matches_the_tokenizer_exactly(tmp_path: Path, tiny_corpus_file: Path, kind: str) -> None:
+    from data_prep.encode import DocumentEncoder
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(tiny_corpus_file.read_text() + "\n\n" + "\n\n".join(TRICKY_DOCUMENTS * 3))
+    out = train_tokenizer([corpus], tmp_path / kind, kind=kind, vocab_size=700, progress=False)
+    loaded = load_tokenizer(out)
+    encoder = DocumentEncoder(loaded.backend_json)
+    assert encoder.fast == (kind == "wordpiece")  # the fast path is BERT WordPiece only
+    texts = TRICKY_DOCUMENTS + [t.upper() for t in TRICKY_DOCUMENTS] + [" ".join(TRICKY_DOCUMENTS)]
+    ids, starts, lengths = encoder.encode(texts)
+    reference = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    offset = 0
+    for text, length in zip(texts, lengths):
+        encoded = reference(text, add_special_tokens=False)
+        expected_ids = encoded["input_ids"]
+        if "[SEP]" in text:  # the reference splits literal special tokens out; the encoder must not
+            assert loaded.special_tokens["sep"] not in ids[offset : offset + length].tolist()
+        else:
+            assert ids[offset : offset + length].tolist() == expected_ids, text
+            words = encoded.word_ids()
+            expected_starts = [1] + [int(b != a) for a, b in zip(words, words[1:])] if words else []
+            assert starts[offset : offset + length].tolist() == expected_starts, text
+        offset += length
+    if kind == "wordpiece":  # most of these documents are not "plain": they must take the full path
+        assert not encoder.is_plain(TRICKY_DOCUMENTS[3]) and not encoder.is_plain(TRICKY_DOCUMENTS[4])
+        assert encoder.is_plain(TRICKY_DOCUMENTS[1]) and encoder.is_plain(TRICKY_DOCUMENTS[2])

@@ -45,3 +45,16 @@ def test_unknown_mode_and_missing_kernel_are_refused():
         kernels.get_op("linear_cross_entropy", "cuda")
     with pytest.raises(KeyError, match="no Triton kernel exists for 'copy_loss'"):
         kernels.get_op("copy_loss", "triton")
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_no_grad_calls_give_the_same_loss(name, device):
+    from benchmarks.bench_kernels import SHAPES, build_case
+
+    args, _, kwargs = build_case(name, SHAPES["small"], device, torch.float32)
+    args = [a.requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() and a.dim() == 2 else a for a in args]
+    kernel = kernels.get_op(name, "triton")
+    with torch.no_grad():
+        loss = kernel(*args, **kwargs)
+    assert loss.grad_fn is None
+    torch.testing.assert_close(loss, getattr(functional, name)(*args, **kwargs).detach(), rtol=1e-4, atol=1e-6)

@@ -75,3 +75,12 @@ def test_bad_shapes_and_temperature(device):
         fused.sequence_contrastive_loss(a, b, 0.1, q[:, :7])
     with pytest.raises(ValueError, match="tau must be positive"):
         fused.sequence_contrastive_loss(a, b, 0.0)
+
+
+def test_mixed_dtypes_compute_in_the_widest(device):
+    a, b, q = make(device, seed=5)
+    a16 = a.to(torch.bfloat16)
+    _, grads = assert_matches(lambda x, y: ref.sequence_contrastive_loss(x, y, 0.1, q),
+                              lambda x, y: fused.sequence_contrastive_loss(x, y, 0.1, q), [a16, b], [0, 1],
+                              rtol=8e-3, atol=1e-5)  # a's gradient is rounded to bf16 on both sides
+    assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32

@@ -18,7 +18,7 @@ from tests.slurm.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.slurm
 
-TOTAL_STEPS = 40
+TOTAL_STEPS = 24
 GLOBAL_BATCH = 8  # tiny-mlm: 8 sequences per step = micro 4 x accum 1 x 2 ranks
 
 
@@ -34,7 +34,7 @@ def _submit(cluster: SlurmCluster, env: dict[str, str], *flags: str) -> str:
 def _env(run_dir: Path, shards: Path, extra: str = "", **more: str) -> dict[str, str]:
     overrides = (
         f"data.shards_dir={shards} deepspeed.config=zero2 train.total_steps={TOTAL_STEPS} "
-        f"train.checkpoint_every=10 train.tensorboard=false {extra}"
+        f"train.checkpoint_every=8 train.tensorboard=false {extra}"
     )
     return {"CONFIG": "tiny-mlm", "OUTPUT_DIR": str(run_dir), "OVERRIDES": overrides, "PYTHON": sys.executable, **more}
 
@@ -89,30 +89,35 @@ def test_two_node_zero2_job_finishes_with_a_valid_checkpoint(reference_run: Run)
     for rank in (0, 1):
         rank_log = (run.dir / "logs" / run.job / f"rank{rank}.log").read_text()
         assert f"rank {rank} exit 0" in rank_log
-    assert "step 40/40" in (run.dir / "logs" / run.job / "rank0.log").read_text()
+    assert f"step {TOTAL_STEPS}/{TOTAL_STEPS}" in (run.dir / "logs" / run.job / "rank0.log").read_text()
     steps = [m["step"] for m in _metrics(run.dir)]
     assert steps == list(range(1, TOTAL_STEPS + 1))
 
 
+@pytest.mark.parametrize("launcher", ["srun", "mpirun"])
 def test_preempted_job_requeues_and_ends_like_the_uninterrupted_one(
-    slurm_cluster: SlurmCluster, reference_run: Run, tiny_shards_dir: Path, tmp_path: Path
+    slurm_cluster: SlurmCluster, reference_run: Run, tiny_shards_dir: Path, tmp_path: Path, launcher: str
 ) -> None:
-    """SIGUSR1 mid-run (what --signal sends before the time limit): checkpoint, exit 75, the script
-    requeues the job, the second run resumes; step, consumed samples and every logged loss match."""
+    """SIGUSR1 to the batch script mid-run (what --signal=B:USR1@SECS sends before the time limit):
+    the ranks checkpoint and exit 75, the script requeues the job, the second run resumes; step,
+    consumed samples and every logged loss match the uninterrupted srun run. Under mpirun the
+    script passes the signal on as SIGTERM (what Hydra forwards to the ranks)."""
     run_dir = tmp_path / "preempted"
-    job = _submit(slurm_cluster, _env(run_dir, tiny_shards_dir), "--nodes=2", "--ntasks-per-node=1")
+    env = _env(run_dir, tiny_shards_dir, LAUNCHER=launcher)
+    job = _submit(slurm_cluster, env, "--nodes=2", "--ntasks-per-node=1")
     deadline = time.monotonic() + 120
     while not any(m["step"] >= 3 for m in _metrics(run_dir)):
         assert time.monotonic() < deadline, _job_log(run_dir, job)
         assert slurm_cluster.job_fields(job).get("JobState") in {"PENDING", "RUNNING", "CONFIGURING"}, _job_log(run_dir, job)
         time.sleep(0.2)
-    signalled = slurm_cluster.run(["scancel", "--signal=USR1", job], check=False)
+    signalled = slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job], check=False)
     assert signalled.returncode == 0, signalled.stderr
     result = slurm_cluster.wait_job(job, timeout_s=240)
     log = _job_log(run_dir, job)
     assert (result.state, result.exit_code, result.restarts) == ("COMPLETED", 0, 1), log
     job_log = (run_dir / "logs" / f"cpt-pretrain-{job}.out").read_text()
-    assert "requeueing job" in job_log and "restart 1" in job_log
+    assert f"received USR1: sending {'USR1' if launcher == 'srun' else 'TERM'} to the ranks" in job_log
+    assert "requeueing job" in job_log and "restart 1" in job_log and f"launcher {launcher}" in job_log
     for rank in (0, 1):  # both ranks exited with the requeue code in the first run, 0 in the second
         rank_log = (run_dir / "logs" / job / f"rank{rank}.log").read_text()
         assert f"rank {rank} exit {REQUEUE_EXIT_CODE}" in rank_log and f"rank {rank} exit 0" in rank_log

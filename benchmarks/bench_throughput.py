@@ -1,0 +1,309 @@
+"""Throughput of every objective against MLM: tokens/s, step time, MFU, peak memory, overhead ratio.
+
+For each objective x model size x sequence length x ZeRO stage x precision, this runs the real
+training command (`python -m pipeline.train`, DeepSpeed engine, the objective's `tiny-<objective>`
+preset for the objective weights) for `--warmup + --steps` steps in a fresh process, then reads
+its `metrics.jsonl`: step time, tokens/s, MFU (from `pipeline.metrics`' FLOP counter) and peak
+memory are the training loop's own measurements, taken over the steps after the warm-up. A fresh
+process per configuration keeps peak memory per configuration and lets one failure (say, out of
+memory) be recorded while the sweep goes on. MLM is measured in the same invocation, so
+`overhead_vs_mlm = step time / MLM's step time` compares runs taken side by side.
+
+    python benchmarks/bench_throughput.py --objectives mlm,taco,capt,cocolm,infoword --sizes tiny \\
+        --seq-lens 128 --zero 1 --precision fp32 --steps 10 --out benchmarks/results/cpu
+    python benchmarks/bench_throughput.py --sizes large --seq-lens 128,512 --precision bf16 \\
+        --micro-batch 32 --options paper --out results/h100            # one GPU, synthetic data
+
+Data: `--shards DIR` (repeatable; one directory per sequence length, e.g. built by
+`data_prep.build_shards`), otherwise synthetic shards (`benchmarks/synthetic_shards.py`,
+vocabulary `--vocab-size`) written under `<out>/data/` - speed does not depend on token values.
+
+Objective options: `--options tiny` keeps the tiny presets' small settings (TACO 8 negatives,
+CAPT queue 64, ...: quick CPU runs); `--options paper` uses each objective's defaults, which are
+the papers' (TACO K=50, CAPT queue 8192, COCO-LM generator depth, ...). `--set key=value` adds any
+training override to every run.
+
+Multi-rank / multi-node (the SLURM sweep, `slurm/bench.sbatch`): `--launcher` replaces `python`
+in the training command, e.g. `--launcher "torchrun --nproc_per_node 2"` or
+`--launcher "srun --ntasks-per-node 8 slurm/run_rank.sh LOGDIR python3"`; `--world-size` (default
+`$SLURM_NTASKS` or 1) sets the global batch to micro x world size (weak scaling), `--nodes`
+(default `$SLURM_JOB_NUM_NODES` or 1) is recorded for `benchmarks/scaling.py`, which turns the
+JSON files of several node counts into scaling efficiency.
+
+Output: `<out>/throughput.json`, `throughput.md` and PNG bar charts (tokens/s, overhead vs MLM,
+and MFU when measured), with hardware and library versions.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.report import bar_chart, write_report  # noqa: E402
+
+OPTIONS_MODES = ("tiny", "paper")
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One measured configuration."""
+
+    objective: str
+    preset: str  # model size preset (pipeline.model.SIZE_PRESETS)
+    seq_len: int
+    zero: int
+    precision: str
+    micro_batch: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.objective}-{self.preset}-L{self.seq_len}-z{self.zero}-{self.precision}-mb{self.micro_batch}"
+
+
+def parse_list(text: str, kind: type = str) -> list:
+    """`"a,b"` -> `["a", "b"]` (converted with `kind`); a clear error names the bad item."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise ValueError(f"empty list {text!r}")
+    try:
+        return [kind(t) for t in items]
+    except ValueError as err:
+        raise ValueError(f"{text!r}: {err}") from err
+
+
+def train_overrides(case: BenchCase, shards_dir: Path, run_dir: Path, steps: int, world_size: int,
+                    options: str, extra: Sequence[str]) -> list[str]:
+    """Dotted overrides of `pipeline.train` for one case (on top of the `tiny-<objective>` preset)."""
+    overrides = [
+        f"model.size={case.preset}", f"data.shards_dir={shards_dir}", f"data.seq_len={case.seq_len}",
+        f"data.micro_batch_size={case.micro_batch}", f"data.global_batch_size={case.micro_batch * world_size}",
+        f"deepspeed.config=zero{case.zero}", f"deepspeed.precision={case.precision}",
+        f"train.total_steps={steps}", "train.log_every=1", f"train.checkpoint_every={steps}",
+        "train.keep_last=1", "train.resume=never", "train.tensorboard=false", "train.progress_bar=false",
+        f"train.output_dir={run_dir}",
+    ]
+    if options == "paper":
+        overrides.append("objective_options={}")
+    return overrides + list(extra)
+
+
+def summarize_records(records: Sequence[dict], warmup: int) -> dict:
+    """Throughput numbers from a run's metrics records, over the steps after `warmup`.
+
+    Step time is the median (robust to one slow step, e.g. a garbage collection); tokens/s is
+    total tokens over total time of the measured steps; MFU and TFLOP/s are their means; memory is
+    the peak at the end (accelerator memory allocated, or the process's peak RSS on CPU).
+    """
+    measured = [r for r in records if r.get("step", 0) > warmup and "step_time_s" in r]
+    if not measured:
+        raise ValueError(f"no metrics after the {warmup} warm-up steps (run too short?)")
+    times = [r["step_time_s"] for r in measured]
+    tokens = [r["tokens_per_s"] * r["step_time_s"] for r in measured]
+    out = {
+        "measured_steps": len(measured),
+        "step_time_s": statistics.median(times),
+        "tokens_per_s": sum(tokens) / sum(times),
+        "samples_per_s": statistics.fmean(r["samples_per_s"] for r in measured),
+        "tflops_per_device": statistics.fmean(r["tflops_per_device"] for r in measured),
+        "mfu": statistics.fmean(r["mfu"] for r in measured) if all("mfu" in r for r in measured) else None,
+    }
+    last = records[-1]
+    if "peak_mem_gb" in last:
+        out.update(peak_mem_gb=last["peak_mem_gb"], memory="cuda max allocated")
+    else:
+        out.update(peak_mem_gb=last.get("peak_rss_gb"), memory="cpu peak rss")
+    return out
+
+
+def add_overhead_ratios(rows: list[dict]) -> None:
+    """`overhead_vs_mlm` = step time / step time of MLM with the same size, length, ZeRO, precision, batch."""
+    def key(row: dict) -> tuple:
+        return tuple(row[k] for k in ("preset", "seq_len", "zero", "precision", "micro_batch"))
+
+    mlm = {key(r): r["step_time_s"] for r in rows if r["objective"] == "mlm" and r.get("step_time_s")}
+    for row in rows:
+        base = mlm.get(key(row))
+        row["overhead_vs_mlm"] = row["step_time_s"] / base if base and row.get("step_time_s") else None
+
+
+def last_error_line(log_text: str) -> str:
+    """The most telling line of a failed run's log (an `error:` line, else the last exception line)."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("error:") or "Error" in ln.split(":")[0]:
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
+def run_case(case: BenchCase, shards_dir: Path, work_dir: Path, args: argparse.Namespace) -> dict:
+    """Run one case through `pipeline.train`; returns its report row (with `error` on failure)."""
+    from pipeline.checkpoint import read_latest
+    from pipeline.metrics import read_jsonl
+    from pipeline.run_meta import RunMeta
+
+    run_dir = work_dir / "runs" / case.label
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    overrides = train_overrides(case, shards_dir, run_dir, args.warmup + args.steps, args.world_size,
+                                args.options, args.set)
+    launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
+    cmd = [*launcher, "-m", "pipeline.train", "--config", f"tiny-{case.objective}", *overrides]
+    row: dict = {**asdict(case), "nodes": args.nodes, "world_size": args.world_size, "error": None}
+    log_path = work_dir / "logs" / f"{case.label}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(log_path, "w", encoding="utf-8") as log:
+        log.write(shlex.join(cmd) + "\n")
+        log.flush()
+        try:
+            code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    row["wall_s"] = round(time.perf_counter() - started, 1)
+    if code != 0:
+        row["error"] = f"timed out after {args.timeout}s" if code is None else \
+            f"exit {code}: {last_error_line(log_path.read_text(errors='replace'))}"
+        print(f"  {case.label}: FAILED ({row['error']}); log: {log_path}", flush=True)
+        return row
+    row.update(summarize_records(read_jsonl(run_dir / "metrics.jsonl"), args.warmup))
+    tag = read_latest(run_dir / "checkpoints")
+    if tag is not None:  # the world size the run really had (the launcher decides it)
+        row["world_size"] = RunMeta.read(tag).world_size
+    if not args.keep_runs:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"  {case.label}: {row['step_time_s'] * 1e3:.1f} ms/step, {row['tokens_per_s']:.0f} tokens/s"
+          + (f", MFU {row['mfu']:.1%}" if row.get("mfu") is not None else ""), flush=True)
+    return row
+
+
+def resolve_shards(args: argparse.Namespace, out: Path) -> dict[int, Path]:
+    """Sequence length -> shard directory: the given `--shards`, else synthetic ones under `<out>/data/`."""
+    from pipeline.shards import read_manifest
+
+    if args.shards:
+        by_len: dict[int, Path] = {}
+        for d in args.shards:
+            manifest = read_manifest(d)  # names the directory if it is not a complete build
+            by_len[manifest.seq_len] = Path(d)
+        missing = [s for s in args.seq_lens if s not in by_len]
+        if missing:
+            raise ValueError(f"--seq-lens {missing}: no --shards directory has that seq_len (have {sorted(by_len)})")
+        return by_len
+    from benchmarks.synthetic_shards import write_synthetic_shards
+
+    rows = max(256, 2 * args.world_size * max(args.micro_batches) * (args.warmup + args.steps))
+    by_len = {}
+    for seq_len in args.seq_lens:
+        by_len[seq_len] = out / "data" / f"synthetic-L{seq_len}-V{args.vocab_size}"
+        write_synthetic_shards(by_len[seq_len], args.vocab_size, seq_len, rows=rows)
+    return by_len
+
+
+def cases(args: argparse.Namespace) -> Iterable[BenchCase]:
+    objectives = list(dict.fromkeys(["mlm", *args.objectives] if args.with_mlm else args.objectives))
+    for preset, seq_len, zero, precision, micro, objective in itertools.product(
+            args.sizes, args.seq_lens, args.zero, args.precision, args.micro_batches, objectives):
+        yield BenchCase(objective, preset, seq_len, zero, precision, micro)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env_int = lambda name, default: int(os.environ.get(name, default))  # noqa: E731
+    p = argparse.ArgumentParser(prog="bench_throughput.py", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--objectives", default="mlm,taco,capt,cocolm,infoword", help="comma-separated objective names")
+    p.add_argument("--no-mlm", dest="with_mlm", action="store_false", help="do not add the MLM baseline")
+    p.add_argument("--sizes", default="tiny", help="model size presets (tiny, taco-small, capt-small, base, large)")
+    p.add_argument("--seq-lens", default="128", help="sequence lengths, e.g. 128,512")
+    p.add_argument("--zero", default="1", help="ZeRO stages, e.g. 1,2,3")
+    p.add_argument("--precision", default="fp32", help="fp32, bf16, fp16 (comma-separated)")
+    p.add_argument("--micro-batch", default="8", help="micro-batch sizes per device (comma-separated)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per configuration")
+    p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (allocator, autotuning, caches)")
+    p.add_argument("--options", choices=OPTIONS_MODES, default="tiny", help="objective options: tiny presets' or papers'")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra pipeline.train override")
+    p.add_argument("--shards", action="append", default=[], metavar="DIR", help="shard dir (one per seq len)")
+    p.add_argument("--vocab-size", type=int, default=30522, help="vocabulary of synthetic shards")
+    p.add_argument("--launcher", default="", help='command replacing "python", e.g. "torchrun --nproc_per_node 2"')
+    p.add_argument("--world-size", type=int, default=env_int("SLURM_NTASKS", 1), help="ranks the launcher starts")
+    p.add_argument("--nodes", type=int, default=env_int("SLURM_JOB_NUM_NODES", 1), help="nodes (recorded)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
+    p.add_argument("--keep-runs", action="store_true", help="keep each run's directory (checkpoint, metrics)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--name", default="throughput", help="report file name stem")
+    return p
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.objectives = parse_list(args.objectives)
+        args.sizes = parse_list(args.sizes)
+        args.seq_lens = parse_list(args.seq_lens, int)
+        args.zero = parse_list(args.zero, int)
+        args.precision = parse_list(args.precision)
+        args.micro_batches = parse_list(args.micro_batch, int)
+    except ValueError as err:
+        parser.error(str(err))
+    from pipeline.config import PRECISIONS, available_presets
+    from pipeline.model import SIZE_PRESETS
+
+    bad = [o for o in args.objectives if f"tiny-{o}" not in available_presets()]
+    if bad:
+        known = sorted(p[5:] for p in available_presets() if p.startswith("tiny-"))
+        parser.error(f"--objectives {bad}: no tiny-<objective> preset; choose from {known}")
+    for flag, values, allowed in (("--sizes", args.sizes, sorted(SIZE_PRESETS)), ("--zero", args.zero, [1, 2, 3]),
+                                  ("--precision", args.precision, list(PRECISIONS))):
+        if any(v not in allowed for v in values):
+            parser.error(f"{flag} {values}: each must be one of {allowed}")
+    if args.steps < 1 or args.warmup < 0 or args.world_size < 1:
+        parser.error("--steps >= 1, --warmup >= 0 and --world-size >= 1 required")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    shards = resolve_shards(args, out)
+    work = out / "work"
+    rows = []
+    all_cases = list(cases(args))
+    for i, case in enumerate(all_cases, 1):
+        print(f"[{i}/{len(all_cases)}] {case.label}", flush=True)
+        rows.append(run_case(case, shards[case.seq_len], work, args))
+    add_overhead_ratios(rows)
+    for row in rows:
+        row["config"] = f"{row['objective']}/{row['preset']}/L{row['seq_len']}/z{row['zero']}/{row['precision']}"
+    data = {s: str(d) for s, d in shards.items()}
+    notes = [f"{args.warmup} warm-up steps, then {args.steps} measured steps per configuration; step time = median",
+             f"objective options: {args.options}; data: {'given shards' if args.shards else 'synthetic shards'} {data}",
+             "overhead_vs_mlm = step time / MLM's step time (same size, length, ZeRO stage, precision, batch; "
+             "measured in this run)"]
+    paths = write_report(args.name, rows, out, "Pretraining throughput per objective", bar=("config", "tokens_per_s"),
+                         notes=notes, extra={"args": vars(args)})
+    ok = [r for r in rows if r.get("error") is None]
+    bar_chart(ok, "config", "overhead_vs_mlm", out / f"{args.name}_overhead.png", "Step time relative to MLM")
+    if any(r.get("mfu") is not None for r in ok):
+        bar_chart(ok, "config", "mfu", out / f"{args.name}_mfu.png", "Model FLOPs utilisation")
+    if not args.keep_runs:
+        shutil.rmtree(work / "runs", ignore_errors=True)
+    print(f"wrote {paths['json']}, {paths['md']}, {paths.get('png')}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

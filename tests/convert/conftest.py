@@ -1,0 +1,123 @@
+"""Trained tiny checkpoints shared by the conversion tests (built once per session, on demand).
+
+Each run trains 3 steps with `pipeline.train` on the tiny shards, then restores the checkpoint
+into a fresh DeepSpeed engine and records that training model's own outputs on a probe batch
+(`train_worker.py`). Two-rank runs are the expensive part, so each ZeRO stage gets one, and the
+objectives are spread over them (every registered objective trains under two ranks):
+
+    zero1, 2 ranks: mlm + taco + infoword      zero2, 2 ranks: mlm + capt + mlm-nce
+    zero3, 2 ranks: cocolm (generator, copy and SCL heads)
+    zero2, 1 rank:  mlm (the single-process path; also feeds the error and fine-tuning tests)
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("train_worker.py")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    preset: str
+    engine: str
+    ranks: int
+    objectives: str = ""  # a YAML mapping overriding the preset's objectives
+
+    @property
+    def overrides(self) -> list[str]:
+        extra = [f"objectives={self.objectives}"] if self.objectives else []
+        return [f"deepspeed.config={self.engine}", "train.total_steps=3", "train.tensorboard=false", *extra]
+
+
+RUNS: dict[str, RunSpec] = {
+    "zero1-2ranks-mlm-taco-infoword": RunSpec("tiny-taco", "zero1", 2, "{mlm: 1.0, taco: 1.0, infoword: 1.0}"),
+    "zero2-2ranks-mlm-capt-mlmnce": RunSpec("tiny-capt", "zero2", 2, "{mlm: 1.0, capt: 1.0, mlm-nce: 1.0}"),
+    "zero3-2ranks-cocolm": RunSpec("tiny-cocolm", "zero3", 2),
+    "zero2-1rank-mlm": RunSpec("tiny-mlm", "zero2", 1),
+}
+
+
+@dataclass
+class TrainedRun:
+    name: str
+    spec: RunSpec
+    output_dir: Path
+    reference: dict
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    @property
+    def tag_dir(self) -> Path:
+        return Path(self.reference["tag_dir"])
+
+
+def _train(name: str, spec: RunSpec, shards_dir: Path, base: Path) -> TrainedRun:
+    output_dir = base / name
+    reference_file = base / f"{name}.reference.pt"
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={spec.ranks}"]
+        if spec.ranks > 1
+        else [sys.executable]
+    )
+    cmd = [*launcher, str(WORKER), str(reference_file), spec.preset, f"data.shards_dir={shards_dir}",
+           f"train.output_dir={output_dir}", *spec.overrides]
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"training run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    return TrainedRun(name, spec, output_dir, torch.load(reference_file, weights_only=False))
+
+
+@pytest.fixture(scope="session")
+def trained_runs(tmp_path_factory: pytest.TempPathFactory, tiny_shards_dir: Path):
+    """`trained_runs(name) -> TrainedRun`, training each named run at most once per session."""
+    base = tmp_path_factory.mktemp("convert_runs")
+    cache: dict[str, TrainedRun] = {}
+
+    def get(name: str) -> TrainedRun:
+        if name not in cache:
+            cache[name] = _train(name, RUNS[name], tiny_shards_dir, base)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory: pytest.TempPathFactory, trained_runs):
+    """`converted(name) -> Path`: the run's latest checkpoint converted once (COCO-LM with its generator)."""
+    from pipeline.convert import convert
+
+    base = tmp_path_factory.mktemp("converted")
+    cache: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in cache:
+            run = trained_runs(name)
+            cache[name] = convert(run.checkpoints, base / name, with_generator="cocolm" in name)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture()
+def checkpoint_copy(tmp_path: Path, trained_runs):
+    """A private copy of a run's checkpoints dir (tests may corrupt it)."""
+
+    def copy(name: str) -> Path:
+        src = trained_runs(name).checkpoints
+        dst = tmp_path / "checkpoints"
+        shutil.copytree(src, dst)
+        return dst
+
+    return copy

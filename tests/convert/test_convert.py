@@ -1,0 +1,81 @@
+"""Conversion is exact: HF logits equal the restored training model's own forward, for every
+objective, ZeRO stage 1/2/3 with two ranks, and one rank."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.convert.conftest import RUNS
+
+pytestmark = pytest.mark.slow
+
+
+def _mlm_logits(model_dir, reference) -> torch.Tensor:
+    from transformers import AutoModelForMaskedLM
+
+    model = AutoModelForMaskedLM.from_pretrained(model_dir).eval()
+    assert type(model).__name__ == "BertForMaskedLM"
+    with torch.no_grad():
+        return model(input_ids=reference["input_ids"], attention_mask=reference["attention_mask"]).logits
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_masked_lm_logits_match_training_model(name, trained_runs, converted):
+    run, out = trained_runs(name), converted(name)
+    logits = _mlm_logits(out, run.reference)
+    torch.testing.assert_close(logits, run.reference["logits"], rtol=1e-5, atol=1e-5)
+    # The comparison has teeth: the logits are not trivially small and vary by position.
+    assert run.reference["logits"].std() > 1e-2
+
+    meta = json.loads((run.tag_dir / "pipeline_meta.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    enc = meta["encoder_config"]
+    assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (
+        enc["num_layers"], enc["hidden_size"], enc["ffn_size"])
+    assert config["hidden_act"] == "gelu" and config["vocab_size"] == enc["vocab_size"]
+    assert meta["zero_stage"] == int(run.spec.engine[-1]) and meta["world_size"] == run.spec.ranks
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_objective_heads_file_holds_exactly_the_objective_parameters(name, trained_runs, converted):
+    run, out = trained_runs(name), converted(name)
+    params = run.reference["objective_params"]
+    generator_prefixes = ("objectives.cocolm.generator.", "objectives.cocolm.generator_head.")
+    expected = {k: v for k, v in params.items() if not k.startswith(generator_prefixes)}
+    path = out / "objective_heads.safetensors"
+    if not expected:
+        assert not path.exists()
+        return
+    heads = load_file(path)
+    assert sorted(heads) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(heads[key], value, rtol=0, atol=0)
+
+
+def test_cocolm_generator_is_a_second_masked_lm(trained_runs, converted):
+    name = "zero3-2ranks-cocolm"
+    run, out = trained_runs(name), converted(name)
+    logits = _mlm_logits(out / "generator", run.reference)
+    torch.testing.assert_close(logits, run.reference["generator_logits"], rtol=1e-5, atol=1e-5)
+    gen_config = json.loads((out / "generator" / "config.json").read_text())
+    assert gen_config["num_hidden_layers"] == 1  # tiny-cocolm: generator_layers 1
+    main = load_file(out / "model.safetensors")
+    gen = load_file(out / "generator" / "model.safetensors")
+    for key in ("bert.embeddings.word_embeddings.weight", "bert.embeddings.LayerNorm.weight"):
+        torch.testing.assert_close(gen[key], main[key], rtol=0, atol=0)  # shared embeddings
+    assert not torch.equal(gen["cls.predictions.bias"], main["cls.predictions.bias"])  # its own head
+
+
+def test_model_card_describes_the_run(trained_runs, converted):
+    name = "zero1-2ranks-mlm-taco-infoword"
+    run, out = trained_runs(name), converted(name)
+    meta = json.loads((run.tag_dir / "pipeline_meta.json").read_text())
+    card = (out / "README.md").read_text()
+    assert meta["step"] == 3 and meta["tokens_seen"] > 0
+    for expected in ("`taco` (weight 1)", "`infoword`", "tiny-taco", f"| optimizer steps | 3 |",
+                     f"| tokens seen | {meta['tokens_seen']} |", meta["manifest_hash"], "ZeRO stage / ranks | 1 / 2",
+                     f"{meta['last_metrics']['taco/loss']:.4f}", "consolidated from the ZeRO partitions"):
+        assert expected in card, expected

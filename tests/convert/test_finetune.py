@@ -1,0 +1,83 @@
+"""Fine-tuning a converted model on a task the test generates: accuracy far above chance."""
+from __future__ import annotations
+
+import json
+import random
+import statistics
+from pathlib import Path
+
+import pytest
+
+from pipeline.finetune import main
+
+pytestmark = pytest.mark.slow
+WORDS = ("return", "the", "list", "value", "object", "string", "number", "function", "data", "time", "name",
+         "new", "with", "from", "each", "item", "when", "default")
+KEYWORD = "file"
+
+
+def write_keyword_task(directory: Path, n_train: int = 320, n_dev: int = 160, seed: int = 0) -> Path:
+    """Single-sentence binary task: label 1 iff the sentence contains KEYWORD (balanced)."""
+    rng = random.Random(seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, n in (("train", n_train), ("dev", n_dev)):
+        lines = ["sentence\tlabel"]
+        for i in range(n):
+            words = [rng.choice(WORDS) for _ in range(rng.randint(6, 12))]
+            label = i % 2
+            if label:
+                words[rng.randrange(len(words))] = KEYWORD
+            lines.append(f"{' '.join(words)}\t{label}")
+        (directory / f"{name}.tsv").write_text("\n".join(lines) + "\n")
+    return directory
+
+
+def test_keyword_task_accuracy_well_above_chance(converted, tmp_path, capsys):
+    model_dir = converted("zero2-1rank-mlm")
+    task = write_keyword_task(tmp_path / "keyword")
+    output = tmp_path / "results" / "keyword.json"
+    argv = ["--model", str(model_dir), "--task-dir", str(task), "--seeds", "1", "2", "--lr", "1e-3",
+            "--epochs", "4", "--batch-size", "16", "--max-length", "32", "--output", str(output)]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    result = json.loads(output.read_text())
+    assert printed == result
+    assert result["problem"] == "classification" and result["metric"] == "accuracy"
+    assert result["text_cols"] == ["sentence"] and result["n_train"] == 320 and result["n_dev"] == 160
+    accuracies = [r["metrics"]["accuracy"] for r in result["runs"]]
+    assert [r["seed"] for r in result["runs"]] == [1, 2]
+    assert min(accuracies) >= 0.85, accuracies  # chance is 0.5 (balanced labels)
+    assert result["mean"]["accuracy"] == pytest.approx(statistics.fmean(accuracies))
+    assert result["std"]["accuracy"] == pytest.approx(statistics.stdev(accuracies))
+    assert set(result["mean"]) == {"accuracy", "f1", "matthews"}
+
+
+def test_regression_task_reports_correlations(converted, tmp_path, capsys):
+    """Sentence-pair regression (STS-B layout): the target is how many KEYWORDs the pair holds."""
+    rng = random.Random(1)
+    task = tmp_path / "pairs"
+    task.mkdir()
+    for name, n in (("train", 240), ("dev", 80)):
+        lines = ["index\tsentence1\tsentence2\tscore"]
+        for i in range(n):
+            a, b = ([rng.choice(WORDS) for _ in range(6)] for _ in range(2))
+            k = rng.randint(0, 2)
+            for words in (a, b)[:k]:
+                words[rng.randrange(6)] = KEYWORD
+            lines.append(f"{i}\t{' '.join(a)}\t{' '.join(b)}\t{k * 2.5}")
+        (task / f"{name}.tsv").write_text("\n".join(lines) + "\n")
+    argv = ["--model", str(converted("zero2-1rank-mlm")), "--task-dir", str(task), "--task", "stsb",
+            "--seeds", "3", "--lr", "1e-3", "--epochs", "4", "--batch-size", "16", "--max-length", "32"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["problem"] == "regression" and result["metric"] == "pearson"
+    assert result["runs"][0]["metrics"]["pearson"] > 0.8 and result["runs"][0]["metrics"]["spearman"] > 0.7
+    assert result["std"] == {"pearson": 0.0, "spearman": 0.0}
+
+
+def test_bad_arguments_are_named(tmp_path, capsys):
+    task = write_keyword_task(tmp_path / "task", n_train=8, n_dev=4)
+    assert main(["--model", str(tmp_path / "nomodel"), "--task-dir", str(task)]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path), "--task-dir", str(task), "--lr", "0"]) == 2
+    assert "--lr must be positive" in capsys.readouterr().err
