@@ -44,6 +44,10 @@ DEMO_OVERRIDES = (
     "model.dropout=0.0", "model.attention_dropout=0.0",  # a few hundred steps: regularisation only slows learning
     "data.global_batch_size=32", "data.micro_batch_size=32",
     "optim.lr=2e-3", "train.log_every=25", "train.keep_last=1", "train.progress_bar=false",
+    "train.deterministic=false",
+    # ZeRO buckets sized for this 2M-parameter model: the engine files' 5e8-element buckets are
+    # allocated every step and would dominate a CPU step of a model this small.
+    "deepspeed.extra={zero_optimization: {reduce_bucket_size: 5000000, allgather_bucket_size: 5000000}}",
 )
 
 
@@ -117,7 +121,9 @@ def run_training(preset: str, overrides: Sequence[str], log_path: Path) -> None:
 def fill_mask(model_dir: Path, prompts: Sequence[str], top_k: int = 5) -> list[dict]:
     """Top-k predictions of the converted model for each prompt (`[MASK]` = the tokenizer's mask token)."""
     from transformers import pipeline
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     unmasker = pipeline("fill-mask", model=str(model_dir), tokenizer=str(model_dir), device=-1)
     mask = unmasker.tokenizer.mask_token
     results = []

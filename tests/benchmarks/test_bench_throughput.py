@@ -1,0 +1,108 @@
+"""Throughput benchmark: a CI-sized real run gives a well-formed report; its arithmetic and errors."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.bench_throughput import (
+    BenchCase,
+    add_overhead_ratios,
+    last_error_line,
+    main,
+    parse_args,
+    summarize_records,
+    train_overrides,
+)
+from benchmarks.synthetic_shards import SPECIAL_TOKENS, write_synthetic_shards
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def record(step: int, step_time: float, tokens_per_s: float, **extra) -> dict:
+    return {"step": step, "step_time_s": step_time, "tokens_per_s": tokens_per_s, "samples_per_s": 1.0,
+            "tflops_per_device": 0.5, **extra}
+
+
+def test_summarize_records_skips_warmup_and_uses_the_median() -> None:
+    records = [record(1, 9.0, 10.0, peak_rss_gb=1.0), record(2, 1.0, 100.0), record(3, 3.0, 100.0),
+               record(4, 2.0, 50.0, peak_rss_gb=2.5)]
+    out = summarize_records(records, warmup=1)
+    assert out["measured_steps"] == 3 and out["step_time_s"] == 2.0
+    assert out["tokens_per_s"] == pytest.approx((100 + 300 + 100) / 6.0)  # total tokens / total time
+    assert out["mfu"] is None and out["peak_mem_gb"] == 2.5 and out["memory"] == "cpu peak rss"
+    gpu = summarize_records([record(1, 1.0, 1.0, mfu=0.4), record(2, 1.0, 1.0, mfu=0.5, peak_mem_gb=7.0)], 0)
+    assert gpu["mfu"] == pytest.approx(0.45) and gpu["peak_mem_gb"] == 7.0 and gpu["memory"] == "cuda max allocated"
+    with pytest.raises(ValueError, match="no metrics after the 4 warm-up steps"):
+        summarize_records(records, warmup=4)
+
+
+def test_overhead_ratio_is_against_mlm_of_the_same_configuration() -> None:
+    base = dict(preset="tiny", seq_len=128, zero=1, precision="fp32", micro_batch=8)
+    rows = [{**base, "objective": "mlm", "step_time_s": 2.0}, {**base, "objective": "taco", "step_time_s": 2.2},
+            {**base, "objective": "taco", "zero": 2, "step_time_s": 5.0},
+            {**base, "objective": "capt", "step_time_s": None, "error": "exit 1"}]
+    add_overhead_ratios(rows)
+    assert [r["overhead_vs_mlm"] for r in rows] == [1.0, pytest.approx(1.1), None, None]
+
+
+def test_overrides_and_argument_errors(tmp_path: Path) -> None:
+    case = BenchCase("taco", "large", 512, 3, "bf16", 16)
+    ov = train_overrides(case, tmp_path / "s", tmp_path / "r", 13, world_size=4, options="paper", extra=["a.b=1"])
+    assert "deepspeed.config=zero3" in ov and "data.global_batch_size=64" in ov and "model.size=large" in ov
+    assert "train.total_steps=13" in ov and ov[-2:] == ["objective_options={}", "a.b=1"]
+    assert "objective_options={}" not in train_overrides(case, tmp_path, tmp_path, 1, 1, "tiny", [])
+    for argv, message in ((["--objectives", "mlm,nope"], "nope"), (["--zero", "0"], "--zero"),
+                          (["--seq-lens", "128,x"], "128,x"), (["--sizes", "huge"], "huge")):
+        with pytest.raises(SystemExit):
+            parse_args([*argv, "--out", str(tmp_path)])
+    assert last_error_line("a\nerror: data.shards_dir=/x: no such directory\n") == \
+        "error: data.shards_dir=/x: no such directory"
+    assert last_error_line("Traceback\n  File x\nRuntimeError: CUDA out of memory\n") == "RuntimeError: CUDA out of memory"
+
+
+def test_synthetic_shards_are_read_by_the_training_reader(tmp_path: Path) -> None:
+    from pipeline.data import ShardDataset
+
+    manifest = write_synthetic_shards(tmp_path / "syn", vocab_size=300, seq_len=16, rows=50, rows_per_shard=20)
+    ds = ShardDataset(tmp_path / "syn")
+    assert len(ds) == 50 and len(manifest.shards) == 3 and ds.vocab_size == 300
+    row = ds[49]["input_ids"]
+    assert row[0] == SPECIAL_TOKENS["cls"] and row[-1] == SPECIAL_TOKENS["sep"]
+    assert row[1:-1].min() >= len(SPECIAL_TOKENS) and row.max() < 300
+    again = write_synthetic_shards(tmp_path / "syn", vocab_size=300, seq_len=16, rows=50, rows_per_shard=20)
+    assert again == manifest  # identical parameters: reused, not rewritten
+    with pytest.raises(ValueError, match="vocab_size 5"):
+        write_synthetic_shards(tmp_path / "bad", vocab_size=5, seq_len=16)
+
+
+@pytest.mark.timeout(120)
+def test_cpu_run_writes_a_well_formed_report(tmp_path: Path, tiny_shards_dir: Path, monkeypatch) -> None:
+    """Two real `pipeline.train` runs (MLM, TACO) plus one that fails on a bad override."""
+    monkeypatch.chdir(REPO)  # the training subprocess imports `pipeline` from the checkout
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    out = tmp_path / "bench"
+    code = main(["--objectives", "taco", "--sizes", "tiny", "--seq-lens", "64", "--micro-batch", "4",
+                 "--steps", "2", "--warmup", "1", "--shards", str(tiny_shards_dir), "--out", str(out)])
+    assert code == 0
+    report = json.loads((out / "throughput.json").read_text())
+    rows = {r["objective"]: r for r in report["rows"]}
+    assert set(rows) == {"mlm", "taco"} and report["hardware"]["torch"]
+    for row in rows.values():
+        assert row["error"] is None and row["measured_steps"] == 2 and row["world_size"] == 1
+        assert row["step_time_s"] > 0 and row["peak_mem_gb"] > 0
+        assert row["tokens_per_s"] > 0 and row["wall_s"] > 2 * row["step_time_s"]
+    assert rows["mlm"]["overhead_vs_mlm"] == 1.0 and rows["taco"]["overhead_vs_mlm"] > 0
+    md = (out / "throughput.md").read_text()
+    assert "| objective |" in md and "taco/tiny/L64/z1/fp32" in md
+    for png in ("throughput.png", "throughput_overhead.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    assert not (out / "work" / "runs").exists()  # run directories are cleaned up
+
+    code = main(["--objectives", "mlm", "--no-mlm", "--seq-lens", "64", "--steps", "1", "--warmup", "0",
+                 "--shards", str(tiny_shards_dir), "--set", "model.bogus=1", "--out", str(tmp_path / "bad")])
+    assert code == 1  # nothing measured
+    failed = json.loads((tmp_path / "bad" / "throughput.json").read_text())["rows"][0]
+    assert "model.bogus" in failed["error"] and failed.get("step_time_s") is None
