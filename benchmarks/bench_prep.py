@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus_note,
         f"ratio build_shards / run_mlm recipe: {prep['prep_ratio']:.2f}x (target >= {PREP_TARGET}x): {'PASS' if prep['prep_ratio'] >= PREP_TARGET else 'FAIL'}",
         f"CPU-time ratio (tokens per CPU-second, robust to other load on the machine): {prep['prep_cpu_ratio']:.2f}x",
+        "the corpus is repeated: later copies find their words in build_shards' per-process word memo (--repeat 1 shows a corpus without repeats)",
         f"wall-clock and CPU seconds, best of {args.trials} interleaved trials; ours {prep['trials_ours_wall_cpu_s']}, recipe {prep['trials_hf_wall_cpu_s']}",
     ]
     reader_notes = [

@@ -279,14 +279,15 @@ def build_shards(
         problems = verify_directory(out)
         if problems:
             raise BuildRefused(f"--out {out}: complete build with the same arguments, but verification fails: {problems[0]} (delete it to rebuild)")
+        (out / STATE_FILE).unlink(missing_ok=True)  # left behind if a run died right after the manifest
         return read_manifest(out)
 
     out.mkdir(parents=True, exist_ok=True)
-    _copy_tokenizer(loaded.directory, out, tokenizer_hash)
     valid = _valid_prefix(out, previous["shards"]) if previous else []
     _remove_unrecorded(out, {entry["name"] for entry in valid})
     state = {"fingerprint": fingerprint, "fingerprint_inputs": fingerprint_inputs, "shards": valid}
-    write_atomic(out / STATE_FILE, json.dumps(state, sort_keys=True))
+    write_atomic(out / STATE_FILE, json.dumps(state, sort_keys=True))  # first: from here on a re-run resumes
+    _copy_tokenizer(loaded.directory, out, tokenizer_hash)
 
     specials = loaded.special_tokens
     packer = Packer(seq_len, specials["cls"], specials["sep"], specials["pad"], packing)

@@ -122,6 +122,13 @@ def _save(tokenizer: Tokenizer, out: Path, kind: str, specials: dict[str, str], 
         write_atomic(out / path.name, path.read_bytes())
         path.unlink()
     staging.rmdir()
+    if kind == "bpe":
+        # transformers 5 writes its own class name ("TokenizersBackend"), which 4.x cannot resolve;
+        # "PreTrainedTokenizerFast" loads the same tokenizer.json in both.
+        config_path = out / "tokenizer_config.json"
+        config = json.loads(config_path.read_text())
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        write_atomic(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
     # Older transformers versions read the special tokens from this file rather than the config.
     write_atomic(out / "special_tokens_map.json", json.dumps(token_kwargs, indent=2, sort_keys=True) + "\n")
 

@@ -58,7 +58,9 @@ def resolve_tag_dir(path: str | os.PathLike) -> Path:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint directory")
-    looks_like_tag = (path / META_FILE).is_file() or (path / COMPLETE_FILE).is_file() or any(path.glob("*_model_states.pt"))
+    looks_like_tag = (
+        (path / META_FILE).is_file() or (path / COMPLETE_FILE).is_file() or any(path.glob("*_model_states.pt"))
+    )
     tag_dir: Optional[Path] = path if looks_like_tag else None
     for root in () if looks_like_tag else (path, path / CHECKPOINT_DIR):
         tag_dir = read_latest(root)
@@ -87,13 +89,17 @@ def consolidate_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], st
 
                 state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
         except Exception as err:  # torch.load / DeepSpeed raise many types for a broken file
-            raise CheckpointError(f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {type(err).__name__}: {err}") from err
+            raise CheckpointError(
+                f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {type(err).__name__}: {err}"
+            ) from err
         return state, "fp32 master weights consolidated from the ZeRO partitions"
     # No ZeRO fp32 partitions (stage 0, or DeepSpeed's bf16 optimizer): the model file holds the
     # full module. It is fp32 when training ran in fp32; half-precision copies are upcast, noted.
     model_file = tag_dir / "mp_rank_00_model_states.pt"
     if not model_file.is_file():
-        raise CheckpointError(f"{tag_dir}: no ZeRO optimizer partitions and no {model_file.name}; not a DeepSpeed checkpoint")
+        raise CheckpointError(
+            f"{tag_dir}: no ZeRO optimizer partitions and no {model_file.name}; not a DeepSpeed checkpoint"
+        )
     try:
         module = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
     except Exception as err:
@@ -136,7 +142,9 @@ def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], en
     return tokenizer
 
 
-def _write_hf_model(directory: Path, state: dict[str, torch.Tensor], encoder: EncoderConfig, meta: RunMeta, tokenizer) -> None:
+def _write_hf_model(
+    directory: Path, state: dict[str, torch.Tensor], encoder: EncoderConfig, meta: RunMeta, tokenizer
+) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -263,7 +271,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps({"out_dir": str(out), "files": sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())}))
+    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    print(json.dumps({"out_dir": str(out), "files": files}))
     return 0
 
 

@@ -36,14 +36,29 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _row_keys(seed: int, sample_index: np.ndarray, stream: int) -> np.ndarray:
+    """Per-sample uint64 starting points of the (seed, stream) random sequence."""
+    with np.errstate(over="ignore"):
+        base = _mix(np.array([(seed & _MASK64)], dtype=np.uint64) ^ (np.uint64(stream) * _GOLDEN))
+        return _mix(base ^ np.asarray(sample_index, dtype=np.int64).astype(np.uint64))
+
+
+def _to_unit(bits: np.ndarray) -> np.ndarray:
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
 def hash_uniform(seed: int, sample_index: np.ndarray, stream: int, width: int) -> np.ndarray:
     """Uniform [0, 1) floats, shape [B, width]: a pure function of (seed, sample_index, stream, column)."""
     with np.errstate(over="ignore"):
-        base = _mix(np.array([(seed & _MASK64)], dtype=np.uint64) ^ (np.uint64(stream) * _GOLDEN))
-        rows = _mix(base ^ np.asarray(sample_index, dtype=np.int64).astype(np.uint64))
         cols = (np.arange(1, width + 1, dtype=np.uint64) * _GOLDEN)[None, :]
-        bits = _mix(rows[:, None] + cols)  # splitmix64: a Weyl sequence per row, one finaliser
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+        return _to_unit(_mix(_row_keys(seed, sample_index, stream)[:, None] + cols))  # splitmix64 per row
+
+
+def hash_uniform_at(seed: int, sample_index: np.ndarray, stream: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """`hash_uniform(...)[rows, cols]` without computing the rest of the grid."""
+    with np.errstate(over="ignore"):
+        offsets = (cols.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+        return _to_unit(_mix(_row_keys(seed, sample_index, stream)[rows] + offsets))
 
 
 def _budget(counts: np.ndarray, fraction: float) -> np.ndarray:
@@ -99,7 +114,8 @@ def select_whole_words(candidates: np.ndarray, word_starts: np.ndarray, u: np.nd
 
 def replace_selected(
     input_ids: np.ndarray,
-    selected: np.ndarray,
+    rows: np.ndarray,
+    cols: np.ndarray,
     u_action: np.ndarray,
     u_token: np.ndarray,
     mask_id: int,
@@ -107,68 +123,76 @@ def replace_selected(
     mask_fraction: float = 0.8,
     random_fraction: float = 0.1,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """BERT's 80/10/10: selected -> [MASK] / a random non-special token / unchanged. Returns (ids, labels)."""
+    """BERT's 80/10/10 at the selected positions (`rows`, `cols`; one uniform pair each):
+    [MASK] / a random non-special token / unchanged. Returns (masked ids, labels = -100 elsewhere)."""
     masked = input_ids.copy()
-    to_mask = selected & (u_action < mask_fraction)
-    to_random = selected & (u_action >= mask_fraction) & (u_action < mask_fraction + random_fraction)
-    masked[to_mask] = mask_id
-    picks = np.minimum((u_token * len(random_ids)).astype(np.int64), len(random_ids) - 1)
-    masked[to_random] = random_ids[picks[to_random]]
-    labels = np.where(selected, input_ids, IGNORE_INDEX)
+    labels = np.full_like(input_ids, IGNORE_INDEX)
+    labels[rows, cols] = input_ids[rows, cols]
+    to_mask = u_action < mask_fraction
+    to_random = ~to_mask & (u_action < mask_fraction + random_fraction)
+    masked[rows[to_mask], cols[to_mask]] = mask_id
+    picks = np.minimum((u_token[to_random] * len(random_ids)).astype(np.int64), len(random_ids) - 1)
+    masked[rows[to_random], cols[to_random]] = random_ids[picks]
     return masked, labels
 
 
-def span_mask_row(
+def span_mask_rows(
     candidates: np.ndarray,
     word_starts: np.ndarray,
-    rng: np.random.Generator,
+    rngs: Sequence[np.random.Generator],
     budget_fraction: float = 0.15,
     mean: float = 5.0,
     std: float = 1.0,
     min_words: int = 1,
     max_words: int = 10,
 ) -> np.ndarray:
-    """InfoWord span masking for one row: span number per position (-1 = not masked).
+    """InfoWord span masking: span number per position, [B, L] (-1 = not masked); row i uses rngs[i].
 
-    Repeatedly draw n ~ N(mean, std) rounded and clipped to [min_words, max_words] whole words and a
-    uniform start word; the span stays inside one segment (never crosses [SEP]) and never overlaps
-    an earlier span. A span that would overflow round(budget_fraction * n_subwords) loses words
-    from its end; sampling stops at the budget. Spans are numbered left to right.
+    Per row, repeatedly draw n ~ N(mean, std) rounded and clipped to [min_words, max_words] whole
+    words and a uniform start word; the span stays inside one segment (never crosses [SEP]) and
+    never overlaps an earlier span. A span that would overflow round(budget_fraction * n_subwords)
+    loses words from its end; sampling stops at the budget (or after a bounded number of draws).
+    Spans are numbered left to right.
     """
-    ids, starts = word_ids(candidates[None], word_starts[None])
-    ids, starts = ids[0], starts[0]
-    start_pos = np.flatnonzero(starts)
-    n_words = len(start_pos)
-    budget = int(_budget(np.array([candidates.sum()]), budget_fraction)[0])
-    span_of = np.full(len(candidates), -1, dtype=np.int64)
-    if n_words == 0:
-        return span_of
-    end_pos = np.empty(n_words, dtype=np.int64)  # exclusive end of each word
-    positions = np.flatnonzero(candidates)
-    last_of_word = np.searchsorted(positions, np.append(start_pos[1:], len(candidates))) - 1
-    end_pos[:] = positions[last_of_word] + 1
-    segment = np.cumsum(np.append(True, start_pos[1:] > end_pos[:-1]))  # a gap = a special token between words
-    masked, spans, attempts = 0, [], 0
-    max_attempts = 20 + 10 * budget
-    while masked < budget and attempts < max_attempts:
-        attempts += 1
-        n = int(np.clip(np.rint(rng.normal(mean, std)), min_words, max_words))
-        first = int(rng.integers(n_words))
-        last = first
-        while last + 1 < min(first + n, n_words) and segment[last + 1] == segment[first]:
-            last += 1
-        while last >= first and masked + end_pos[last] - start_pos[first] > budget:
-            last -= 1
-        if last < first:
+    _, starts = word_ids(candidates, word_starts)
+    next_position_continues = np.zeros_like(candidates)
+    next_position_continues[:, :-1] = candidates[:, 1:] & ~starts[:, 1:]
+    word_ends = candidates & ~next_position_continues  # last sub-token of each word
+    budgets = _budget(candidates.sum(1), budget_fraction)
+    out = np.full(candidates.shape, -1, dtype=np.int64)
+    for row, rng in enumerate(rngs):
+        start_pos = np.flatnonzero(starts[row])
+        n_words, budget = len(start_pos), int(budgets[row])
+        if n_words == 0:
             continue
-        lo, hi = start_pos[first], end_pos[last]
-        if (span_of[lo:hi] >= 0).any():
-            continue
-        span_of[lo:hi] = len(spans)
-        spans.append(lo)
-        masked += hi - lo
-    renumber = np.argsort(np.argsort(np.array(spans, dtype=np.int64)))
-    return np.where(span_of >= 0, renumber[np.maximum(span_of, 0)] if spans else -1, -1)
+        end_pos = np.flatnonzero(word_ends[row]) + 1  # exclusive
+        segment = np.cumsum(np.append(True, start_pos[1:] > end_pos[:-1])).tolist()  # a gap = a special between words
+        start_list, end_list = start_pos.tolist(), end_pos.tolist()
+        draws = 20 + 10 * budget
+        lengths = np.clip(np.rint(rng.normal(mean, std, draws)), min_words, max_words).astype(np.int64).tolist()
+        firsts = rng.integers(0, n_words, draws).tolist()
+        taken = bytearray(candidates.shape[1])
+        spans: list[tuple[int, int]] = []
+        masked = 0
+        for n, first in zip(lengths, firsts):
+            if masked >= budget:
+                break
+            last = first
+            while last + 1 < min(first + n, n_words) and segment[last + 1] == segment[first]:
+                last += 1
+            while last >= first and masked + end_list[last] - start_list[first] > budget:
+                last -= 1
+            if last < first:
+                continue
+            lo, hi = start_list[first], end_list[last]
+            if any(taken[lo:hi]):
+                continue
+            taken[lo:hi] = b"\x01" * (hi - lo)
+            spans.append((lo, hi))
+            masked += hi - lo
+        for number, (lo, hi) in enumerate(sorted(spans)):
+            out[row, lo:hi] = number
+    return out
 
 
 def crop(input_ids: np.ndarray, lengths: np.ndarray, u: np.ndarray, fraction: float, cls_id: int, sep_id: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -286,15 +310,16 @@ class CorruptionCollator:
                 selected = select_tokens(candidates, uniform(STREAM_SELECT), self.mlm_probability)
             else:
                 selected = select_whole_words(candidates, word_starts, uniform(STREAM_WORD), self.mlm_probability)
+            rows, cols = np.nonzero(selected)
             batch["masked_ids"], batch["mlm_labels"] = replace_selected(
-                ids, selected, uniform(STREAM_ACTION), uniform(STREAM_RANDOM_TOKEN), self.special_tokens["mask"],
-                self._random_ids, self.mask_fraction, self.random_fraction,
+                ids, rows, cols,
+                hash_uniform_at(self.seed, sample_index, STREAM_ACTION, rows, cols),
+                hash_uniform_at(self.seed, sample_index, STREAM_RANDOM_TOKEN, rows, cols),
+                self.special_tokens["mask"], self._random_ids, self.mask_fraction, self.random_fraction,
             )
         if "span_masked" in self.views:
-            span_index = np.stack([
-                span_mask_row(candidates[i], word_starts[i], np.random.default_rng([self.seed & _MASK64, STREAM_SPAN, int(sample_index[i])]), **self.span)
-                for i in range(len(ids))
-            ])
+            rngs = [np.random.default_rng([self.seed & _MASK64, STREAM_SPAN, int(i)]) for i in sample_index]
+            span_index = span_mask_rows(candidates, word_starts, rngs, **self.span)
             in_span = span_index >= 0
             batch["span_masked_ids"] = np.where(in_span, self.special_tokens["mask"], ids)
             batch["span_labels"] = np.where(in_span, ids, IGNORE_INDEX)

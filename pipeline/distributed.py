@@ -7,14 +7,14 @@ One process (no launcher), `torchrun`, the `deepspeed` launcher, `srun` (SLURM) 
 2. MPI: `PMI_RANK`/`PMI_SIZE` (MPICH/Hydra), `OMPI_COMM_WORLD_*` (Open MPI). These come before
    SLURM because `mpirun` inside an allocation starts its proxies with `srun`, so the ranks also
    inherit the proxy step's `SLURM_PROCID` (one per node, not per rank): the innermost launcher wins;
-3. SLURM: `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID` (only when `SLURM_NTASKS` > 1 or
-   `SLURM_STEP_ID` shows we run inside `srun`);
+3. SLURM: `SLURM_PROCID`/`SLURM_NTASKS`/`SLURM_LOCALID`, only inside an `srun` step
+   (`SLURM_STEP_ID` set; the batch script itself is one process whatever `SLURM_NTASKS` says);
 4. otherwise a single process.
 
 The rendezvous address is `MASTER_ADDR`/`MASTER_PORT` when set (our sbatch script exports them
 once per job); under SLURM otherwise the `NodeAddr` of the first host of the step's node list
 (node names need not resolve, the address SLURM itself uses does) and a port derived from the job
-id; under MPI rank 0's hostname and a free port of rank 0, broadcast with mpi4py when available.
+and step ids; under MPI rank 0's hostname and a free port of rank 0, broadcast with mpi4py when available.
 """
 from __future__ import annotations
 
@@ -73,7 +73,9 @@ def discover(env: dict[str, str] | None = None) -> DistInfo:
             int(e.get("OMPI_COMM_WORLD_LOCAL_RANK", 0)),
             "mpi",
         )
-    if "SLURM_PROCID" in e and (int(e.get("SLURM_NTASKS", "1")) > 1 or "SLURM_STEP_ID" in e):
+    # Only a task of an srun step is a rank: the batch script itself also sees SLURM_PROCID=0 and
+    # the job's SLURM_NTASKS, but no step id (treating it as rank 0 of N would hang in rendezvous).
+    if "SLURM_PROCID" in e and ("SLURM_STEP_ID" in e or "SLURM_STEPID" in e):
         return DistInfo(int(e["SLURM_PROCID"]), int(e.get("SLURM_NTASKS", "1")), int(e.get("SLURM_LOCALID", 0)), "slurm")
     return DistInfo(0, 1, 0, "single")
 
@@ -110,8 +112,7 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = _first_slurm_host() if info.launcher == "slurm" else "127.0.0.1"
     if "MASTER_PORT" not in os.environ:
-        job = int(os.environ.get("SLURM_JOB_ID", "0") or 0)
-        os.environ["MASTER_PORT"] = str(20000 + job % 20000) if info.launcher == "slurm" else _free_port_or_default(info)
+        os.environ["MASTER_PORT"] = _slurm_port() if info.launcher == "slurm" else _free_port_or_default(info)
     os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -126,6 +127,14 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
             world_size=info.world_size,
         )
     return info
+
+
+def _slurm_port() -> str:
+    """A port every rank of one srun step computes alike: from the job and step ids, so
+    consecutive steps of a job (a benchmark sweep) do not reuse a port still in TIME_WAIT."""
+    job = int(os.environ.get("SLURM_JOB_ID", "0") or 0)
+    step = int(os.environ.get("SLURM_STEP_ID", "0") or 0)
+    return str(20000 + (job * 64 + step) % 40000)
 
 
 def _free_port() -> str:

@@ -91,12 +91,13 @@ def run_seed(args: argparse.Namespace, spec: TaskSpec, train: Split, dev: Split,
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
 
     model.eval()
     outputs = []
     with torch.no_grad():
-        for batch, _ in _batches(dev_features, dev.labels, range(len(dev_features)), args.batch_size, tokenizer, regression):
+        dev_order = range(len(dev_features))
+        for batch, _ in _batches(dev_features, dev.labels, dev_order, args.batch_size, tokenizer, regression):
             logits = model(**{k: v.to(args.device) for k, v in batch.items()}).logits.float().cpu()
             outputs.append(logits.squeeze(-1) if regression else logits.argmax(-1))
     predictions = torch.cat(outputs).numpy()
@@ -121,8 +122,12 @@ def summarise(runs: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
 def finetune(args: argparse.Namespace) -> dict:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
-        raise FileNotFoundError(f"--model {model_dir}: no config.json (convert a checkpoint with pipeline.convert first)")
-    spec, train, dev = resolve_task(args.task_dir, args.task, args.text_cols, args.label_col, args.train_file, args.dev_file)
+        raise FileNotFoundError(
+            f"--model {model_dir}: no config.json (convert a checkpoint with pipeline.convert first)"
+        )
+    spec, train, dev = resolve_task(
+        args.task_dir, args.task, args.text_cols, args.label_col, args.train_file, args.dev_file
+    )
     runs = [run_seed(args, spec, train, dev, seed) for seed in args.seeds]
     mean, std = summarise(runs)
     return {
@@ -152,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="converted Hugging Face model dir (pipeline.convert output)")
     p.add_argument("--task-dir", required=True, help="GLUE-format dir with train.tsv and dev.tsv (header row)")
     p.add_argument("--task", default="generic", choices=TASK_CHOICES, help="GLUE task (columns, labels, metric)")
-    p.add_argument("--text-cols", nargs="+", default=None, help="one or two text columns (default: from --task / detected)")
+    p.add_argument(
+        "--text-cols", nargs="+", default=None, help="one or two text columns (default: from --task / detected)"
+    )
     p.add_argument("--label-col", default=None, help="label column (default: from --task / detected)")
     p.add_argument("--train-file", default="train.tsv")
     p.add_argument("--dev-file", default="dev.tsv", help="e.g. dev_matched.tsv for MNLI")
@@ -165,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-ratio", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     p.add_argument("--output", default=None, help="also write the JSON result to this file")
     return p
 
@@ -175,11 +183,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, flag) <= 0:
             print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
+    previous_threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)  # small models on a shared CPU: more threads can be far slower
     try:
         result = finetune(args)
     except (FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(previous_threads)
     text = json.dumps(result, indent=2)
     if args.output:
         out = Path(args.output)

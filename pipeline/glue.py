@@ -20,7 +20,7 @@ import csv
 import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -55,7 +55,9 @@ GLUE_TASKS: dict[str, TaskSpec] = {
     "mrpc": TaskSpec(("#1 String", "#2 String"), "Quality", ("0", "1"), ("f1", "accuracy")),
     "qqp": TaskSpec(("question1", "question2"), "is_duplicate", ("0", "1"), ("f1", "accuracy")),
     "stsb": TaskSpec(("sentence1", "sentence2"), "score", None, ("pearson", "spearman")),
-    "mnli": TaskSpec(("sentence1", "sentence2"), "gold_label", ("contradiction", "entailment", "neutral"), ("accuracy",)),
+    "mnli": TaskSpec(
+        ("sentence1", "sentence2"), "gold_label", ("contradiction", "entailment", "neutral"), ("accuracy",)
+    ),
     "qnli": TaskSpec(("question", "sentence"), "label", ("entailment", "not_entailment"), ("accuracy",)),
     "rte": TaskSpec(("sentence1", "sentence2"), "label", ("entailment", "not_entailment"), ("accuracy",)),
     "wnli": TaskSpec(("sentence1", "sentence2"), "label", ("0", "1"), ("accuracy",)),
@@ -247,5 +249,5 @@ def resolve_task(
     else:
         spec = GLUE_TASKS[task]
         if text_cols or label_col:
-            spec = TaskSpec(tuple(text_cols or spec.text_cols), label_col or spec.label_col, spec.labels, spec.metrics, spec.positive_label)
+            spec = replace(spec, text_cols=tuple(text_cols or spec.text_cols), label_col=label_col or spec.label_col)
     return spec, load_split(train, spec), load_split(dev, spec)

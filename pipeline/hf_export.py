@@ -178,7 +178,8 @@ def split_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
         for key in head_keys:
             # The head's projection weight must be the tied word embeddings (the generator shares
             # them); a separate matrix there would not survive the HF tie and must not be dropped.
-            if key.endswith(".decoder.weight") and not torch.equal(state[key], state["bert.embeddings.word_embeddings.weight"]):
+            word_embeddings = state["bert.embeddings.word_embeddings.weight"]
+            if key.endswith(".decoder.weight") and not torch.equal(state[key], word_embeddings):
                 raise ExportError(f"{key}: the generator's output projection is not tied to the word embeddings")
         used.update(head_keys)
         generator = GeneratorExport(obj_name, _generator_config(model.config, stack), gen_state)
@@ -225,6 +226,7 @@ _OBJECTIVE_TITLES = {
     "capt": "CAPT sequence contrast between a text and its corruption + MLM",
     "cocolm": "COCO-LM corrective LM + sequence contrastive learning (generator-corrupted input)",
     "infoword": "InfoWord DIM n-gram contrast + NCE-MLM",
+    "mlm-nce": "masked-token prediction against sampled negatives (NCE) instead of the full softmax",
 }
 
 
@@ -244,7 +246,10 @@ def render_model_card(meta: RunMeta, export: HFExport, tag_dir, source: str, gen
     front = "---\nlibrary_name: transformers\npipeline_tag: fill-mask\ntags:\n" + "".join(
         f"- {t}\n" for t in ["bert", "contrastive-pretraining", *meta.objectives]
     ) + "---\n"
-    title = "COCO-LM auxiliary generator" if generator_card else "BERT encoder pretrained with " + " + ".join(meta.objectives)
+    title = (
+        "COCO-LM auxiliary generator" if generator_card
+        else "BERT encoder pretrained with " + " + ".join(meta.objectives)
+    )
     lines = [
         front,
         f"# {title}",
@@ -280,7 +285,8 @@ def render_model_card(meta: RunMeta, export: HFExport, tag_dir, source: str, gen
         "## Architecture",
         "",
         _table([
-            ("layers / hidden / heads / FFN", f"{enc.num_layers} / {enc.hidden_size} / {enc.num_heads} / {enc.ffn_size}"),
+            ("layers / hidden / heads / FFN",
+             f"{enc.num_layers} / {enc.hidden_size} / {enc.num_heads} / {enc.ffn_size}"),
             ("vocabulary", enc.vocab_size),
             ("max positions", enc.max_position),
             ("activation", "exact GELU (erf)"),
@@ -305,6 +311,8 @@ def render_model_card(meta: RunMeta, export: HFExport, tag_dir, source: str, gen
             )
         if export.dropped_buffers:
             lines.append(
-                "- not exported (training state, not weights): " + ", ".join(f"`{k}`" for k in export.dropped_buffers) + "."
+                "- not exported (training state, not weights): "
+                + ", ".join(f"`{k}`" for k in export.dropped_buffers)
+                + "."
             )
     return "\n".join(lines) + "\n"

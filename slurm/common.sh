@@ -28,6 +28,9 @@ node_addr() {
 # requeued job gets a fresh port, so a socket of the previous run in TIME_WAIT cannot collide).
 export_rendezvous() {
     local first
+    # Ranks come from SLURM or MPI inside the job; stale torch variables exported from the
+    # submitting shell would override them (pipeline.distributed reads RANK first).
+    unset RANK WORLD_SIZE LOCAL_RANK
     first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
     export MASTER_ADDR=${MASTER_ADDR:-$(node_addr "$first")}
     export MASTER_PORT=${MASTER_PORT:-$((20000 + (SLURM_JOB_ID * 8 + ${SLURM_RESTART_COUNT:-0}) % 40000))}

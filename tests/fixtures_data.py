@@ -13,7 +13,6 @@ import importlib
 import inspect
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

@@ -48,7 +48,7 @@ def test_overhead_ratio_is_against_mlm_of_the_same_configuration() -> None:
     assert [r["overhead_vs_mlm"] for r in rows] == [1.0, pytest.approx(1.1), None, None]
 
 
-def test_overrides_and_argument_errors(tmp_path: Path) -> None:
+def test_overrides_and_argument_errors(tmp_path: Path, capsys) -> None:
     case = BenchCase("taco", "large", 512, 3, "bf16", 16)
     ov = train_overrides(case, tmp_path / "s", tmp_path / "r", 13, world_size=4, options="paper", extra=["a.b=1"])
     assert "deepspeed.config=zero3" in ov and "data.global_batch_size=64" in ov and "model.size=large" in ov
@@ -58,6 +58,7 @@ def test_overrides_and_argument_errors(tmp_path: Path) -> None:
                           (["--seq-lens", "128,x"], "128,x"), (["--sizes", "huge"], "huge")):
         with pytest.raises(SystemExit):
             parse_args([*argv, "--out", str(tmp_path)])
+        assert message in capsys.readouterr().err
     assert last_error_line("a\nerror: data.shards_dir=/x: no such directory\n") == \
         "error: data.shards_dir=/x: no such directory"
     assert last_error_line("Traceback\n  File x\nRuntimeError: CUDA out of memory\n") == "RuntimeError: CUDA out of memory"

@@ -36,7 +36,9 @@ def test_masked_lm_logits_match_training_model(name, trained_runs, converted):
     assert (config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]) == (
         enc["num_layers"], enc["hidden_size"], enc["ffn_size"])
     assert config["hidden_act"] == "gelu" and config["vocab_size"] == enc["vocab_size"]
-    assert meta["zero_stage"] == int(run.spec.engine[-1]) and meta["world_size"] == run.spec.ranks
+    assert meta["zero_stage"] == run.spec.zero_stage and meta["world_size"] == run.spec.ranks
+    source = "consolidated from the ZeRO partitions" if run.spec.zero_stage else "(non-ZeRO) model file"
+    assert source in (out / "README.md").read_text()
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -75,7 +77,7 @@ def test_model_card_describes_the_run(trained_runs, converted):
     meta = json.loads((run.tag_dir / "pipeline_meta.json").read_text())
     card = (out / "README.md").read_text()
     assert meta["step"] == 3 and meta["tokens_seen"] > 0
-    for expected in ("`taco` (weight 1)", "`infoword`", "tiny-taco", f"| optimizer steps | 3 |",
+    for expected in ("`taco` (weight 1)", "`infoword`", "tiny-taco", "| optimizer steps | 3 |",
                      f"| tokens seen | {meta['tokens_seen']} |", meta["manifest_hash"], "ZeRO stage / ranks | 1 / 2",
                      f"{meta['last_metrics']['taco/loss']:.4f}", "consolidated from the ZeRO partitions"):
         assert expected in card, expected

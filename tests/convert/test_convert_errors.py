@@ -12,7 +12,7 @@ from pipeline.hf_export import ExportError, check_state_dict, pretrain_model_fro
 from pipeline.run_meta import RunMeta
 
 pytestmark = pytest.mark.slow
-ONE_RANK = "zero2-1rank-mlm"
+ONE_RANK = "zero0-1rank-mlm"
 TWO_RANKS = "zero2-2ranks-mlm-capt-mlmnce"
 
 
@@ -50,14 +50,21 @@ def test_truncated_rank_file(checkpoint_copy, tmp_path, capsys):
     _assert_nothing_written(out)
 
 
-def test_garbled_rank_file_of_the_right_size(checkpoint_copy, tmp_path, capsys):
-    # Same size as recorded, so only DeepSpeed's loader can notice: its failure is reported as ours.
-    checkpoints = checkpoint_copy(ONE_RANK)
-    victim = _tag(checkpoints) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
-    victim.write_bytes(b"\0" * victim.stat().st_size)
+@pytest.mark.parametrize(
+    "run, victim, message",
+    [
+        (TWO_RANKS, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "cannot consolidate the ZeRO checkpoint"),
+        (ONE_RANK, "mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt: unreadable"),
+    ],
+)
+def test_garbled_file_of_the_right_size(run, victim, message, checkpoint_copy, tmp_path, capsys):
+    # Same size as recorded, so only the loader can notice: its failure is reported as ours.
+    checkpoints = checkpoint_copy(run)
+    path = _tag(checkpoints) / victim
+    path.write_bytes(b"\0" * path.stat().st_size)
     out = tmp_path / "hf"
     err = _cli_error(capsys, checkpoints, out)
-    assert "cannot consolidate the ZeRO checkpoint" in err and _tag(checkpoints).name in err
+    assert message in err and _tag(checkpoints).name in err
     _assert_nothing_written(out)
 
 
@@ -125,6 +132,7 @@ def test_weights_that_disagree_with_the_meta_are_named(trained_runs):
     shaped = {**state, "cls.predictions.decoder.bias": torch.zeros(3)}
     with pytest.raises(ExportError, match=r"cls.predictions.decoder.bias has shape \(3,\)"):
         check_state_dict(model, shaped, "ckpt")
-    broken = {**state, "bert.embeddings.LayerNorm.weight": torch.full_like(state["bert.embeddings.LayerNorm.weight"], float("nan"))}
+    nan = torch.full_like(state["bert.embeddings.LayerNorm.weight"], float("nan"))
+    broken = {**state, "bert.embeddings.LayerNorm.weight": nan}
     with pytest.raises(ExportError, match="bert.embeddings.LayerNorm.weight contains NaN"):
         check_state_dict(model, broken, "ckpt")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.slow
-RUN = "zero2-1rank-mlm"
+RUN = "zero0-1rank-mlm"
 TEXTS = ["Return a new list containing all items from the iterable.", "The file is closed when the block ends."]
 
 
@@ -18,7 +18,8 @@ def test_auto_model_gives_the_training_encoder_states(trained_runs, converted):
     model = AutoModel.from_pretrained(out).eval()
     assert type(model).__name__ == "BertModel"
     with torch.no_grad():
-        hidden = model(input_ids=run.reference["input_ids"], attention_mask=run.reference["attention_mask"]).last_hidden_state
+        ids, mask = run.reference["input_ids"], run.reference["attention_mask"]
+        hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(hidden, run.reference["hidden"], rtol=1e-5, atol=1e-5)
 
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.corruption import IGNORE_INDEX, CorruptionCollator, hash_uniform, word_ids
+from pipeline.corruption import IGNORE_INDEX, CorruptionCollator, hash_uniform, hash_uniform_at, word_ids
 
 SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 VOCAB = 1000
@@ -87,6 +87,8 @@ def test_hash_uniform_is_uniform_and_decorrelated() -> None:
     v = hash_uniform(0, np.arange(4000), 2, 64)
     assert abs(np.corrcoef(u.ravel(), v.ravel())[0, 1]) < 0.01
     assert abs(np.corrcoef(u[:-1].ravel(), u[1:].ravel())[0, 1]) < 0.01  # neighbouring samples
+    rows, cols = np.array([0, 5, 3999, 17]), np.array([63, 0, 12, 40])
+    np.testing.assert_array_equal(hash_uniform_at(0, np.arange(4000), 1, rows, cols), u[rows, cols])
 
 
 def _words(row_starts: np.ndarray, row_candidates: np.ndarray) -> list[range]:

@@ -1,6 +1,7 @@
 """data_prep.train_tokenizer: both kinds train locally and load offline with AutoTokenizer."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,8 @@ def test_bpe_kind_round_trips_text_and_has_roberta_specials(tmp_path: Path, tiny
     assert tok.decode(ids, skip_special_tokens=True) == text  # byte-level: lossless, cased
     loaded = load_tokenizer(out)
     assert set(loaded.special_tokens) == {"pad", "cls", "sep", "mask", "unk"}
+    # A class name transformers 4.x resolves too (5.x writes its own "TokenizersBackend").
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
 def test_cli_reports_missing_input_and_no_documents(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

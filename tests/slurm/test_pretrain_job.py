@@ -140,3 +140,40 @@ def test_a_real_error_fails_the_job_without_requeue(slurm_cluster: SlurmCluster,
     assert (result.state, result.restarts) == ("FAILED", 0), log
     assert result.exit_code not in (0, REQUEUE_EXIT_CODE)
     assert "not requeued" in log and "optim.lr" in log
+
+
+def test_preemption_past_max_requeues_ends_the_job_with_a_resumable_checkpoint(
+    slurm_cluster: SlurmCluster, tiny_shards_dir: Path, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "capped"
+    job = _submit(slurm_cluster, _env(run_dir, tiny_shards_dir, MAX_REQUEUES="0"), "--nodes=2", "--ntasks-per-node=1")
+    deadline = time.monotonic() + 120
+    while not any(m["step"] >= 3 for m in _metrics(run_dir)):
+        assert time.monotonic() < deadline, _job_log(run_dir, job)
+        time.sleep(0.2)
+    slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job])
+    result = slurm_cluster.wait_job(job, timeout_s=120)
+    log = _job_log(run_dir, job)
+    assert (result.state, result.exit_code, result.restarts) == ("FAILED", REQUEUE_EXIT_CODE, 0), log
+    assert "NOT requeueing: MAX_REQUEUES=0 reached" in log
+    meta = _final_meta(run_dir)  # the preemption checkpoint is complete: a resubmission resumes from it
+    assert 3 <= meta["step"] < TOTAL_STEPS and meta["consumed_samples"] == meta["step"] * GLOBAL_BATCH
+
+
+def test_convert_job_turns_the_run_into_a_hugging_face_model(
+    slurm_cluster: SlurmCluster, reference_run: Run, tmp_path: Path
+) -> None:
+    from transformers import AutoConfig
+
+    hf_dir = tmp_path / "hf"
+    env = dict(slurm_cluster.env, CHECKPOINT=str(reference_run.dir), HF_DIR=str(hf_dir), PYTHON=sys.executable)
+    submitted = subprocess.run(["bash", str(REPO_ROOT / "slurm" / "submit.sh"), "convert"],
+                               env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split("=", 1)[1]
+    result = slurm_cluster.wait_job(job, timeout_s=180)
+    log = (tmp_path / "logs" / f"cpt-convert-{job}.out").read_text()
+    assert (result.state, result.exit_code) == ("COMPLETED", 0), log
+    assert (hf_dir / "model.safetensors").is_file()
+    meta = _final_meta(reference_run.dir)
+    assert AutoConfig.from_pretrained(hf_dir).hidden_size == meta["encoder_config"]["hidden_size"]

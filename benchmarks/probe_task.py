@@ -1,0 +1,84 @@
+"""A GLUE-format downstream task made from held-out real text: is this sentence's word order intact?
+
+Time-to-quality needs a downstream task that runs offline. GLUE itself cannot be downloaded here,
+so `word_order_task` builds a CoLA-like acceptability task from sentences of a held-out text the
+pretraining never saw: half the sentences are kept (label 1), in the other half a window of
+`window` consecutive words is permuted (label 0). Each source sentence appears once, in one form
+only, so the classifier cannot compare the two versions. Spotting a locally scrambled sentence needs
+the syntax a masked language model learns, which is what the task is meant to probe; it says
+nothing about GLUE scores and the report says so. Any real GLUE-format directory can be used
+instead (`time_to_quality.py --task-dir`).
+
+Output: `train.tsv` and `dev.tsv` with a `sentence<TAB>label` header (`pipeline.glue` reads them as
+a `generic` single-sentence classification task), written atomically.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+from pathlib import Path
+from typing import Iterable
+
+MIN_WORDS, MAX_WORDS = 8, 40
+
+
+def sentences_from_text(lines: Iterable[str]) -> list[str]:
+    """Sentences of MIN_WORDS..MAX_WORDS words from plain or WikiText-style text (headings skipped)."""
+    out = []
+    for line in lines:
+        line = line.strip()
+        if not line or line.startswith("="):  # WikiText article / section headings: " = Title = "
+            continue
+        for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z\"'(])", line):
+            words = sentence.replace("\t", " ").split()
+            if MIN_WORDS <= len(words) <= MAX_WORDS and "<unk>" not in words:
+                out.append(" ".join(words))
+    return out
+
+
+def scramble(words: list[str], window: int, rng: random.Random) -> list[str]:
+    """`words` with one window of `window` consecutive words permuted so that the text changes.
+
+    Returns the input unchanged only if no window holds two different words (caller skips those).
+    """
+    starts = [i for i in range(len(words) - window + 1) if len(set(words[i:i + window])) > 1]
+    if not starts:
+        return list(words)
+    i = rng.choice(starts)
+    chunk = words[i:i + window]
+    shuffled = chunk[:]
+    while shuffled == chunk:
+        rng.shuffle(shuffled)
+    return words[:i] + shuffled + words[i + window:]
+
+
+def word_order_task(text_file: str | os.PathLike, out_dir: str | os.PathLike, n_train: int = 2000,
+                    n_dev: int = 500, window: int = 4, seed: int = 0) -> dict:
+    """Write the task's `train.tsv`/`dev.tsv` into `out_dir`; returns counts and the label balance."""
+    text_file, out = Path(text_file), Path(out_dir)
+    sentences = sentences_from_text(text_file.read_text(encoding="utf-8", errors="replace").splitlines())
+    if len(sentences) < n_train + n_dev:
+        raise ValueError(f"{text_file}: {len(sentences)} usable sentences ({MIN_WORDS}-{MAX_WORDS} words), "
+                         f"need {n_train + n_dev} for --probe-train {n_train} + --probe-dev {n_dev}")
+    rng = random.Random(seed)
+    rng.shuffle(sentences)
+    out.mkdir(parents=True, exist_ok=True)
+    stats = {}
+    offset = 0
+    for name, count in (("train", n_train), ("dev", n_dev)):
+        rows = []
+        for k, sentence in enumerate(sentences[offset:offset + count]):
+            words = sentence.split()
+            if k % 2:  # alternate: exactly balanced labels
+                rows.append((" ".join(scramble(words, window, rng)), "0"))
+            else:
+                rows.append((sentence, "1"))
+        offset += count
+        rng.shuffle(rows)
+        path = out / f"{name}.tsv"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("sentence\tlabel\n" + "".join(f"{s}\t{y}\n" for s, y in rows), encoding="utf-8")
+        os.replace(tmp, path)
+        stats[name] = {"examples": len(rows), "positive": sum(y == "1" for _, y in rows)}
+    return {"source": str(text_file), "window": window, "seed": seed, **stats}
