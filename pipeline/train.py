@@ -256,24 +256,11 @@ def run_training(cfg: RunConfig, plan: RunPlan, model, target: Optional[ResumeTa
                 lr = lr_at(step, cfg.optim, total)
                 set_lr(optimizer, lr)
 
-                sums: dict[str, torch.Tensor] = {}
-                nonfinite_local = torch.zeros((), dtype=torch.float64, device=device)
-                tokens_local = 0
-                for _ in range(accum):
-                    batch = next(batches)
-                    tokens_local += int(batch["attention_mask"].sum())
-                    batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-                    loss, parts = engine(batch)
-                    nonfinite_local += (~torch.isfinite(loss.detach())).double()
-                    engine.backward(loss)
-                    engine.step()  # DeepSpeed updates (or skips, on non-finite gradients) at the boundary
-                    for key, value in parts.items():
-                        sums[key] = sums.get(key, 0.0) + value.detach().float()
+                sums, nonfinite_local, tokens_local = forward_backward(engine, batches, accum, device)
 
                 # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
-                status = torch.tensor([0.0, float(preemption.requested), tokens_local, flop_counter.pop()],
-                                      dtype=torch.float64, device=device)
-                status[0] = nonfinite_local
+                status = torch.stack([nonfinite_local, *(torch.tensor(float(v), dtype=torch.float64, device=device)
+                                     for v in (preemption.requested, tokens_local, flop_counter.pop()))])
                 if dist.is_initialized() and info.world_size > 1:
                     dist.all_reduce(status)
                 nonfinite, preempted, tokens, flops = status.tolist()
@@ -323,6 +310,26 @@ def run_training(cfg: RunConfig, plan: RunPlan, model, target: Optional[ResumeTa
         writer.close()
         flop_counter.remove()
     return 0
+
+
+def forward_backward(engine, batches, accum: int, device: torch.device) -> tuple[dict, torch.Tensor, int]:
+    """One optimizer step: `accum` micro-batches of forward, backward and `engine.step()` (DeepSpeed
+    scales each loss by 1/accum, averages over ranks, and updates — or skips an update whose gradients
+    are not finite — at the boundary). Returns (summed metrics, count of non-finite losses, non-pad tokens)."""
+    sums: dict[str, torch.Tensor] = {}
+    nonfinite = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    for _ in range(accum):
+        batch = next(batches)
+        tokens += int(batch["attention_mask"].sum())
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+        loss, parts = engine(batch)
+        nonfinite += (~torch.isfinite(loss.detach())).double()
+        engine.backward(loss)
+        engine.step()
+        for key, value in parts.items():
+            sums[key] = sums.get(key, 0.0) + value.detach().float()
+    return sums, nonfinite, tokens
 
 
 def gather_metrics(sums: dict[str, torch.Tensor], count: int, device: torch.device) -> dict[str, float]:

@@ -1,7 +1,6 @@
 """`slurm/submit.sh prep`: tokenizer job -> shard job array (one task per input part) -> merge + verify."""
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
 
