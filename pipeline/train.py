@@ -104,12 +104,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def export_mpi4py_ranks() -> None:
-    """`--mpi`: rank / world size / local rank from mpi4py, exported as torch's env variables."""
+    """`--mpi`: rank / world size / local rank from mpi4py, exported as torch's env variables, with
+    rank 0's host and a free port as the rendezvous (`pipeline.distributed`'s MPI rendezvous)."""
     from mpi4py import MPI
+
+    from pipeline.distributed import _mpi_rendezvous
 
     comm = MPI.COMM_WORLD
     local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
     os.environ.update(RANK=str(comm.Get_rank()), WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(local))
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        addr, port = _mpi_rendezvous()  # collective: every rank calls it
+        os.environ.setdefault("MASTER_ADDR", addr)
+        os.environ.setdefault("MASTER_PORT", port)
 
 
 def reseed(seed: int, step: int, rank: int) -> None:
@@ -163,21 +170,33 @@ def train(cfg: RunConfig, check_only: bool = False) -> int:
         print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
               f"{'resume from ' + str(resume_dir) if resume_dir else 'fresh start'}")
         return 0
-    with deterministic_algorithms(cfg.train.deterministic):
+    with torch_process_state(cfg.train.deterministic):
         return run_training(cfg, plan, model, target, config_dict)
 
 
 @contextlib.contextmanager
-def deterministic_algorithms(enabled: bool) -> Iterator[None]:
-    """`train.deterministic`: torch's deterministic kernels for the duration of the run."""
-    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
-    if enabled:
+def torch_process_state(deterministic: bool) -> Iterator[None]:
+    """Process-wide torch settings of one run, restored afterwards (so runs can follow each other in
+    one process, as in tests): `train.deterministic` (torch's deterministic kernels), and
+    `torch.nn.functional.linear`, which DeepSpeed's ZeRO-3 replaces process-wide by its
+    memory-efficient version ("persists unless manually reset")."""
+    import torch.utils.deterministic
+
+    linear = torch.nn.functional.linear
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.utils.deterministic.fill_uninitialized_memory)
+    if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for deterministic matmuls
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # NaN-filling every new tensor is a debugging aid, not needed for determinism, and costs
+        # a page-touching pass over every allocation (DeepSpeed's flat buffers included).
+        torch.utils.deterministic.fill_uninitialized_memory = False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.utils.deterministic.fill_uninitialized_memory = previous[2]
+        torch.nn.functional.linear = linear
 
 
 def run_training(cfg: RunConfig, plan: RunPlan, model, target: Optional[ResumeTarget], config_dict: dict) -> int:

@@ -37,8 +37,8 @@ def run_inprocess(preset: str, shards: Path, out: Path, *extra: str) -> int:
 
 
 def _env(extra: Optional[dict] = None) -> dict:
-    """The test process's environment (same thread count: bitwise comparisons with in-process runs)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false"}
+    """The test process's environment with one intra-op thread, like the in-process runs (conftest)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     env.update(extra or {})
@@ -67,7 +67,7 @@ def start_ranks(preset: str, shards: Path, out: Path, *extra: str, world: int = 
     procs = []
     for rank in range(world):
         env = _env({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": "1"})
+                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
         procs.append(subprocess.Popen(train_command(preset, shards, out, *extra), cwd=REPO, env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
@@ -78,8 +78,7 @@ def run_torchrun(preset: str, shards: Path, out: Path, *extra: str, world: int =
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
            "-m", "pipeline.train", "--config", preset, *overrides(shards, out, *extra)]
-    proc = subprocess.run(cmd, cwd=REPO, env=_env({"OMP_NUM_THREADS": "1"}), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
