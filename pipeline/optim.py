@@ -95,7 +95,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str, offloa
                 raise RuntimeError(f"optim.impl=deepspeed: DeepSpeed FusedAdam unavailable ({err})") from err
             log.warning("DeepSpeed FusedAdam unavailable (%s); using torch AdamW(fused=True)", err)
             return torch.optim.AdamW(groups, **common, fused=True)
-    return torch.optim.AdamW(groups, **common, foreach=False)
+    return torch.optim.AdamW(groups, **common, fused=device_type == "cuda")
 
 
 def resolve_impl(cfg: OptimConfig, device_type: str, offload: bool) -> str:
