@@ -17,9 +17,12 @@ from pipeline.model import BertEncoder, EncoderConfig, MLMHead, init_bert_weight
 from pipeline.objectives.base import OBJECTIVES, Objective, StepContext
 
 
-def micro_batch_seed(run_seed: int, first_sample_index: int, rank: int) -> int:
-    """Seed of the per-micro-batch sampling generator: a hash, so nearby seeds are unrelated."""
-    digest = hashlib.blake2b(f"{run_seed}:{first_sample_index}:{rank}".encode(), digest_size=8).digest()
+def micro_batch_seed(run_seed: int, first_sample_index: int) -> int:
+    """Seed of the per-micro-batch sampling generator: a hash, so nearby seeds are unrelated.
+
+    The first sample index is a position in the global sample stream, unique to one micro-batch of
+    one rank; leaving the rank out makes the sampling independent of how many ranks there are."""
+    digest = hashlib.blake2b(f"{run_seed}:{first_sample_index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
@@ -56,7 +59,6 @@ class PretrainModel(nn.Module):
         self.special_tokens = dict(special_tokens)
         self.seed = seed
         self.kernels = kernels
-        self.rank = 0
         self.step = 0
         self.total_steps = 1
         init_bert_weights(self, encoder_config.initializer_range)
@@ -78,7 +80,7 @@ class PretrainModel(nn.Module):
         first = int(batch["sample_index"][0]) if "sample_index" in batch else self.step
         device = batch["input_ids"].device
         generator = torch.Generator(device=device)
-        generator.manual_seed(micro_batch_seed(self.seed, first, self.rank))
+        generator.manual_seed(micro_batch_seed(self.seed, first))
         ctx = StepContext(self, batch, self.step, self.total_steps, generator, self.kernels)
         total = torch.zeros((), device=device, dtype=torch.float32)
         metrics: dict[str, Tensor] = {}

@@ -170,8 +170,10 @@ def train(cfg: RunConfig, check_only: bool = False) -> int:
         print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
               f"{'resume from ' + str(resume_dir) if resume_dir else 'fresh start'}")
         return 0
-    with torch_process_state(cfg.train.deterministic):
-        return run_training(cfg, plan, model, target, config_dict)
+    # The signal handler goes in before any slow start-up work, so a preemption signal that arrives
+    # while ranks rendezvous or the engine builds still ends in a checkpoint and the requeue code.
+    with torch_process_state(cfg.train.deterministic), PreemptionHandler() as preemption:
+        return run_training(cfg, plan, model, target, config_dict, preemption)
 
 
 @contextlib.contextmanager
@@ -199,7 +201,8 @@ def torch_process_state(deterministic: bool) -> Iterator[None]:
         torch.nn.functional.linear = linear
 
 
-def run_training(cfg: RunConfig, plan: RunPlan, model, target: Optional[ResumeTarget], config_dict: dict) -> int:
+def run_training(cfg: RunConfig, plan: RunPlan, model, target: Optional[ResumeTarget], config_dict: dict,
+                 preemption: PreemptionHandler) -> int:
     """Phases 2-3 of `train`: ranks, engine, resume, the loop. Returns the exit code."""
     import deepspeed
 
@@ -220,7 +223,6 @@ def run_training(cfg: RunConfig, plan: RunPlan, model, target: Optional[ResumeTa
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dataset = ShardDataset(cfg.data.shards_dir)
 
-    model.rank = info.rank
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))
     flop_counter = FlopCounter(model)
@@ -267,63 +269,62 @@ def run_training(cfg: RunConfig, plan: RunPlan, model, target: Optional[ResumeTa
     bar = tqdm(total=total, initial=state.step, disable=not (is_main and cfg.train.progress_bar), desc=cfg.name,
                dynamic_ncols=True, mininterval=1.0)
     try:
-        with PreemptionHandler() as preemption:
-            while state.step < total:
-                step = state.step + 1
-                model.set_progress(step, total)
-                reseed(cfg.train.seed, step, info.rank)
-                lr = lr_at(step, cfg.optim, total)
-                set_lr(optimizer, lr)
+        while state.step < total:
+            step = state.step + 1
+            model.set_progress(step, total)
+            reseed(cfg.train.seed, step, info.rank)
+            lr = lr_at(step, cfg.optim, total)
+            set_lr(optimizer, lr)
 
-                sums, nonfinite_local, tokens_local = forward_backward(engine, batches, accum, device)
+            sums, nonfinite_local, tokens_local = forward_backward(engine, batches, accum, device)
 
-                # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
-                status = torch.stack([nonfinite_local, *(torch.tensor(float(v), dtype=torch.float64, device=device)
-                                     for v in (preemption.requested, tokens_local, flop_counter.pop()))])
-                if dist.is_initialized() and info.world_size > 1:
-                    dist.all_reduce(status)
-                nonfinite, preempted, tokens, flops = status.tolist()
-                applied = engine.was_step_applied()
-                if nonfinite and applied:
-                    raise NonFiniteLossError(f"step {step}: the loss is not finite but DeepSpeed applied the update; "
-                                             "this DeepSpeed version does not skip non-finite steps")
-                state.step, state.consumed_samples = step, batches.consumed_samples
-                state.tokens_seen += int(tokens)
-                state.skipped_steps += int(not applied)
-                bad = nonfinite > 0 or (not applied and cfg.deepspeed.precision != "fp16")  # fp16: overflow is routine
-                state.nonfinite_steps += int(bad)
-                state.nonfinite_in_row = state.nonfinite_in_row + 1 if bad else 0
-                meter.add_step(plan.batch.global_batch_size, int(tokens), flops)
-                bar.update(1)
+            # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
+            status = torch.stack([nonfinite_local, *(torch.tensor(float(v), dtype=torch.float64, device=device)
+                                 for v in (preemption.requested, tokens_local, flop_counter.pop()))])
+            if dist.is_initialized() and info.world_size > 1:
+                dist.all_reduce(status)
+            nonfinite, preempted, tokens, flops = status.tolist()
+            applied = engine.was_step_applied()
+            if nonfinite and applied:
+                raise NonFiniteLossError(f"step {step}: the loss is not finite but DeepSpeed applied the update; "
+                                         "this DeepSpeed version does not skip non-finite steps")
+            state.step, state.consumed_samples = step, batches.consumed_samples
+            state.tokens_seen += int(tokens)
+            state.skipped_steps += int(not applied)
+            bad = nonfinite > 0 or (not applied and cfg.deepspeed.precision != "fp16")  # fp16: overflow is routine
+            state.nonfinite_steps += int(bad)
+            state.nonfinite_in_row = state.nonfinite_in_row + 1 if bad else 0
+            meter.add_step(plan.batch.global_batch_size, int(tokens), flops)
+            bar.update(1)
 
-                if step % cfg.train.log_every == 0 or step == total or bad:
-                    last_metrics = gather_metrics(sums, accum * info.world_size, device)
-                    grad_norm = engine.get_global_grad_norm()
-                    last_metrics.update(
-                        lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
-                        consumed_samples=state.consumed_samples, tokens_seen=state.tokens_seen,
-                        skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
-                        **meter.report(), **peak_memory_gb())
-                    if cfg.deepspeed.precision == "fp16":
-                        last_metrics["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", float("nan")))
-                    writer.write(step, last_metrics)
-                    bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}", lr=f"{lr:.2e}")
-                    if is_main and not cfg.train.progress_bar:
-                        log.info("step %d/%d loss %.4f lr %.3e %.0f tok/s", step, total,
-                                 last_metrics.get("loss", float("nan")), lr, last_metrics["tokens_per_s"])
-                if state.nonfinite_in_row >= cfg.train.max_nonfinite_steps:
-                    raise NonFiniteLossError(
-                        f"{state.nonfinite_in_row} consecutive steps (up to step {step}) had a non-finite loss or "
-                        f"gradients and were skipped (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); "
-                        "lower optim.lr, raise optim.warmup_steps, or use fp32/bf16, then resume from the last "
-                        "checkpoint")
-                if step % cfg.train.checkpoint_every == 0 or step == total or preempted:
-                    checkpoint(last_metrics)
-                    meter.reset()  # keep the save time out of the throughput numbers
-                if preempted:
-                    log.info("preempted (%s): checkpoint at step %d written; exiting with %d",
-                             preemption.signal_name or "signal on another rank", step, REQUEUE_EXIT_CODE)
-                    return REQUEUE_EXIT_CODE
+            if step % cfg.train.log_every == 0 or step == total or bad:
+                last_metrics = gather_metrics(sums, accum * info.world_size, device)
+                grad_norm = engine.get_global_grad_norm()
+                last_metrics.update(
+                    lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+                    consumed_samples=state.consumed_samples, tokens_seen=state.tokens_seen,
+                    skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
+                    **meter.report(), **peak_memory_gb())
+                if cfg.deepspeed.precision == "fp16":
+                    last_metrics["loss_scale"] = float(getattr(engine.optimizer, "loss_scale", float("nan")))
+                writer.write(step, last_metrics)
+                bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}", lr=f"{lr:.2e}")
+                if is_main and not cfg.train.progress_bar:
+                    log.info("step %d/%d loss %.4f lr %.3e %.0f tok/s", step, total,
+                             last_metrics.get("loss", float("nan")), lr, last_metrics["tokens_per_s"])
+            if state.nonfinite_in_row >= cfg.train.max_nonfinite_steps:
+                raise NonFiniteLossError(
+                    f"{state.nonfinite_in_row} consecutive steps (up to step {step}) had a non-finite loss or "
+                    f"gradients and were skipped (train.max_nonfinite_steps={cfg.train.max_nonfinite_steps}); "
+                    "lower optim.lr, raise optim.warmup_steps, or use fp32/bf16, then resume from the last "
+                    "checkpoint")
+            if step % cfg.train.checkpoint_every == 0 or step == total or preempted:
+                checkpoint(last_metrics)
+                meter.reset()  # keep the save time out of the throughput numbers
+            if preempted:
+                log.info("preempted (%s): checkpoint at step %d written; exiting with %d",
+                         preemption.signal_name or "signal on another rank", step, REQUEUE_EXIT_CODE)
+                return REQUEUE_EXIT_CODE
     finally:
         bar.close()
         writer.close()

@@ -7,7 +7,8 @@ so MLM + TACO costs one forward of the masked view, not two.
 
 Sampling inside objectives (TACO positives/negatives, COCO-LM replacements, NCE negatives) uses
 `ctx.generator`, a `torch.Generator` seeded from (run seed, first global sample index of the
-micro-batch, rank): deterministic, and exactly reproduced on resume without saving RNG state.
+micro-batch): deterministic, independent of the rank count, and exactly reproduced on resume
+without saving RNG state.
 """
 from __future__ import annotations
 

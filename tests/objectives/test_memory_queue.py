@@ -98,7 +98,6 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
         torch.save(q.state_dict(), os.path.join(out_dir, f"queue{rank}.pt"))
         # and through the CAPT objective, with different data on each rank
         model = tiny_model({"capt": 1.0}, {"capt": {"queue_size": 32}})
-        model.rank = rank
         model(make_batch(batch_size=3, seed=rank))
         torch.save(model.extra_state_for_checkpoint(), os.path.join(out_dir, f"capt{rank}.pt"))
     finally:

@@ -301,7 +301,7 @@ def test_taco_contrasts_h_minus_e_of_the_masked_view():
     loss, _ = model(batch)
     out = model.bert(batch["masked_ids"], batch["attention_mask"])
     g = (out.last_hidden - out.embedding_output).reshape(-1, out.last_hidden.shape[-1])
-    gen = torch.Generator().manual_seed(micro_batch_seed(0, int(batch["sample_index"][0]), 0))
+    gen = torch.Generator().manual_seed(micro_batch_seed(0, int(batch["sample_index"][0])))
     eligible = batch["attention_mask"].bool() & ~batch["special_mask"]
     expected = token_contrastive_loss(g, *sample_taco_indices(eligible, eligible, 5, 50, gen), 0.07)
     torch.testing.assert_close(loss, expected)
