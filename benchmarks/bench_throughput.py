@@ -239,6 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=env_int("SLURM_NTASKS", 1), help="ranks the launcher starts")
     p.add_argument("--nodes", type=int, default=env_int("SLURM_JOB_NUM_NODES", 1), help="nodes (recorded)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration")
+    p.add_argument("--work-dir", default="", help="run directories and logs (default: <out>/work)")
     p.add_argument("--keep-runs", action="store_true", help="keep each run's directory (checkpoint, metrics)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--name", default="throughput", help="report file name stem")
@@ -278,8 +279,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    shards = resolve_shards(args, out)
-    work = out / "work"
+    try:
+        shards = resolve_shards(args, out)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    work = Path(args.work_dir) if args.work_dir else out / "work"
     rows = []
     all_cases = list(cases(args))
     for i, case in enumerate(all_cases, 1):

@@ -1,12 +1,19 @@
 """A GLUE-format downstream task made from held-out real text: is this sentence's word order intact?
 
 Time-to-quality needs a downstream task that runs offline. GLUE itself cannot be downloaded here,
-so `word_order_task` builds a CoLA-like acceptability task from sentences of a held-out text the
-pretraining never saw: half the sentences are kept (label 1), in the other half a window of
-`window` consecutive words is permuted (label 0). Each source sentence appears once, in one form
-only, so the classifier cannot compare the two versions. Spotting a locally scrambled sentence needs
-the syntax a masked language model learns, which is what the task is meant to probe; it says
-nothing about GLUE scores and the report says so. Any real GLUE-format directory can be used
+so `word_order_task` builds a word-order acceptability task (like SentEval's shuffled-word probes)
+from sentences of a held-out text the pretraining never saw: half the sentences are kept (label 1),
+in the other half the words are permuted (label 0) - the whole sentence by default, or a window of
+`window` consecutive words. Each source sentence appears once, in one form only, so the classifier
+cannot compare the two versions. Telling word salad from a sentence needs the word-order knowledge
+a masked language model acquires, which is what the task probes; it says nothing about GLUE scores
+and the report says so.
+
+Choice of the default (measured with 2,000 training sentences from WikiText-2 test, 3 epochs, lr
+5e-4, 4-layer / hidden-128 models): whole-sentence shuffles give 0.56 dev accuracy after 30
+pretraining steps, 0.95 after 1,000 and 0.96 after 3,000 - a curve that rises with pretraining.
+Permuting only 4 or 8 consecutive words stays within 0.50-0.57 at this model size: too close to
+chance to rank checkpoints, though a better probe for bigger models (`--probe-window`). Any real GLUE-format directory can be used
 instead (`time_to_quality.py --task-dir`).
 
 Output: `train.tsv` and `dev.tsv` with a `sentence<TAB>label` header (`pipeline.glue` reads them as
@@ -32,16 +39,16 @@ def sentences_from_text(lines: Iterable[str]) -> list[str]:
             continue
         for sentence in re.split(r"(?<=[.!?])\s+(?=[A-Z\"'(])", line):
             words = sentence.replace("\t", " ").split()
-            if MIN_WORDS <= len(words) <= MAX_WORDS and "<unk>" not in words:
+            if MIN_WORDS <= len(words) <= MAX_WORDS:
                 out.append(" ".join(words))
     return out
 
 
 def scramble(words: list[str], window: int, rng: random.Random) -> list[str]:
-    """`words` with one window of `window` consecutive words permuted so that the text changes.
-
-    Returns the input unchanged only if no window holds two different words (caller skips those).
+    """`words` with one window of `window` consecutive words (0: all of them) permuted so that the
+    text changes. Returns the input unchanged only if no window holds two different words.
     """
+    window = len(words) if window <= 0 or window > len(words) else window
     starts = [i for i in range(len(words) - window + 1) if len(set(words[i:i + window])) > 1]
     if not starts:
         return list(words)
@@ -54,7 +61,7 @@ def scramble(words: list[str], window: int, rng: random.Random) -> list[str]:
 
 
 def word_order_task(text_file: str | os.PathLike, out_dir: str | os.PathLike, n_train: int = 2000,
-                    n_dev: int = 500, window: int = 4, seed: int = 0) -> dict:
+                    n_dev: int = 500, window: int = 0, seed: int = 0) -> dict:
     """Write the task's `train.tsv`/`dev.tsv` into `out_dir`; returns counts and the label balance."""
     text_file, out = Path(text_file), Path(out_dir)
     sentences = sentences_from_text(text_file.read_text(encoding="utf-8", errors="replace").splitlines())

@@ -126,7 +126,8 @@ def prepare_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path
         task_dir = Path(args.task_dir)
     else:
         task_dir = work / "probe-task"
-        args.probe = word_order_task(args.heldout, task_dir, args.probe_train, args.probe_dev, seed=args.seed)
+        args.probe = word_order_task(args.heldout, task_dir, args.probe_train, args.probe_dev,
+                                     window=args.probe_window, seed=args.seed)
     return train_dir, heldout_dir, task_dir
 
 
@@ -195,12 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-sequences", type=int, default=512, help="held-out sequences for the MLM metrics")
     p.add_argument("--probe-train", type=int, default=2000)
     p.add_argument("--probe-dev", type=int, default=500)
+    p.add_argument("--probe-window", type=int, default=0, help="words permuted in the probe (0: whole sentence)")
     p.add_argument("--finetune-seeds", type=int, nargs="+", default=[1])
-    p.add_argument("--finetune-lr", type=float, default=1e-4)
-    p.add_argument("--finetune-epochs", type=int, default=2)
+    p.add_argument("--finetune-lr", type=float, default=5e-4)
+    p.add_argument("--finetune-epochs", type=int, default=3)
     p.add_argument("--target", action="append", default=[], metavar="METRIC=VALUE",
                    help="explicit target (default: the MLM run's final value of each metric)")
     p.add_argument("--out", required=True)
+    p.add_argument("--work-dir", default="", help="tokenizer, shards, runs, checkpoints (default: <out>/work)")
     return p
 
 
@@ -235,7 +238,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    work = out / "work"
+    work = Path(args.work_dir) if args.work_dir else out / "work"
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     started = time.perf_counter()

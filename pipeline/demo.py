@@ -10,9 +10,9 @@ and prints where every artefact went and the equivalent command of every stage, 
 
 The default corpus is this Python installation's own documentation (`pipeline.demo_corpus`):
 real English prose that needs no download. `--corpus` uses the user's files or folders instead.
-The model is the `tiny-<objective>` preset widened to hidden 128 / 4 layers, trained for a few
-hundred steps of 32 sequences of 128 tokens on an 8k WordPiece vocabulary; enough for the
-fill-mask output to be recognisably about the corpus, not a useful model.
+The model is the `tiny-<objective>` preset widened to hidden 128 / 4 layers, trained for 1000
+steps of 32 sequences of 128 tokens on an 8k WordPiece vocabulary (about 4 minutes on two idle
+cores); enough for the fill-mask output to start depending on the context, not a useful model.
 
 Re-running is safe: the demo only ever deletes what it wrote itself, and refuses an `--out`
 directory that holds anything else (its marker is `demo.json`).
@@ -34,10 +34,15 @@ from typing import Optional, Sequence
 SUMMARY_FILE = "demo.json"
 STAGE_ENTRIES = ("corpus.txt", "tokenizer", "shards", "runs", "hf")
 DEFAULT_PROMPTS = (
-    "Return a new [MASK] containing the items of the sequence.",
-    "This module provides functions for reading and writing [MASK] files.",
+    "The [MASK] is installed with pip.",
+    "Returns True if the string is [MASK].",
     "If the file does not exist, an [MASK] is raised.",
 )
+#: ~4 minutes on two idle CPU cores (0.22 s/step). Measured on the default corpus: at 300 steps the
+#: model predicts only frequent tokens ("the", "."); from ~1000 steps the predictions start to depend
+#: on the context ("true", "none" for "Returns True if the string is [MASK]."); at 3000 steps (11 min)
+#: they are good ("module, library, package" for "The [MASK] is installed with pip.").
+DEFAULT_STEPS = 1000
 #: Model and run overrides applied on top of the `tiny-<objective>` preset (see module docstring).
 DEMO_OVERRIDES = (
     "model.num_layers=4", "model.hidden_size=128", "model.num_heads=4", "model.ffn_size=512",
@@ -45,9 +50,6 @@ DEMO_OVERRIDES = (
     "data.global_batch_size=32", "data.micro_batch_size=32",
     "optim.lr=2e-3", "train.log_every=25", "train.keep_last=1", "train.progress_bar=false",
     "train.deterministic=false",
-    # ZeRO buckets sized for this 2M-parameter model: the engine files' 5e8-element buckets are
-    # allocated every step and would dominate a CPU step of a model this small.
-    "deepspeed.extra={zero_optimization: {reduce_bucket_size: 5000000, allgather_bucket_size: 5000000}}",
 )
 
 
@@ -239,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo_output", help="output directory (re-runs clear only the demo's own files)")
     p.add_argument("--corpus", nargs="+", default=[], metavar="PATH",
                    help="text files or folders to train on instead of the installed documentation")
-    p.add_argument("--steps", type=int, default=300, help="pretraining steps (32 sequences of --seq-len each)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="pretraining steps (32 sequences of --seq-len each)")
     p.add_argument("--vocab-size", type=int, default=8192)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--max-corpus-mb", type=float, default=4.0, help="cap on the corpus size")

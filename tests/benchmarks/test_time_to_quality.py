@@ -17,8 +17,8 @@ WIKI_STYLE = [
 ]
 
 
-def test_sentences_skip_headings_short_and_unk() -> None:
-    sents = sentences_from_text(WIKI_STYLE + [" A sentence with an <unk> token in it , ten words ."])
+def test_sentences_skip_headings_and_short_ones() -> None:
+    sents = sentences_from_text(WIKI_STYLE + [" " + " ".join(["word"] * 41) + " ."])
     assert sents == ["The game began development in 2010 , carrying over a large portion of the work .",
                      "2011 in Japan and was later praised by critics for its art style and story ."]
 
@@ -32,6 +32,8 @@ def test_scramble_changes_exactly_one_window() -> None:
         changed = [i for i, (a, b) in enumerate(zip(out, words)) if a != b]
         assert changed[-1] - changed[0] < 4
     assert scramble(["same"] * 6, 3, rng) == ["same"] * 6  # nothing to permute: unchanged (caller's concern)
+    whole = scramble(words, 0, rng)  # window 0: the whole sentence
+    assert whole != words and sorted(whole) == sorted(words)
 
 
 def test_word_order_task_is_balanced_glue_format(tmp_path: Path) -> None:

@@ -1,0 +1,58 @@
+"""The front door: `python -m pipeline.demo` end to end (a few steps), and its output-dir safety."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.demo import SUMMARY_FILE, main, prepare_out_dir
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_out_dir_is_cleared_only_when_it_is_the_demos(tmp_path: Path) -> None:
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+    with pytest.raises(FileExistsError, match="not a previous demo output"):
+        prepare_out_dir(foreign)
+    assert (foreign / "thesis.tex").read_text() == "precious"
+    previous = tmp_path / "demo"
+    (previous / "shards").mkdir(parents=True)
+    (previous / SUMMARY_FILE).write_text("{}")
+    (previous / "notes.txt").write_text("kept: not one of the demo's entries")
+    prepare_out_dir(previous)
+    assert sorted(p.name for p in previous.iterdir()) == ["notes.txt"]
+
+
+def test_bad_arguments_fail_before_any_work(tmp_path: Path, capsys) -> None:
+    assert main(["--objective", "nope", "--out", str(tmp_path / "o")]) == 2
+    assert "--objective 'nope'" in capsys.readouterr().err and not (tmp_path / "o").exists()
+    assert main(["--prompt", "no mask here", "--out", str(tmp_path / "o")]) == 2
+    assert "must contain [MASK]" in capsys.readouterr().err
+    assert main(["--steps", "0", "--out", str(tmp_path / "o")]) == 2
+
+
+@pytest.mark.timeout(180)
+def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(REPO)  # the training child process imports `pipeline` from the checkout
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    sentences = [f"The river number {i} flows past the old mill and the quiet village near the hills."
+                 for i in range(300)]
+    (corpus / "a.txt").write_text("\n\n".join(sentences))
+    out = tmp_path / "demo"
+    code = main(["--objective", "mlm", "--corpus", str(corpus), "--out", str(out), "--steps", "2",
+                 "--vocab-size", "200", "--seq-len", "32", "--prompt", "The river flows past the [MASK] mill."])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert list(summary["stage_seconds"]) == ["corpus", "tokenizer", "shards", "pretrain", "convert", "fill_mask"]
+    predictions = summary["fill_mask"][0]["predictions"]
+    assert len(predictions) == 5 and all(0 <= p["score"] <= 1 for p in predictions)
+    assert summary["final_metrics"]["step"] == 2
+    assert (out / "hf" / "mlm" / "config.json").is_file() and (out / "runs" / "mlm" / "metrics.jsonl").is_file()
+    assert "The river flows past the [MASK] mill." in printed and "Hugging Face model" in printed
+    assert "python -m pipeline.train --config tiny-mlm" in printed  # the equivalent command is shown
