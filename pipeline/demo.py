@@ -14,8 +14,8 @@ The model is the `tiny-<objective>` preset widened to hidden 128 / 4 layers, tra
 steps of 32 sequences of 128 tokens on an 8k WordPiece vocabulary (about 4 minutes on two idle
 cores); enough for the fill-mask output to start depending on the context, not a useful model.
 
-Re-running is safe: the demo only ever deletes what it wrote itself, and refuses an `--out`
-directory that holds anything else (its marker is `demo.json`).
+Re-running is safe: the demo only ever deletes what it wrote itself, and refuses a non-empty
+`--out` directory that it did not create (its marker, `demo.json`, is written first).
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def prepare_out_dir(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()):
-        if not (out / SUMMARY_FILE).is_file() and not (out / "corpus.txt").is_file():
+        if not (out / SUMMARY_FILE).is_file():
             raise FileExistsError(f"--out {out}: not empty and not a previous demo output (no {SUMMARY_FILE}); "
                                   "choose another --out")
         for name in (*STAGE_ENTRIES, SUMMARY_FILE):
@@ -75,6 +75,13 @@ def prepare_out_dir(out: Path) -> None:
             elif path.exists():
                 path.unlink()
     out.mkdir(parents=True, exist_ok=True)
+    write_summary(out, {"status": "running"})  # the marker first: a crashed run's output is still ours
+
+
+def write_summary(out: Path, summary: dict) -> None:
+    tmp = out / (SUMMARY_FILE + ".tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    os.replace(tmp, out / SUMMARY_FILE)
 
 
 def command_line(module: str, *args: object) -> str:
@@ -202,6 +209,7 @@ def run_demo(args: argparse.Namespace) -> dict:
         print("      -> " + ", ".join(f"{p['token']} ({p['score']:.3f})" for p in item["predictions"]))
 
     summary = {
+        "status": "done",
         "objective": args.objective,
         "total_seconds": round(time.perf_counter() - started, 1),
         "stage_seconds": stages.times,
@@ -216,9 +224,7 @@ def run_demo(args: argparse.Namespace) -> dict:
                                                                  "tokens_seen", "tokens_per_s")},
         "fill_mask": predictions,
     }
-    tmp = out / (SUMMARY_FILE + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, out / SUMMARY_FILE)
+    write_summary(out, summary)
     return summary
 
 

@@ -21,6 +21,8 @@ import ast
 import hashlib
 import os
 import re
+import site
+import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,27 +123,35 @@ def _walk_files(root: Path, suffixes: tuple[str, ...]) -> Iterator[Path]:
                 yield Path(dirpath) / name
 
 
+def site_package_dirs() -> list[Path]:
+    """Every site-packages directory this interpreter imports from, sorted (reproducible).
+
+    `sysconfig`'s purelib alone is not enough: inside a virtual environment created with
+    `--system-site-packages` it names the (nearly empty) environment, while the installed
+    libraries - and their documentation - live in the system directory on `sys.path`.
+    """
+    paths = sysconfig.get_paths()
+    candidates = [paths["purelib"], paths["platlib"], *site.getsitepackages(),
+                  *(p for p in sys.path if p.rstrip("/").endswith(("site-packages", "dist-packages")))]
+    return sorted({Path(p).resolve() for p in candidates if p and Path(p).is_dir()})
+
+
 def default_sources() -> Iterator[tuple[str, str]]:
     """(source kind, document text) from this Python installation, in a fixed order.
 
     Order: stdlib docstrings, then distribution READMEs, then shipped docs in site-packages — the
     most prose-like first, so a size cap keeps the best text.
     """
-    paths = sysconfig.get_paths()
-    stdlib = Path(paths["stdlib"])
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
     for py in _walk_files(stdlib, (".py",)):
         for doc in python_docstrings(py):
             yield "stdlib-docstrings", doc
-    site_dirs = sorted({Path(paths["purelib"]), Path(paths["platlib"])})
-    for site in site_dirs:
-        if not site.is_dir():
-            continue
-        for meta in sorted(site.glob("*.dist-info/METADATA")):
+    site_dirs = site_package_dirs()
+    for site_dir in site_dirs:
+        for meta in sorted(site_dir.glob("*.dist-info/METADATA")):
             yield "package-readmes", metadata_description(meta)
-    for site in site_dirs:
-        if not site.is_dir():
-            continue
-        for doc in _walk_files(site, DOC_SUFFIXES):
+    for site_dir in site_dirs:
+        for doc in _walk_files(site_dir, DOC_SUFFIXES):
             if ".dist-info" in str(doc) or SKIPPED_DOC_NAMES.search(doc.name):
                 continue
             yield "package-docs", doc.read_text(encoding="utf-8", errors="replace")

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +58,8 @@ def test_overrides_and_argument_errors(tmp_path: Path, capsys) -> None:
         with pytest.raises(SystemExit):
             parse_args([*argv, "--out", str(tmp_path)])
         assert message in capsys.readouterr().err
+    assert main(["--shards", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")]) == 2
+    assert "nowhere" in capsys.readouterr().err
     assert last_error_line("a\nerror: data.shards_dir=/x: no such directory\n") == \
         "error: data.shards_dir=/x: no such directory"
     assert last_error_line("Traceback\n  File x\nRuntimeError: CUDA out of memory\n") == "RuntimeError: CUDA out of memory"

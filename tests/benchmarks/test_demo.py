@@ -23,7 +23,11 @@ def test_out_dir_is_cleared_only_when_it_is_the_demos(tmp_path: Path) -> None:
     (previous / SUMMARY_FILE).write_text("{}")
     (previous / "notes.txt").write_text("kept: not one of the demo's entries")
     prepare_out_dir(previous)
-    assert sorted(p.name for p in previous.iterdir()) == ["notes.txt"]
+    assert sorted(p.name for p in previous.iterdir()) == [SUMMARY_FILE, "notes.txt"]
+    assert json.loads((previous / SUMMARY_FILE).read_text()) == {"status": "running"}
+    fresh = tmp_path / "new" / "out"
+    prepare_out_dir(fresh)
+    assert (fresh / SUMMARY_FILE).is_file()
 
 
 def test_bad_arguments_fail_before_any_work(tmp_path: Path, capsys) -> None:
@@ -49,6 +53,7 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
     printed = capsys.readouterr().out
     assert code == 0, printed
     summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["status"] == "done"
     assert list(summary["stage_seconds"]) == ["corpus", "tokenizer", "shards", "pretrain", "convert", "fill_mask"]
     predictions = summary["fill_mask"][0]["predictions"]
     assert len(predictions) == 5 and all(0 <= p["score"] <= 1 for p in predictions)
