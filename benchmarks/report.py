@@ -67,6 +67,17 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _save_figure(fig, path: Path) -> None:
+    """Write a matplotlib figure as PNG atomically (temp name, then rename) and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
 def bar_chart(rows: Sequence[dict[str, Any]], label: str, value: str, path: Path, title: str) -> None:
     import matplotlib
 
@@ -80,11 +91,7 @@ def bar_chart(rows: Sequence[dict[str, Any]], label: str, value: str, path: Path
     ax.set_xticks(range(len(values)), labels, rotation=30, ha="right")
     ax.set_ylabel(value)
     ax.set_title(title)
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    _save_figure(fig, path)
 
 
 def line_chart(
@@ -113,11 +120,7 @@ def line_chart(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    os.replace(tmp, path)
+    _save_figure(fig, path)
 
 
 def write_report(
