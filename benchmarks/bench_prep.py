@@ -123,14 +123,15 @@ def bench_prep(corpus: Path, tokenizer: Path, work: Path, seq_len: int, num_proc
 
 
 def bench_reader(shards: Path, batch: int, seconds: float, seed: int = 0) -> list[dict]:
-    from pipeline.corruption import CorruptionCollator
-    from pipeline.data import PretrainBatches, ShardDataset
+    from pipeline.data.corruption import CorruptionCollator
+    from pipeline.data.config import BatchPlan
+    from pipeline.data.reader import PretrainBatches, ShardDataset
 
     dataset = ShardDataset(shards)
     rows = []
     for views in (("masked",), ("wwm_masked",), ("crop",), ("shuffled",), ("span_masked",), ("masked", "crop", "shuffled")):
         collator = CorruptionCollator(views, dataset.special_tokens, dataset.vocab_size, seed)
-        reader = PretrainBatches(dataset, collator, batch, 1, 0, 1, seed)
+        reader = PretrainBatches(dataset, collator, BatchPlan(batch, 1, 1), 0, seed)
         next(reader)
         samples, start = 0, time.perf_counter()
         while time.perf_counter() - start < seconds:

@@ -3,7 +3,7 @@
 For each objective x model size x sequence length x ZeRO stage x precision, this runs the real
 training command (`python -m pipeline.train`, DeepSpeed engine, the objective's `tiny-<objective>`
 preset for the objective weights) for `--warmup + --steps` steps in a fresh process, then reads
-its `metrics.jsonl`: step time, tokens/s, MFU (from `pipeline.metrics`' FLOP counter) and peak
+its `metrics.jsonl`: step time, tokens/s, MFU (from `pipeline.train.metrics`' FLOP counter) and peak
 memory are the training loop's own measurements, taken over the steps after the warm-up. A fresh
 process per configuration keeps peak memory per configuration and lets one failure (say, out of
 memory) be recorded while the sweep goes on. MLM is measured in the same invocation, so
@@ -61,7 +61,7 @@ class BenchCase:
     """One measured configuration."""
 
     objective: str
-    preset: str  # model size preset (pipeline.model.SIZE_PRESETS)
+    preset: str  # model size preset (pipeline.model.encoder.SIZE_PRESETS)
     seq_len: int
     zero: int
     precision: str
@@ -149,9 +149,9 @@ def last_error_line(log_text: str) -> str:
 
 def run_case(case: BenchCase, shards_dir: Path, work_dir: Path, args: argparse.Namespace) -> dict:
     """Run one case through `pipeline.train`; returns its report row (with `error` on failure)."""
-    from pipeline.checkpoint import read_latest
-    from pipeline.metrics import read_jsonl
-    from pipeline.run_meta import RunMeta
+    from pipeline.train.checkpoint import read_latest
+    from pipeline.train.metrics import read_jsonl
+    from pipeline.train.run_meta import RunMeta
 
     run_dir = work_dir / "runs" / case.label
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -190,7 +190,7 @@ def run_case(case: BenchCase, shards_dir: Path, work_dir: Path, args: argparse.N
 
 def resolve_shards(args: argparse.Namespace, out: Path) -> dict[int, Path]:
     """Sequence length -> shard directory: the given `--shards`, else synthetic ones under `<out>/data/`."""
-    from pipeline.shards import read_manifest
+    from pipeline.data.shards import read_manifest
 
     if args.shards:
         by_len: dict[int, Path] = {}
@@ -258,8 +258,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         args.micro_batches = parse_list(args.micro_batch, int)
     except ValueError as err:
         parser.error(str(err))
-    from pipeline.config import PRECISIONS, available_presets
-    from pipeline.model import SIZE_PRESETS
+    from pipeline.config.loader import available_presets
+    from pipeline.train.engine import PRECISIONS
+    from pipeline.model.encoder import SIZE_PRESETS
 
     bad = [o for o in args.objectives if f"tiny-{o}" not in available_presets()]
     if bad:

@@ -16,7 +16,7 @@ Permuting only 4 or 8 consecutive words stays within 0.50-0.57 at this model siz
 chance to rank checkpoints, though a better probe for bigger models (`--probe-window`). Any real GLUE-format directory can be used
 instead (`time_to_quality.py --task-dir`).
 
-Output: `train.tsv` and `dev.tsv` with a `sentence<TAB>label` header (`pipeline.glue` reads them as
+Output: `train.tsv` and `dev.tsv` with a `sentence<TAB>label` header (`pipeline.eval.glue` reads them as
 a `generic` single-sentence classification task), written atomically.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ InfoWord's n-gram span masking count words). So the rows written here are full-l
 `[CLS] ids... [SEP]` sequences (no padding, like `packing=full` shards of a large corpus) with ids
 drawn uniformly from the non-special range and word starts with probability `word_start_prob`
 (0.75 ~ 1.3 WordPiece tokens per English word). They are written with the real shard writer and
-manifest (`pipeline.shards`), so the training path reads them exactly as it reads real data.
+manifest (`pipeline.data.shards`), so the training path reads them exactly as it reads real data.
 
 They are for speed only: nothing learned from them means anything, and the manifest says so
 (`sources: [{"path": "synthetic", ...}]`, `tokenizer_hash: "synthetic"`, no `tokenizer/`).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.shards import (
+from pipeline.data.shards import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     Manifest,

@@ -3,10 +3,10 @@
 Every run trains with the real command (`python -m pipeline.train --config tiny-<objective>`, the
 same model size, batch, learning-rate schedule, seed and number of steps: the same token budget)
 and keeps a checkpoint every `--eval-every` steps. Each checkpoint is converted to Hugging Face
-(`pipeline.convert`) and evaluated on
+(`pipeline.export.convert`) and evaluated on
   * held-out masked-LM loss and accuracy: `BertForMaskedLM` on held-out shards, masked by the
     pipeline's own collator with a fixed seed, so every checkpoint sees the same masks;
-  * a GLUE-format downstream task through `pipeline.finetune` (`--task-dir`, or by default the
+  * a GLUE-format downstream task through `pipeline.eval.finetune` (`--task-dir`, or by default the
     word-order task that `benchmarks/probe_task.py` builds from the held-out text).
 The report gives, per run and metric, the first evaluated step and the device-hours (training
 step time only, summed from `metrics.jsonl`, times the world size) at which the run reaches the
@@ -50,8 +50,8 @@ def heldout_mlm(model_dir: Path, shards_dir: Path, max_sequences: int, batch_siz
     import torch
     from transformers import BertForMaskedLM
 
-    from pipeline.corruption import CorruptionCollator
-    from pipeline.data import ShardDataset
+    from pipeline.data.corruption import CorruptionCollator
+    from pipeline.data.reader import ShardDataset
 
     dataset = ShardDataset(shards_dir)
     collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, seed)
@@ -77,8 +77,8 @@ def heldout_mlm(model_dir: Path, shards_dir: Path, max_sequences: int, batch_siz
 
 
 def downstream(model_dir: Path, task_dir: Path, args: argparse.Namespace) -> tuple[str, float]:
-    """(metric name, mean dev score over `--finetune-seeds`) of `pipeline.finetune` on the task."""
-    from pipeline.finetune import build_parser, finetune
+    """(metric name, mean dev score over `--finetune-seeds`) of `pipeline.eval.finetune` on the task."""
+    from pipeline.eval.finetune import build_parser, finetune
 
     ft_args = build_parser().parse_args([
         "--model", str(model_dir), "--task-dir", str(task_dir), "--seeds", *map(str, args.finetune_seeds),
@@ -133,7 +133,7 @@ def prepare_data(args: argparse.Namespace, work: Path) -> tuple[Path, Path, Path
 
 def train_run(objective: str, shards: Path, run_dir: Path, args: argparse.Namespace) -> list[dict]:
     """Train one objective with checkpoints every `--eval-every` steps; returns its metrics records."""
-    from pipeline.metrics import read_jsonl
+    from pipeline.train.metrics import read_jsonl
 
     keep = args.steps // args.eval_every + 1
     overrides = [f"model.size={args.size}", f"data.shards_dir={shards}", f"data.micro_batch_size={args.micro_batch}",
@@ -157,8 +157,8 @@ def train_run(objective: str, shards: Path, run_dir: Path, args: argparse.Namesp
 def evaluate_run(objective: str, run_dir: Path, heldout: Path, task_dir: Path, records: list[dict],
                  args: argparse.Namespace) -> list[EvalPoint]:
     """Convert and evaluate every kept checkpoint of one run."""
-    from pipeline.checkpoint import list_tags
-    from pipeline.convert import convert
+    from pipeline.train.checkpoint import list_tags
+    from pipeline.export.convert import convert
 
     hours = cumulative_hours(records, args.world_size)
     points = []
@@ -226,7 +226,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
         args.targets = {k: float(v) for k, v in (t.split("=", 1) for t in args.target)}
     except ValueError as err:
         parser.error(f"--objectives / --target: {err}")
-    from pipeline.config import available_presets
+    from pipeline.config.loader import available_presets
 
     bad = [o for o in args.objectives if f"tiny-{o}" not in available_presets()]
     if bad:

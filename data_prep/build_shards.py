@@ -1,4 +1,4 @@
-"""Tokenize and pack text into checksummed Arrow IPC shards (see `pipeline.shards` for the format).
+"""Tokenize and pack text into checksummed Arrow IPC shards (see `pipeline.data.shards` for the format).
 
     python -m data_prep.build_shards --input corpus/ --tokenizer tok/ --seq-len 512 --out shards/ --num-proc 8
 
@@ -35,7 +35,7 @@ from data_prep.packing import PACKING_MODES, Packer
 from data_prep.readers import InputError, ReadOptions, Source, check_source, iter_documents, resolve_inputs
 from data_prep.encode import DocumentEncoder
 from data_prep.tokenizer_io import LoadedTokenizer, load_tokenizer
-from pipeline.shards import (
+from pipeline.data.shards import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     TOKENIZER_SUBDIR,

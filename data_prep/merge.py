@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from pipeline.shards import (
+from pipeline.data.shards import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     TOKENIZER_SUBDIR,

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.shards import SPECIAL_TOKEN_NAMES
+from pipeline.data.shards import SPECIAL_TOKEN_NAMES
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.shards import TOKENIZER_SUBDIR, hash_directory, iter_shard_paths, open_shard, read_manifest, sha256_file
+from pipeline.data.shards import TOKENIZER_SUBDIR, hash_directory, iter_shard_paths, open_shard, read_manifest, sha256_file
 
 
 def _check_rows(name: str, ids: np.ndarray, length: np.ndarray, seq_len: int, vocab_size: int, specials: dict[str, int]) -> list[str]:

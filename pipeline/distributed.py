@@ -23,8 +23,10 @@ import re
 import socket
 import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed
 
 
 @dataclass(frozen=True)
@@ -112,17 +114,23 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
     if "MASTER_ADDR" not in os.environ:
         os.environ["MASTER_ADDR"] = _first_slurm_host() if info.launcher == "slurm" else "127.0.0.1"
     if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = _slurm_port() if info.launcher == "slurm" else _free_port_or_default(info)
+        os.environ["MASTER_PORT"] = _slurm_port() if info.launcher == "slurm" else "29500"
     os.environ.update(RANK=str(info.rank), WORLD_SIZE=str(info.world_size), LOCAL_RANK=str(info.local_rank))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
-    if not torch.distributed.is_initialized():
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if info.world_size == 1 and not torch.distributed.is_initialized():
+        # One process needs no rendezvous: an in-memory store instead of a TCP port, so concurrent
+        # single-process runs on one machine can never race for the same free port.
+        torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                             timeout=timeout)
+    if not torch.distributed.is_initialized() or not deepspeed.comm.is_initialized():
         deepspeed.init_distributed(
             dist_backend=backend,
             auto_mpi_discovery=False,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=timeout,
             rank=info.rank,
             world_size=info.world_size,
         )
@@ -143,6 +151,50 @@ def _free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def _free_port_or_default(info: DistInfo) -> str:
-    """A free local port for single-process runs; a fixed one when several processes must agree."""
-    return "29500" if info.world_size > 1 else _free_port()
+
+# --------------------------------------------------------------------------------------------
+# Collectives (the one home of every cross-rank operation; each is a no-op on one process)
+# --------------------------------------------------------------------------------------------
+def multi_rank() -> bool:
+    """True inside an initialised process group of more than one rank."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def barrier() -> None:
+    if multi_rank():
+        torch.distributed.barrier()
+
+
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's `value` on every rank."""
+    if not multi_rank():
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """In-place sum of `values` over the ranks (returned for chaining)."""
+    if multi_rank():
+        torch.distributed.all_reduce(values)
+    return values
+
+
+def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Concatenate `rows` [n, D] of every rank in rank order (n may differ between ranks)."""
+    if not multi_rank():
+        return rows
+    dist = torch.distributed
+    world = dist.get_world_size()
+    n = torch.tensor([rows.shape[0]], device=rows.device, dtype=torch.long)
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    sizes_int = [int(s.item()) for s in sizes]
+    padded = rows.new_zeros((max(sizes_int), rows.shape[1]))
+    padded[: rows.shape[0]] = rows
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded.contiguous())
+    return torch.cat([g[:s] for g, s in zip(gathered, sizes_int)], dim=0)

@@ -3,7 +3,7 @@
 # small default — offline corpus -> tokenizer -> shards -> short pretraining -> Hugging Face -> fill-mask.
 #
 #   bash scripts/demo.sh                       # default: TACO on this Python's own documentation
-#   bash scripts/demo.sh --objective capt      # any registered objective (mlm, taco, capt, cocolm, infoword, ...)
+#   bash scripts/demo.sh --objective capt      # any objective with a tiny-<objective> preset: mlm, taco, capt, cocolm, infoword
 #   bash scripts/demo.sh --corpus ~/notes      # your own text files / folders instead
 #   DEMO_SKIP_INSTALL=1 bash scripts/demo.sh   # already installed: just run
 #
@@ -25,4 +25,4 @@ fi
 
 # Offline by construction: nothing is fetched from a model or dataset hub.
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec "$PYTHON" -m pipeline.demo "$@"
+exec "$PYTHON" -m demo.run "$@"

@@ -9,7 +9,7 @@ require_var() {
     local name=$1 what=$2
     if [ -z "${!name:-}" ]; then
         echo "error: $name is not set: $what" >&2
-        echo "       (see README.md, section 'Running on a SLURM cluster'; e.g. $name=... sbatch --export=ALL slurm/$(job_kind).sbatch)" >&2
+        echo "       (see docs/slurm.md; e.g. $name=... sbatch --export=ALL slurm/$(job_kind).sbatch)" >&2
         exit 2
     fi
 }

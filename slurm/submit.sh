@@ -7,7 +7,7 @@
 #   slurm/submit.sh convert  [SBATCH_FLAG...]   CHECKPOINT, HF_DIR (+ CONVERT_ARGS)
 #
 # The variables are read from the environment and passed to the job (see each slurm/*.sbatch
-# header and README.md, section 'Running on a SLURM cluster'). SBATCH_FLAGs (--nodes, --ntasks-per-node, --gpus-per-node,
+# header and docs/slurm.md). SBATCH_FLAGs (--nodes, --ntasks-per-node, --gpus-per-node,
 # --time, --partition, --account, ...) override the scripts' #SBATCH defaults.
 # Job logs: OUTPUT_DIR/logs/<job name>-<job id>.out (array tasks: -<array id>_<task>.out);
 # per-rank logs of pretrain/bench: OUTPUT_DIR/logs/<job id>/rank<N>.log.
@@ -23,7 +23,7 @@ usage() {
 }
 need() {
     if [ -z "${!1:-}" ]; then
-        echo "error: $1 is not set: $2 (see README.md, section 'Running on a SLURM cluster')" >&2
+        echo "error: $1 is not set: $2 (see docs/slurm.md)" >&2
         exit 2
     fi
 }

@@ -79,10 +79,11 @@ def make_batch(
     **collator_options,
 ) -> dict[str, torch.Tensor]:
     """A collated batch of `batch_size` consecutive stream samples with the requested views."""
-    from pipeline.corruption import CorruptionCollator
-    from pipeline.data import PretrainBatches, ShardDataset
+    from pipeline.data.corruption import CorruptionCollator
+    from pipeline.data.config import BatchPlan
+    from pipeline.data.reader import PretrainBatches, ShardDataset
 
     dataset = ShardDataset(shards_dir)
     collator = CorruptionCollator(views, dataset.special_tokens, dataset.vocab_size, seed, **collator_options)
-    reader = PretrainBatches(dataset, collator, batch_size, 1, 0, 1, seed)
+    reader = PretrainBatches(dataset, collator, BatchPlan(batch_size, 1, 1), 0, seed)
     return reader.micro_batch(first_sample, 0)

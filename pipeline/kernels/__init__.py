@@ -11,8 +11,9 @@ per call from the first tensor argument's device, so CPU tests and GPU runs shar
 from __future__ import annotations
 
 import importlib
-import os
 from typing import Callable
+
+from pipeline.capabilities import triton_usable
 
 KERNEL_MODES = ("auto", "triton", "torch")
 
@@ -40,17 +41,6 @@ def _triton(name: str) -> Callable:
         raise KeyError(f"no Triton kernel registered for {name!r}; registered: {sorted(TRITON_OPS)}")
     module, attr = TRITON_OPS[name].split(":")
     return getattr(importlib.import_module(module), attr)
-
-
-def triton_usable(device_type: str) -> bool:
-    """Triton runs on CUDA, or anywhere under TRITON_INTERPRET=1 (the CPU test path)."""
-    if device_type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return False
-        return True
-    return False
 
 
 def get_op(name: str, mode: str = "auto") -> Callable:

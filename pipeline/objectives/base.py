@@ -1,46 +1,48 @@
-"""The objective contract: `loss, metrics = objective(ctx)`, a registry, and the per-step context.
+"""The objective contract: `loss, metrics = objective(ctx)`, the registry, and the per-step context.
 
 Every objective is an `nn.Module` (so its heads are trained and checkpointed with the encoder)
-registered under a config name. It declares the batch views it needs (`views`); the collator
-builds exactly those. Encoder passes are shared between objectives through `StepContext.encode`,
-so MLM + TACO costs one forward of the masked view, not two.
+registered under a config name. It declares the batch views it needs (`views`, see
+`pipeline.batch`); the collator builds exactly those. Encoder passes are shared between objectives
+through `StepContext.encode`, so MLM + TACO costs one forward of the masked view, not two.
 
-Sampling inside objectives (TACO positives/negatives, COCO-LM replacements, NCE negatives) uses
-`ctx.generator`, a `torch.Generator` seeded from (run seed, first global sample index of the
-micro-batch): deterministic, independent of the rank count, and exactly reproduced on resume
-without saving RNG state.
+An objective sees the encoder and the MLM head through the context, never the whole
+`PretrainModel`: that is all any of them needs, and it keeps objectives independent of the model
+that combines them. Sampling inside objectives (TACO positives/negatives, COCO-LM replacements,
+NCE negatives, InfoWord n-grams) uses `ctx.generator`, the micro-batch's stream of
+`pipeline.seeding` (exactly reproduced on resume, independent of the rank count).
+
+The registry's users (config checks, model construction) go through `pipeline.objectives.registry`,
+which imports every objective module.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, ClassVar, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 from torch import Tensor, nn
 
-from pipeline.model import EncoderOutput
+from pipeline.batch import VIEW_INPUTS, VIEWS
+from pipeline.model.encoder import BertEncoder, EncoderOutput
+from pipeline.model.heads import MLMHead
 
-if TYPE_CHECKING:
-    from pipeline.pretrainer import PretrainModel
 
-#: Batch views the collator can build (see `pipeline.corruption`). Keys each view adds to the batch:
-#:   original:    input_ids, attention_mask, special_mask, word_starts (always present)
-#:   masked:      masked_ids, mlm_labels (-100 where not selected)                 BERT 15% 80/10/10
-#:   wwm_masked:  masked_ids, mlm_labels, built with whole-word masking instead
-#:   span_masked: span_masked_ids, span_labels (-100 elsewhere), span_index (-1 or span number)
-#:   crop:        crop_ids, crop_attention_mask                                    COCO-LM crop
-#:   shuffled:    shuffled_ids                                                     CAPT window-3 shuffle
-VIEWS = ("original", "masked", "wwm_masked", "span_masked", "crop", "shuffled")
+@dataclass(frozen=True)
+class StepProgress:
+    """Where the run is: optimizer step `step` (1-based) of `total_steps` (CAPT's temperature uses it)."""
+
+    step: int = 0
+    total_steps: int = 1
 
 
 @dataclass
 class StepContext:
     """What one forward pass of the pretraining model shares between its objectives."""
 
-    model: "PretrainModel"
+    encoder: BertEncoder
+    head: MLMHead
     batch: dict[str, Tensor]
-    step: int
-    total_steps: int
+    progress: StepProgress
     generator: torch.Generator
     kernels: str = "auto"
     _cache: dict[tuple[str, str], EncoderOutput] = field(default_factory=dict)
@@ -49,8 +51,12 @@ class StepContext:
         """Encoder output for `batch[ids_key]`, computed once per step and shared."""
         key = (ids_key, mask_key)
         if key not in self._cache:
-            self._cache[key] = self.model.bert(self.batch[ids_key], self.batch[mask_key])
+            self._cache[key] = self.encoder(self.batch[ids_key], self.batch[mask_key])
         return self._cache[key]
+
+    def encode_view(self, view: str) -> EncoderOutput:
+        """Encoder output of a batch view (`pipeline.batch.VIEW_INPUTS`), shared like `encode`."""
+        return self.encode(*VIEW_INPUTS[view])
 
     def op(self, name: str) -> Callable:
         """Loss op `name` (torch reference or Triton kernel, per the `kernels` switch)."""
@@ -63,11 +69,13 @@ class Objective(nn.Module):
     """Base class. Subclasses set `name`, `views`, and implement `forward(ctx) -> (loss, metrics)`.
 
     `loss` is a float32 scalar; `metrics` maps short names to detached scalars (logged as
-    `<objective>/<metric>`).
+    `<objective>/<metric>`). An objective that cannot run with partitioned parameters sets
+    `max_zero_stage`.
     """
 
     name: ClassVar[str] = ""
     views: ClassVar[tuple[str, ...]] = ("original",)
+    max_zero_stage: ClassVar[int] = 3
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -10,7 +10,7 @@ layer: hidden -> FFN size -> hidden (Sec. 3.1), GELU in between (*choice*: the p
 "nonlinear projection"). q runs over a `MemoryQueue` of 8192 rows into which both views of the
 whole global batch are enqueued (detached, FIFO, gathered across ranks) after each micro-batch's
 loss. tau follows the inverted triangle of Eq. 6, tau(t) = |t - T/2| / T + 0.05, from
-`ctx.step` / `ctx.total_steps`; pass a number as `tau` for a fixed temperature.
+`ctx.progress`; pass a number as `tau` for a fixed temperature.
 
 Both views are encoded in the same step by the same encoder; x^ is the `masked` view (BERT 15%),
 or `shuffled` (window-3 shuffle, the paper's Sec. 5.2 ablation) via `corruption`. The paper's
@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.model import EncoderConfig
+from pipeline.batch import VIEW_INPUTS, choose_view
+from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register
 from pipeline.objectives.functional import adaptive_temperature
 from pipeline.objectives.memory_queue import MemoryQueue
 
-CORRUPTIONS: dict[str, str] = {"masked": "masked_ids", "wwm_masked": "masked_ids", "shuffled": "shuffled_ids"}
+CORRUPTIONS = ("masked", "wwm_masked", "shuffled")
 
 
 class AggregationMLP(nn.Module):
@@ -62,14 +63,13 @@ class ContrastivePretraining(Objective):
         gather_queue: bool = True,
     ) -> None:
         super().__init__()
-        if corruption not in CORRUPTIONS:
-            raise ValueError(f"objective_options.capt.corruption must be one of {sorted(CORRUPTIONS)}, got {corruption!r}")
+        choose_view("corruption", corruption, CORRUPTIONS)
         if tau is not None and tau <= 0:
-            raise ValueError(f"objective_options.capt.tau must be positive (or null for the adaptive schedule), got {tau}")
+            raise ValueError(f"tau must be positive (or null for the adaptive schedule), got {tau}")
         if queue_size < 0:
-            raise ValueError(f"objective_options.capt.queue_size must be >= 0, got {queue_size}")
+            raise ValueError(f"queue_size must be >= 0, got {queue_size}")
         self.views = ("original", corruption)
-        self.corrupted_key = CORRUPTIONS[corruption]
+        self.corrupted_key = VIEW_INPUTS[corruption][0]
         self.tau = tau
         self.aggregation = AggregationMLP(encoder_config.hidden_size, encoder_config.ffn_size)
         self.queue = MemoryQueue(queue_size, encoder_config.hidden_size) if queue_size else None
@@ -85,7 +85,7 @@ class ContrastivePretraining(Objective):
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
         s = self.represent(ctx.encode("input_ids").last_hidden[:, 0])
         s_hat = self.represent(ctx.encode(self.corrupted_key).last_hidden[:, 0])
-        tau = self.temperature(ctx.step, ctx.total_steps)
+        tau = self.temperature(ctx.progress.step, ctx.progress.total_steps)
         queue = self.queue.negatives(s.device) if self.queue is not None else None
         loss = ctx.op("sequence_contrastive_loss")(
             s, s_hat, tau, queue, normalize=True, symmetric=True, same_view_negatives=True
@@ -105,6 +105,6 @@ class ContrastivePretraining(Objective):
     def load_extra_state_from_checkpoint(self, state: dict) -> None:
         if self.queue is None:
             if state.get("queue") is not None:
-                raise ValueError("checkpoint holds a CAPT memory queue but objective_options.capt.queue_size is 0")
+                raise ValueError("the checkpoint holds a CAPT memory queue but this run has objective_options.capt.queue_size=0")
             return
         self.queue.load_state_dict(state["queue"])

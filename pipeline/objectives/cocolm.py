@@ -4,8 +4,8 @@
 1. Auxiliary generator: `generator_layers` transformer layers (default max(1, layers // 3), the
    paper's 1/3 depth for base) with the main model's hidden size, on top of the *main model's*
    embeddings module (token + position embeddings and embedding LayerNorm shared, called as
-   `ctx.model.bert.embeddings` inside forward so ZeRO-3 gathers it). Its own MLM head (transform +
-   bias) projects with the tied word embeddings through `ctx.model.cls.predictions.decoder`.
+   `ctx.encoder.embeddings` inside forward so ZeRO-3 gathers it). Its own MLM head (transform +
+   bias) projects with the tied word embeddings through `ctx.head.predictions.decoder`.
    Trained with MLM on the 15%-masked input X^mask: L_gen.
 2. X^MLM: X^mask with every selected position replaced by a sample from the generator's softmax
    (fp32, `torch.multinomial` with `ctx.generator`), computed without gradient and without
@@ -36,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.model import BertLayerStack, EncoderConfig, PredictionHeadTransform
+from pipeline.batch import masked_view_keys, selected_positions
+from pipeline.model.encoder import BertLayerStack, EncoderConfig
+from pipeline.model.heads import PredictionHeadTransform
+from pipeline.objectives.functional import fp32_logits
 from pipeline.objectives.base import Objective, StepContext, register
-from pipeline.objectives.mlm import check_masked_view, selected_positions
 
 SAMPLE_MODES = ("eval", "zero_dropout")
 
@@ -77,11 +79,6 @@ class GeneratorHead(nn.Module):
         return projection(self.transform(hidden), with_own_bias, *args)
 
 
-def _logits_fp32(hidden: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    with torch.autocast(device_type=hidden.device.type, enabled=False):
-        return F.linear(hidden.float(), weight.float(), bias.float())
-
-
 class SCLHead(nn.Module):
     """COCO-LM's sequence-contrast head on [CLS]: Linear(H, H) -> GELU -> LayerNorm."""
 
@@ -115,16 +112,14 @@ class CorrectingContrasting(Objective):
         tau: float = 1.0,
     ) -> None:
         super().__init__()
-        if view == "span_masked":
-            raise ValueError("objective_options.cocolm.view must be 'masked' or 'wwm_masked'")
-        self.ids_key, self.labels_key = check_masked_view(self.name, view)
+        self.ids_key, self.labels_key = masked_view_keys(view, ("masked", "wwm_masked"))
         if sample_mode not in SAMPLE_MODES:
-            raise ValueError(f"objective_options.cocolm.sample_mode must be one of {SAMPLE_MODES}, got {sample_mode!r}")
+            raise ValueError(f"sample_mode must be one of {SAMPLE_MODES}, got {sample_mode!r}")
         layers = generator_layers if generator_layers is not None else max(1, encoder_config.num_layers // 3)
         if layers < 1:
-            raise ValueError(f"objective_options.cocolm.generator_layers must be >= 1, got {layers}")
+            raise ValueError(f"generator_layers must be >= 1, got {layers}")
         if tau <= 0:
-            raise ValueError(f"objective_options.cocolm.tau must be positive, got {tau}")
+            raise ValueError(f"tau must be positive, got {tau}")
         self.views = (view, "crop")
         self.sample_mode = sample_mode
         self.lambda_copy, self.lambda_gen, self.lambda_scl, self.tau = lambda_copy, lambda_gen, lambda_scl, tau
@@ -136,19 +131,19 @@ class CorrectingContrasting(Objective):
     # -- generator ---------------------------------------------------------------------------
     def _generator_states(self, ctx: StepContext, ids: Tensor, flat: Tensor) -> Tensor:
         """Generator hidden states [N, H] at the selected positions (flat indices)."""
-        e = ctx.model.bert.embeddings(ids)
+        e = ctx.encoder.embeddings(ids)
         h = self.generator(e, ctx.batch["attention_mask"])
         return h.reshape(-1, h.shape[-1])[flat]
 
     def _generator_logits(self, ctx: StepContext, h_sel: Tensor) -> Tensor:
-        return self.generator_head(h_sel, ctx.model.cls.predictions.decoder, _logits_fp32)
+        return self.generator_head(h_sel, ctx.head.predictions.decoder, fp32_logits)
 
     def generate(self, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
         """Generator MLM loss and X^MLM. Returns (gen_loss, replaced_ids [B, L], flat, metrics)."""
         masked_ids, labels = ctx.batch[self.ids_key], ctx.batch[self.labels_key]
         targets, flat = selected_positions(labels)
-        decoder = ctx.model.cls.predictions.decoder
-        embeddings = ctx.model.bert.embeddings
+        decoder = ctx.head.predictions.decoder
+        embeddings = ctx.encoder.embeddings
         if self.sample_mode == "zero_dropout":
             with eval_mode(self.generator, embeddings):
                 h_sel = self._generator_states(ctx, masked_ids, flat)
@@ -176,7 +171,7 @@ class CorrectingContrasting(Objective):
         gen_loss, replaced_ids, flat, metrics = self.generate(ctx)
         original = ctx.batch["input_ids"]
         attention_mask = ctx.batch["attention_mask"]
-        h = ctx.model.bert(replaced_ids, attention_mask).last_hidden  # X^MLM is objective-private
+        h = ctx.encoder(replaced_ids, attention_mask).last_hidden  # X^MLM is objective-private
 
         flat_h = h.reshape(-1, h.shape[-1])
         copy_all = self.copy_head(flat_h).squeeze(-1)  # [B*L]; a Linear(H, 1) is cheap even on padding
@@ -186,7 +181,7 @@ class CorrectingContrasting(Objective):
         copy_loss = ctx.op("copy_loss")(copy_logits, is_original)
 
         copy_prob = torch.sigmoid(copy_all[flat].float())  # stop-gradient is applied inside the loss
-        lm_loss = ctx.model.cls(
+        lm_loss = ctx.head(
             flat_h[flat], ctx.op("corrective_lm_loss"), copy_prob, replaced_ids.reshape(-1)[flat], original.reshape(-1)[flat]
         )
 

@@ -67,6 +67,12 @@ def _logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
 
 
 @_fp32_math
+def fp32_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """`hidden @ weight^T + bias` in float32 with autocast off (for sampling and metrics, not losses)."""
+    return _logits(hidden, weight, bias)
+
+
+@_fp32_math
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,

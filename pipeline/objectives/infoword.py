@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from pipeline.model import EncoderConfig
+from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register
 from pipeline.objectives.mlm_nce import NegativeTokenSampler, nce_loss
 from pipeline.objectives.sampling import sample_one_per_row
@@ -79,15 +79,15 @@ class InfoWord(Objective):
     ) -> None:
         super().__init__()
         if score not in SCORES:
-            raise ValueError(f"objective_options.infoword.score must be one of {SCORES}, got {score!r}")
+            raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         if tau <= 0:
-            raise ValueError(f"objective_options.infoword.tau must be positive, got {tau}")
+            raise ValueError(f"tau must be positive, got {tau}")
         for key in ("cls", "sep", "pad"):
             if key not in special_tokens:
                 raise ValueError(f"special_tokens: infoword needs the {key!r} token id")
         self.lambda_mlm, self.lambda_dim, self.score, self.tau = lambda_mlm, lambda_dim, score, tau
         self.special = dict(special_tokens)
-        self.sampler = NegativeTokenSampler(special_tokens, encoder_config.vocab_size, negatives, num_negatives, self.name)
+        self.sampler = NegativeTokenSampler(special_tokens, encoder_config.vocab_size, negatives, num_negatives)
         self.track_accuracy = track_accuracy
 
     def dim_loss(self, ctx: StepContext) -> tuple[Tensor, Tensor]:
@@ -105,7 +105,7 @@ class InfoWord(Objective):
             ctx.batch["input_ids"][rows], span_index[rows], chosen[rows],
             self.special["cls"], self.special["sep"], self.special["pad"],
         )
-        ngram = ctx.model.bert(ids, mask).last_hidden[:, 0]
+        ngram = ctx.encoder(ids, mask).last_hidden[:, 0]
         loss = ctx.op("sequence_contrastive_loss")(
             sentence[rows], ngram, self.tau, None,
             normalize=self.score == "cosine", symmetric=False, same_view_negatives=False,

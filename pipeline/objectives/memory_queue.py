@@ -18,25 +18,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-
-def _all_gather_rows(rows: Tensor) -> Tensor:
-    """Concatenate `rows` [n, D] of every rank in rank order (n may differ between ranks)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return rows
-    world = dist.get_world_size()
-    n = torch.tensor([rows.shape[0]], device=rows.device, dtype=torch.long)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    sizes_int = [int(s.item()) for s in sizes]
-    longest = max(sizes_int)
-    padded = rows.new_zeros((longest, rows.shape[1]))
-    padded[: rows.shape[0]] = rows
-    gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded.contiguous())
-    return torch.cat([g[:s] for g, s in zip(gathered, sizes_int)], dim=0)
+from pipeline.distributed import all_gather_rows
 
 
 class MemoryQueue:
@@ -65,7 +49,7 @@ class MemoryQueue:
             raise ValueError(f"MemoryQueue.enqueue: expected rows of shape [n, {self.dim}], got {tuple(rows.shape)}")
         rows = rows.detach().float()
         if gather:
-            rows = _all_gather_rows(rows)
+            rows = all_gather_rows(rows)
         self._to(rows.device)
         if rows.shape[0] > self.capacity:
             skipped = rows.shape[0] - self.capacity
@@ -99,7 +83,7 @@ class MemoryQueue:
         if (state["capacity"], state["dim"]) != (self.capacity, self.dim):
             raise ValueError(
                 f"MemoryQueue checkpoint has capacity/dim {(state['capacity'], state['dim'])}, "
-                f"this run is configured with {(self.capacity, self.dim)} (objective_options.capt.queue_size?)"
+                f"this run is configured with {(self.capacity, self.dim)} (CAPT's queue_size option)"
             )
         device = self.buffer.device
         self.buffer = state["buffer"].to(device=device, dtype=torch.float32).clone()

@@ -24,10 +24,12 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from pipeline.model import EncoderConfig
+from pipeline.batch import content_tokens, gather_selected, masked_view_keys, special_ids
+from pipeline.data.shards import SPECIAL_TOKEN_NAMES
+from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register
-from pipeline.objectives.mlm import check_masked_view, gather_selected, with_accuracy
-from pipeline.objectives.sampling import eligible_tokens, sample_from_other_rows
+from pipeline.objectives.mlm import with_accuracy
+from pipeline.objectives.sampling import sample_from_other_rows
 
 NEGATIVE_SOURCES = ("other_sequences", "batch", "uniform")
 
@@ -35,13 +37,13 @@ NEGATIVE_SOURCES = ("other_sequences", "batch", "uniform")
 class NegativeTokenSampler:
     """Draws [N, K] negative token ids for N masked positions (see the module docstring)."""
 
-    def __init__(self, special_tokens: Mapping[str, int], vocab_size: int, source: str, k: int, owner: str) -> None:
+    def __init__(self, special_tokens: Mapping[str, int], vocab_size: int, source: str, k: int) -> None:
         if source not in NEGATIVE_SOURCES:
-            raise ValueError(f"objective_options.{owner}.negatives must be one of {NEGATIVE_SOURCES}, got {source!r}")
+            raise ValueError(f"negatives must be one of {NEGATIVE_SOURCES}, got {source!r}")
         if k < 1:
-            raise ValueError(f"objective_options.{owner}.num_negatives must be >= 1, got {k}")
+            raise ValueError(f"num_negatives must be >= 1, got {k}")
         self.source, self.k = source, k
-        special = torch.tensor(sorted(set(special_tokens.values())), dtype=torch.long)
+        special = torch.tensor(special_ids(special_tokens, SPECIAL_TOKEN_NAMES), dtype=torch.long)
         keep = torch.ones(vocab_size, dtype=torch.bool)
         keep[special[special < vocab_size]] = False
         self.non_special_ids = torch.nonzero(keep).squeeze(1)
@@ -54,7 +56,7 @@ class NegativeTokenSampler:
             pool = self.non_special_ids.to(device)
             pick = torch.randint(pool.numel(), (n, self.k), generator=generator, device=device)
             return pool[pick]
-        eligible = eligible_tokens(batch).reshape(-1)
+        eligible = content_tokens(batch).reshape(-1)
         pool_pos = torch.nonzero(eligible).squeeze(1)  # row-major, so rows are sorted
         pool_ids = ids.reshape(-1)[pool_pos]
         if self.source == "batch":
@@ -83,9 +85,9 @@ class MaskedLanguageModelingNCE(Objective):
         track_accuracy: bool = True,
     ) -> None:
         super().__init__()
-        self.ids_key, self.labels_key = check_masked_view(self.name, view)
+        self.ids_key, self.labels_key = masked_view_keys(view)
         self.views = (view,)
-        self.sampler = NegativeTokenSampler(special_tokens, encoder_config.vocab_size, negatives, num_negatives, self.name)
+        self.sampler = NegativeTokenSampler(special_tokens, encoder_config.vocab_size, negatives, num_negatives)
         self.track_accuracy = track_accuracy
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
@@ -100,7 +102,7 @@ def nce_loss(
     h_sel, targets, flat = gather_selected(hidden, ctx.batch[labels_key])
     negative_ids = sampler(ctx.batch, flat, ctx.generator)
     op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy)
-    loss, acc = ctx.model.cls(h_sel, op, targets, negative_ids)
+    loss, acc = ctx.head(h_sel, op, targets, negative_ids)
     metrics = {"selected_tokens": torch.tensor(float(targets.numel()), device=hidden.device)}
     if acc is not None:
         metrics["accuracy"] = acc

@@ -11,11 +11,6 @@ import torch
 from torch import Tensor
 
 
-def eligible_tokens(batch: dict[str, Tensor]) -> Tensor:
-    """[B, L] bool: real (non-pad) tokens that are not CLS/SEP/PAD — the default participants."""
-    return batch["attention_mask"].bool() & ~batch["special_mask"].bool()
-
-
 def sample_from_other_rows(
     candidate_rows: Tensor,
     anchor_rows: Tensor,

@@ -30,12 +30,12 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from pipeline.model import EncoderConfig
+from pipeline.batch import IGNORE_INDEX, VIEW_INPUTS, choose_view, content_tokens
+from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register
-from pipeline.objectives.mlm import IGNORE_INDEX
-from pipeline.objectives.sampling import eligible_tokens, sample_from_other_rows, sample_window_positives
+from pipeline.objectives.sampling import sample_from_other_rows, sample_window_positives
 
-TACO_VIEWS: dict[str, str] = {"masked": "masked_ids", "wwm_masked": "masked_ids", "original": "input_ids"}
+TACO_VIEWS = ("masked", "wwm_masked", "original")
 ANCHOR_SETS = ("all", "masked", "unmasked")
 
 
@@ -87,24 +87,23 @@ class TokenAlignmentContrastive(Objective):
         max_anchors: Optional[int] = None,
     ) -> None:
         super().__init__()
-        if view not in TACO_VIEWS:
-            raise ValueError(f"objective_options.taco.view must be one of {sorted(TACO_VIEWS)}, got {view!r}")
+        choose_view("view", view, TACO_VIEWS)
         if anchors not in ANCHOR_SETS:
-            raise ValueError(f"objective_options.taco.anchors must be one of {ANCHOR_SETS}, got {anchors!r}")
+            raise ValueError(f"anchors must be one of {ANCHOR_SETS}, got {anchors!r}")
         if anchors != "all" and view == "original":
-            raise ValueError("objective_options.taco.anchors='masked'/'unmasked' needs a masked view, not 'original'")
+            raise ValueError("anchors='masked'/'unmasked' needs a masked view, not 'original'")
         if window < 2:
-            raise ValueError(f"objective_options.taco.window must be >= 2, got {window}")
+            raise ValueError(f"window must be >= 2, got {window}")
         if num_negatives < 1 or tau <= 0:
-            raise ValueError(f"objective_options.taco: num_negatives >= 1 and tau > 0 required, got {num_negatives}, {tau}")
+            raise ValueError(f"num_negatives >= 1 and tau > 0 required, got {num_negatives}, {tau}")
         self.views = (view,)
-        self.ids_key = TACO_VIEWS[view]
+        self.ids_key = VIEW_INPUTS[view][0]
         self.window, self.num_negatives, self.tau = window, num_negatives, tau
         self.anchor_set, self.detach_candidates, self.max_anchors = anchors, detach_candidates, max_anchors
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
         out = ctx.encode(self.ids_key)
-        eligible = eligible_tokens(ctx.batch)
+        eligible = content_tokens(ctx.batch)
         anchors = eligible
         if self.anchor_set != "all":
             selected = ctx.batch["mlm_labels"] != IGNORE_INDEX

@@ -66,7 +66,7 @@ def test_overrides_and_argument_errors(tmp_path: Path, capsys) -> None:
 
 
 def test_synthetic_shards_are_read_by_the_training_reader(tmp_path: Path) -> None:
-    from pipeline.data import ShardDataset
+    from pipeline.data.reader import ShardDataset
 
     manifest = write_synthetic_shards(tmp_path / "syn", vocab_size=300, seq_len=16, rows=50, rows_per_shard=20)
     ds = ShardDataset(tmp_path / "syn")

@@ -1,4 +1,4 @@
-"""The front door: `python -m pipeline.demo` end to end (a few steps), and its output-dir safety."""
+"""The front door: `python -m demo.run` end to end (a few steps), and its output-dir safety."""
 from __future__ import annotations
 
 import json
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.demo import SUMMARY_FILE, main, prepare_out_dir
+from demo.run import SUMMARY_FILE, main, prepare_out_dir
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.demo_corpus import (
+from demo.corpus import (
     build_demo_corpus,
     clean_paragraphs,
     metadata_description,

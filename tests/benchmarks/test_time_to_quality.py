@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.probe_task import scramble, sentences_from_text, word_order_task
 from benchmarks.time_to_quality import cumulative_hours, parse_args
-from pipeline.glue import resolve_task
+from pipeline.eval.glue import resolve_task
 
 WIKI_STYLE = [
     " = Valkyria Chronicles = ",

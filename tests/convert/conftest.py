@@ -101,7 +101,7 @@ def trained_runs(tmp_path_factory: pytest.TempPathFactory, tiny_shards_dir: Path
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory: pytest.TempPathFactory, trained_runs):
     """`converted(name) -> Path`: the run's latest checkpoint converted once (COCO-LM with its generator)."""
-    from pipeline.convert import convert
+    from pipeline.export.convert import convert
 
     base = tmp_path_factory.mktemp("converted")
     cache: dict[str, Path] = {}

@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.convert import convert, main, resolve_tag_dir
-from pipeline.hf_export import ExportError, check_state_dict, pretrain_model_from_meta
-from pipeline.run_meta import RunMeta
+from pipeline.export.convert import convert, main, resolve_tag_dir
+from pipeline.export.hf_adapter import ExportError, check_state_dict
+from pipeline.model.build import model_from_meta
+from pipeline.train.run_meta import RunMeta
 
 pytestmark = pytest.mark.slow
 ONE_RANK = "zero0-1rank-mlm"
@@ -118,7 +119,7 @@ def test_non_empty_out_dir_needs_overwrite(trained_runs, tmp_path, capsys):
 
 def test_weights_that_disagree_with_the_meta_are_named(trained_runs):
     run = trained_runs(ONE_RANK)
-    model = pretrain_model_from_meta(RunMeta.read(run.tag_dir))
+    model = model_from_meta(RunMeta.read(run.tag_dir))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     check_state_dict(model, state, "ok")  # the model's own weights pass
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.finetune import main
+from pipeline.eval.finetune import main
 
 pytestmark = pytest.mark.slow
 WORDS = ("return", "the", "list", "value", "object", "string", "number", "function", "data", "time", "name",

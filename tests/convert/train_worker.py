@@ -2,7 +2,7 @@
 
     python tests/convert/train_worker.py REFERENCE_FILE PRESET [dotted overrides ...]
 
-1. trains with `pipeline.train.main(["--config", PRESET, *overrides])` (the real loop: data,
+1. trains with `pipeline.train.loop.main(["--config", PRESET, *overrides])` (the real loop: data,
    DeepSpeed engine, checkpoint with `pipeline_meta.json` and `latest`);
 2. builds a fresh engine the way the loop does and restores it from the checkpoint just written
    with the pipeline's own resume path (`plan_resume` + `load_checkpoint`, i.e. DeepSpeed's
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 def probe_batch(shards_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Two real rows of the shards; the second padded after 20 tokens (padding must match too)."""
-    from pipeline.data import ShardDataset
+    from pipeline.data.reader import ShardDataset
 
     dataset = ShardDataset(shards_dir)
     ids = torch.stack([torch.tensor(dataset[i]["input_ids"].tolist(), dtype=torch.long) for i in (0, 1)])
@@ -39,24 +39,30 @@ def probe_batch(shards_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
 def main(argv: list[str]) -> int:
     import deepspeed
 
-    from pipeline import train as training
-    from pipeline.checkpoint import CHECKPOINT_DIR, load_checkpoint, plan_resume, read_latest
-    from pipeline.config import build_deepspeed_config, check_run, load_config
+    from pipeline.config.run import check_run, load_config
     from pipeline.distributed import discover
-    from pipeline.optim import build_optimizer
+    from pipeline.model.build import build_pretrain_model
+    from pipeline.train.checkpoint import CHECKPOINT_DIR, load_checkpoint, plan_resume, read_latest
+    from pipeline.train.engine import build_deepspeed_config
+    from pipeline.train.loop import main as train_main
+    from pipeline.train.optim import build_optimizer
 
     reference_file, preset, overrides = argv[0], argv[1], argv[2:]
-    code = training.main(["--config", preset, *overrides])
+    code = train_main(["--config", preset, *overrides])
     if code != 0:
         return code
 
     cfg = load_config(preset, overrides)
     world = discover()
     plan = check_run(cfg, world.world_size, torch.cuda.is_available())
-    torch.manual_seed(cfg.train.seed + 1)  # different init: the checkpoint must overwrite every weight
-    model = training.build_model(cfg, plan)
+    manifest = plan.manifest
+    encoder = cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)
+    # a different init seed: the checkpoint must overwrite every weight
+    model = build_pretrain_model(encoder, cfg.objectives, manifest.special_tokens, cfg.objective_options,
+                                 seed=cfg.train.seed + 1, kernels=cfg.model.kernels)
     optimizer = build_optimizer(model, cfg.optim, "cpu")
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=build_deepspeed_config(cfg, plan))
+    ds_config = build_deepspeed_config(plan.engine, plan.batch, cfg.deepspeed.precision, cfg.optim.grad_clip)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     tag_dir = read_latest(Path(cfg.train.output_dir) / CHECKPOINT_DIR)
     target = plan_resume(tag_dir, cfg.to_dict(), plan.manifest_hash, world.world_size, plan.zero_stage, False)
     load_checkpoint(engine, target, world.is_main)

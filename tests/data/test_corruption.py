@@ -1,11 +1,13 @@
-"""pipeline.corruption: each view matches its specification on large samples, deterministically."""
+"""pipeline.data.corruption: each view matches its specification on large samples, deterministically."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from pipeline.corruption import IGNORE_INDEX, CorruptionCollator, hash_uniform, hash_uniform_at, word_ids
+from pipeline.batch import IGNORE_INDEX
+from pipeline.data.corruption import CorruptionCollator, word_ids
+from pipeline.seeding import hash_uniform, hash_uniform_at
 
 SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 VOCAB = 1000
@@ -127,7 +129,7 @@ def test_span_masking_infoword_statistics() -> None:
     budget = np.floor(candidates.sum(1) * 0.15 + 0.5)
     assert (in_span.sum(1) <= budget).all()
     assert in_span.sum(1).mean() / budget.mean() > 0.95  # "until 15% of the sub-words"
-    lengths_in_words, truncated = [], 0
+    lengths_in_words = []
     for i in range(len(ids)):
         words = _words(starts[i], candidates[i])
         start_of = {w.start: w for w in words}

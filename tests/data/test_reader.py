@@ -1,4 +1,4 @@
-"""pipeline.data: zero-copy shards, rank-independent global order, epochs, O(1) exact resume."""
+"""pipeline.data.reader: zero-copy shards, rank-independent global order, epochs, O(1) exact resume."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -8,16 +8,19 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.corruption import CorruptionCollator
-from pipeline.data import PretrainBatches, ShardDataset, epoch_permutation
-from pipeline.shards import read_manifest
+from pipeline.data.corruption import CorruptionCollator
+from pipeline.data.config import BatchPlan
+from pipeline.data.reader import PretrainBatches, ShardDataset
+from pipeline.seeding import epoch_permutation
+from pipeline.data.shards import read_manifest
 from tests.fixtures_data import make_batch
 
 
 def _reader(shards_dir: Path, micro: int, accum: int, rank: int, world: int, consumed: int = 0, seed: int = 3, workers: int = 0) -> PretrainBatches:
     dataset = ShardDataset(shards_dir)
     collator = CorruptionCollator(("masked",), dataset.special_tokens, dataset.vocab_size, seed)
-    return PretrainBatches(dataset, collator, micro, accum, rank, world, seed, consumed_samples=consumed, num_workers=workers)
+    return PretrainBatches(dataset, collator, BatchPlan(micro, accum, world), rank, seed, consumed_samples=consumed,
+                           num_workers=workers)
 
 
 def _global_stream(shards_dir: Path, world: int, steps: int, consumed: int = 0, global_batch: int = 16, micro: int = 4) -> dict[str, torch.Tensor]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint import read_latest, verify_checkpoint
-from pipeline.run_meta import META_FILE
+from pipeline.train.checkpoint import read_latest, verify_checkpoint
+from pipeline.train.run_meta import META_FILE
 
 pytestmark = pytest.mark.slow
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.model import build_encoder_config
-from pipeline.pretrainer import PretrainModel
+from pipeline.model.encoder import build_encoder_config
+from pipeline.model.pretrainer import PretrainModel
 
 SPECIAL = {"pad": 0, "cls": 1, "sep": 2, "mask": 3, "unk": 4}
 VOCAB = 97  # distinct from every hidden/FFN size of the tiny preset, so vocab-sized matmuls are recognisable

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.objectives import OBJECTIVES
-from pipeline.objectives.base import StepContext
+from pipeline.objectives.registry import OBJECTIVES
+from pipeline.objectives.base import StepContext, StepProgress
 from pipeline.objectives.infoword import build_ngram_inputs
 from tests.objectives.conftest import VOCAB, make_batch, tiny_model
 
@@ -31,8 +31,7 @@ def test_loss_decreases_on_a_tiny_batch(name):
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     losses = []
     for step in range(30):
-        model.set_progress(step, 30)
-        loss, metrics = model(batch)
+        loss, metrics = model(batch, StepProgress(step, 30))
         assert torch.isfinite(loss) and metrics["loss"] == loss.detach()
         opt.zero_grad()
         loss.backward()
@@ -89,7 +88,7 @@ def test_cocolm_replacements_are_sampled_without_dropout_at_selected_positions(m
     replaced = []
     for _ in range(2):  # same sampling seed, different dropout draws
         g = torch.Generator().manual_seed(123)
-        _, ids, flat, _ = objective.generate(StepContext(model, batch, 0, 1, g, "torch"))
+        _, ids, flat, _ = objective.generate(StepContext(model.bert, model.cls, batch, StepProgress(), g, "torch"))
         replaced.append(ids)
     assert torch.equal(replaced[0], replaced[1])
     assert model.bert.embeddings.training and objective.generator.training  # modes restored
@@ -191,8 +190,7 @@ def test_capt_temperature_follows_progress_and_queue_fills_only_in_training():
     model = tiny_model({"capt": 1.0}, {"capt": {"queue_size": 20}})
     batch = make_batch(batch_size=4)
     for step, tau in [(0, 0.55), (50, 0.05), (100, 0.55)]:
-        model.set_progress(step, 100)
-        _, metrics = model(batch)
+        _, metrics = model(batch, StepProgress(step, 100))
         assert metrics["capt/tau"].item() == pytest.approx(tau)
     assert len(model.objectives["capt"].queue) == 20  # 3 steps x 2 views x 4 = 24 > capacity
     model.eval()
@@ -200,8 +198,7 @@ def test_capt_temperature_follows_progress_and_queue_fills_only_in_training():
     model(batch)
     assert torch.equal(model.objectives["capt"].queue.state_dict()["buffer"], before["buffer"])
     fixed = tiny_model({"capt": 1.0}, {"capt": {"tau": 0.2}})
-    fixed.set_progress(50, 100)
-    assert fixed(batch)[1]["capt/tau"].item() == pytest.approx(0.2)
+    assert fixed(batch, StepProgress(50, 100))[1]["capt/tau"].item() == pytest.approx(0.2)
 
 
 def test_capt_queue_rows_are_negatives_of_the_next_step():
@@ -294,14 +291,14 @@ def test_degenerate_micro_batches_give_finite_losses(name):
 def test_taco_contrasts_h_minus_e_of_the_masked_view():
     from pipeline.objectives.functional import token_contrastive_loss
     from pipeline.objectives.taco import sample_taco_indices
-    from pipeline.pretrainer import micro_batch_seed
+    from pipeline.seeding import sampling_seed
 
     model = tiny_model({"taco": 1.0}, dropout=0.0, attention_dropout=0.0)
     batch = make_batch()
     loss, _ = model(batch)
     out = model.bert(batch["masked_ids"], batch["attention_mask"])
     g = (out.last_hidden - out.embedding_output).reshape(-1, out.last_hidden.shape[-1])
-    gen = torch.Generator().manual_seed(micro_batch_seed(0, int(batch["sample_index"][0])))
+    gen = torch.Generator().manual_seed(sampling_seed(0, int(batch["sample_index"][0])))
     eligible = batch["attention_mask"].bool() & ~batch["special_mask"]
     expected = token_contrastive_loss(g, *sample_taco_indices(eligible, eligible, 5, 50, gen), 0.07)
     torch.testing.assert_close(loss, expected)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.corruption import CorruptionCollator
+from pipeline.data.corruption import CorruptionCollator
 from tests.objectives.conftest import SPECIAL, VOCAB, tiny_model
 
 RECIPES = [

@@ -8,7 +8,7 @@ import pytest
 from data_prep.build_shards import build_shards
 from data_prep.merge import MergeRefused, main, merge_parts
 from data_prep.verify import verify_directory
-from pipeline.shards import MANIFEST_FILE, read_manifest
+from pipeline.data.shards import MANIFEST_FILE, read_manifest
 from tests.fixtures_data import stdlib_documents, write_corpus
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from data_prep.verify import verify_directory
-from pipeline.data import ShardDataset
-from pipeline.shards import read_manifest
+from pipeline.data.reader import ShardDataset
+from pipeline.data.shards import read_manifest
 from tests.fixtures_data import stdlib_documents, write_corpus
 from tests.slurm.cluster import SlurmCluster
 from tests.slurm.conftest import REPO_ROOT

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.checkpoint import REQUEUE_EXIT_CODE, read_latest, verify_checkpoint
-from pipeline.run_meta import META_FILE
+from pipeline.train.checkpoint import read_latest, verify_checkpoint
+from pipeline.train.preemption import REQUEUE_EXIT_CODE
+from pipeline.train.run_meta import META_FILE
 from tests.slurm.cluster import JobResult, SlurmCluster
 from tests.slurm.conftest import REPO_ROOT
 

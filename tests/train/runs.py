@@ -16,8 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from pipeline.checkpoint import CHECKPOINT_DIR, read_latest
-from pipeline.metrics import read_jsonl
+from pipeline.train.checkpoint import CHECKPOINT_DIR, read_latest
+from pipeline.train.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["train.progress_bar=false", "train.tensorboard=false", "train.log_every=1"]
@@ -29,7 +29,7 @@ def overrides(shards: Path, out: Path, *extra: str) -> list[str]:
 
 def run_inprocess(preset: str, shards: Path, out: Path, *extra: str) -> int:
     """`pipeline.train.main` in this process (world size 1); returns the exit code."""
-    from pipeline.train import main
+    from pipeline.train.loop import main
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(key, None)

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 
-from pipeline.config import (
-    ENGINE_DIR,
-    RUN_OWNED_ENGINE_KEYS,
-    ConfigError,
-    available_presets,
-    build_deepspeed_config,
-    check_run,
-    config_differences,
-    config_hash,
-    load_config,
-    plan_batches,
-)
-from pipeline.optim import lr_at
+from ds_configs import ENGINE_DIR
+from pipeline.config.checks import ConfigError
+from pipeline.config.loader import available_presets
+from pipeline.config.run import RunConfig, check_run, config_differences, config_hash, load_config
+from pipeline.data.config import plan_batches
+from pipeline.train.engine import RUN_OWNED_ENGINE_KEYS, build_deepspeed_config
+from pipeline.train.optim import lr_at
+
+
+def _deepspeed_config(cfg: RunConfig, world_size: int, load_universal: bool = False) -> dict:
+    plan = check_run(cfg, world_size, False)
+    return build_deepspeed_config(plan.engine, plan.batch, cfg.deepspeed.precision, cfg.optim.grad_clip, load_universal)
 
 PAPER = {  # OBJECTIVES.md: size, objectives, batch, lr, betas, eps, warm-up, steps, sequence length
     "taco-small": ("taco-small", {"mlm", "taco"}, 1280, 1e-4, (0.9, 0.999), 1e-8, 2500, 250_000, 256),
@@ -143,7 +141,7 @@ def test_engine_files_hold_engine_settings_only():
 
 
 def test_bad_engine_settings(tiny_shards_dir, tmp_path, monkeypatch):
-    from pipeline.objectives import OBJECTIVES
+    from pipeline.objectives.registry import OBJECTIVES
 
     def run(*extra):
         return check_run(load_config("tiny-taco", [f"data.shards_dir={tiny_shards_dir}", *extra]), 1, False)
@@ -180,12 +178,12 @@ def test_deepspeed_config_is_assembled_from_run_and_engine(tiny_shards_dir):
     cfg = load_config("tiny-mlm", [f"data.shards_dir={tiny_shards_dir}", "data.global_batch_size=16",
                                    "optim.grad_clip=0.5", "deepspeed.config=zero2",
                                    "deepspeed.extra={zero_optimization: {reduce_bucket_size: 1000}}"])
-    ds = build_deepspeed_config(cfg, check_run(cfg, 2, False))
+    ds = _deepspeed_config(cfg, 2)
     assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 4, 2)
     assert ds["gradient_clipping"] == 0.5 and ds["zero_optimization"]["stage"] == 2
     assert ds["zero_optimization"]["reduce_bucket_size"] == 1000 and ds["zero_optimization"]["overlap_comm"] is True
     assert ds["bf16"] == {"enabled": False} and ds["fp16"] == {"enabled": False}
-    assert "checkpoint" not in ds and build_deepspeed_config(cfg, check_run(cfg, 2, False), True)["checkpoint"] == {
+    assert "checkpoint" not in ds and _deepspeed_config(cfg, 2, True)["checkpoint"] == {
         "load_universal": True}
 
 
@@ -207,7 +205,7 @@ def test_learning_rate_schedule():
 
 
 def test_cli_reports_config_errors_before_compute(tiny_shards_dir, tmp_path, capsys):
-    from pipeline.train import main
+    from pipeline.train.loop import main
 
     out = tmp_path / "run"
     code = main(["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", f"train.output_dir={out}",

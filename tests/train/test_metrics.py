@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline.metrics import FlopCounter, MetricsWriter, layer_forward_flops, peak_flops, read_jsonl
-from pipeline.model import build_encoder_config
-from pipeline.pretrainer import PretrainModel
+from pipeline.train.metrics import FlopCounter, MetricsWriter, layer_forward_flops, peak_flops, read_jsonl
+from pipeline.model.encoder import build_encoder_config
+from pipeline.model.pretrainer import PretrainModel
 from tests.fixtures_data import make_batch
 from tests.train.runs import run_inprocess
 

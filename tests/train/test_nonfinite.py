@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from pipeline.pretrainer import PretrainModel
+from pipeline.model.pretrainer import PretrainModel
 from tests.train.runs import metric_rows, module_state, run_inprocess, tag_dir
 
 
@@ -19,9 +19,9 @@ def nan_on_steps(monkeypatch):
     bad: set[int] = set()
     original = PretrainModel.forward
 
-    def forward(self, batch):
-        loss, metrics = original(self, batch)
-        if self.step in bad:
+    def forward(self, batch, progress=None, sampling_seed=None):
+        loss, metrics = original(self, batch, progress, sampling_seed)
+        if progress is not None and progress.step in bad:
             loss = loss * float("nan")
         return loss, metrics
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import signal
 
-from pipeline.checkpoint import REQUEUE_EXIT_CODE
+from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.train.runs import (
     latest,
     losses,

@@ -1,4 +1,4 @@
-"""The shard format: the one contract between `data_prep` (writer) and `pipeline.data` (reader).
+"""The shard format: the one contract between `data_prep` (writer) and `pipeline.data.reader` (reader).
 
 A shard directory holds
   manifest.json          written last, atomically; its presence means the build is complete

@@ -1,7 +1,7 @@
 """`pipeline_meta.json`: what a checkpoint must say about the run so it can be resumed or converted.
 
 Written by the training loop into every checkpoint tag directory (before the `latest` pointer
-moves); read by resume checks, `pipeline.convert` and the model card. One home for its fields.
+moves); read by resume checks, `pipeline.export.convert` and the model card. One home for its fields.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ META_VERSION = 1
 
 @dataclass
 class RunMeta:
-    encoder_config: dict[str, Any]  # pipeline.model.EncoderConfig fields
+    encoder_config: dict[str, Any]  # pipeline.model.encoder.EncoderConfig fields
     objectives: dict[str, float]  # name -> weight
     objective_options: dict[str, dict[str, Any]]
     special_tokens: dict[str, int]  # pad, cls, sep, mask, unk

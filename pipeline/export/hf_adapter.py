@@ -1,4 +1,4 @@
-"""Map a consolidated `PretrainModel` state dict onto Hugging Face BERT directories.
+"""The two-way state-dict adapter between `PretrainModel` and Hugging Face BERT.
 
 `PretrainModel` already uses `BertForMaskedLM` parameter names (`bert.*`, `cls.*`), so the main
 model is a key copy plus one rename: our `cls.predictions.decoder.bias` is HF's
@@ -14,26 +14,32 @@ so neither tied tensor is written). What is not part of `BertForMaskedLM` is sor
 * buffers are training state, not weights: listed in the model card, not exported (CAPT's memory
   queue is not even a buffer; it lives in the checkpoint's extra state).
 
-The expected keys and shapes come from a `PretrainModel` rebuilt from `pipeline_meta.json`, so a
-checkpoint that disagrees with its own meta is rejected with the offending names instead of
-producing a silently broken model.
+The expected keys and shapes come from a `PretrainModel` rebuilt from `pipeline_meta.json`
+(`pipeline.model.build.model_from_meta`), so a checkpoint that disagrees with its own meta is
+rejected with the offending names instead of producing a silently broken model.
+
+The other direction, Hugging Face names -> ours (`from_hf`), lets a `PretrainModel` start from a
+`BertForMaskedLM` or `BertModel` checkpoint.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 from torch import Tensor, nn
 
-from pipeline.model import BertLayerStack, EncoderConfig, PredictionHeadTransform
-from pipeline.pretrainer import PretrainModel
-from pipeline.run_meta import RunMeta
+from pipeline.model.encoder import BertLayerStack, EncoderConfig
+from pipeline.model.heads import PredictionHeadTransform
+from pipeline.model.pretrainer import PretrainModel
 
 #: HF ties these to other tensors; they are never written (safetensors refuses shared storage).
 _HF_TIED = ("cls.predictions.decoder.weight",)
 _OUR_DECODER_BIAS = "cls.predictions.decoder.bias"
 _HF_DECODER_BIAS = "cls.predictions.bias"
+_WORD_EMBEDDINGS = "bert.embeddings.word_embeddings.weight"
+#: Hugging Face tensors that have no counterpart in `PretrainModel` (buffers, the untrained pooler).
+_HF_NOT_OURS = ("bert.embeddings.position_ids", "bert.pooler.")
 
 
 class ExportError(ValueError):
@@ -59,20 +65,44 @@ class HFExport:
     dropped_buffers: list[str] = field(default_factory=list)
 
 
-def pretrain_model_from_meta(meta: RunMeta) -> PretrainModel:
-    """The training model described by a checkpoint's meta (randomly initialised, on CPU).
+def to_hf(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Our encoder + MLM head tensors (`bert.*`, `cls.*`) under `BertForMaskedLM`'s names.
 
-    Used to learn names, shapes and module structure. Built on CPU rather than the `meta` device
-    because objectives may compute real tensors in their constructors (e.g. sampling tables).
+    A key copy plus one rename (`cls.predictions.decoder.bias` -> `cls.predictions.bias`); the tied
+    decoder weight is left out (HF re-ties it to the word embeddings). Other keys are ignored.
     """
-    import pipeline.objectives  # noqa: F401  (registers every objective)
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        if key.startswith("bert.") or (key.startswith("cls.") and key not in _HF_TIED):
+            out[_HF_DECODER_BIAS if key == _OUR_DECODER_BIAS else key] = value
+    return out
 
-    return PretrainModel(
-        EncoderConfig(**meta.encoder_config),
-        meta.objectives,
-        meta.special_tokens,
-        objective_options=meta.objective_options,
-    )
+
+def from_hf(hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """A Hugging Face BERT state dict under our names: (tensors, HF keys that have no counterpart).
+
+    Accepts `BertForMaskedLM` (`bert.*`, `cls.*`) and `BertModel` (`embeddings.*`, `encoder.*`,
+    `pooler.*`, no head) state dicts. The inverse of `to_hf`: `cls.predictions.bias` becomes the
+    decoder bias, the tied decoder weight is the word embeddings (so `load_state_dict(strict=True)`
+    works), and the position-id buffer and the pooler (not part of pretraining) are returned unused.
+    """
+    bare = not any(k.startswith(("bert.", "cls.")) for k in hf_state)  # BertModel: no "bert." prefix
+    out: dict[str, Tensor] = {}
+    unused: list[str] = []
+    for key, value in hf_state.items():
+        name = f"bert.{key}" if bare else key
+        alias = name == _OUR_DECODER_BIAS and _HF_DECODER_BIAS in hf_state  # HF ties the two biases
+        if name.startswith(_HF_NOT_OURS) or name in _HF_TIED or alias:
+            unused.append(key)
+        elif name == _HF_DECODER_BIAS:
+            out[_OUR_DECODER_BIAS] = value
+        elif name.startswith(("bert.", "cls.")):
+            out[name] = value
+        else:
+            unused.append(key)
+    if _WORD_EMBEDDINGS in out:  # our decoder weight *is* the word-embedding Parameter: name it too
+        out[_HF_TIED[0]] = out[_WORD_EMBEDDINGS]
+    return out, unused
 
 
 def check_state_dict(model: nn.Module, state: dict[str, Tensor], source: str) -> None:
@@ -151,13 +181,8 @@ def split_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
         first_name.setdefault(id(p), key)
     used: set[str] = {k for k, p in params.items() if first_name[id(p)] != k}
 
-    main: dict[str, Tensor] = {}
-    for key in params:
-        if key.startswith("bert.") or (key.startswith("cls.") and key not in _HF_TIED):
-            name = _HF_DECODER_BIAS if key == _OUR_DECODER_BIAS else key
-            main[name] = state[key]
-            used.add(key)
-    used.update(_HF_TIED)
+    main = to_hf({k: state[k] for k in params if k in state})
+    used.update(k for k in params if k.startswith(("bert.", "cls.")))
 
     generator: Optional[GeneratorExport] = None
     for obj_name, objective in model.objectives.items():
@@ -218,101 +243,3 @@ def bert_config(encoder: EncoderConfig, special_tokens: dict[str, int]):
 def contiguous_copies(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """fp32, contiguous, unshared tensors (what `safetensors` accepts)."""
     return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in state.items()}
-
-
-_OBJECTIVE_TITLES = {
-    "mlm": "masked language modelling (BERT)",
-    "taco": "TACO token-alignment contrastive loss + MLM",
-    "capt": "CAPT sequence contrast between a text and its corruption + MLM",
-    "cocolm": "COCO-LM corrective LM + sequence contrastive learning (generator-corrupted input)",
-    "infoword": "InfoWord DIM n-gram contrast + NCE-MLM",
-    "mlm-nce": "masked-token prediction against sampled negatives (NCE) instead of the full softmax",
-}
-
-
-def _table(rows: list[tuple[str, object]]) -> str:
-    return "\n".join(["| field | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows])
-
-
-def render_model_card(meta: RunMeta, export: HFExport, tag_dir, source: str, generator_card: bool) -> str:
-    """The README.md written beside the weights: what was trained, how long, on what, how it ended."""
-    enc = EncoderConfig(**meta.encoder_config)
-    if generator_card:
-        assert export.generator is not None
-        enc = export.generator.config
-    objectives = ", ".join(f"`{n}` (weight {w:g})" for n, w in meta.objectives.items())
-    recipe = meta.config.get("name") or meta.config.get("preset") or "(not recorded)"
-    what = [_OBJECTIVE_TITLES.get(n, n) for n in meta.objectives]
-    front = "---\nlibrary_name: transformers\npipeline_tag: fill-mask\ntags:\n" + "".join(
-        f"- {t}\n" for t in ["bert", "contrastive-pretraining", *meta.objectives]
-    ) + "---\n"
-    title = (
-        "COCO-LM auxiliary generator" if generator_card
-        else "BERT encoder pretrained with " + " + ".join(meta.objectives)
-    )
-    lines = [
-        front,
-        f"# {title}",
-        "",
-        ("The MLM generator that produced COCO-LM's corrupted inputs; it shares the main model's "
-         "embeddings (copied here). Loads with `AutoModelForMaskedLM`." if generator_card else
-         "Converted from a DeepSpeed checkpoint by `python -m pipeline.convert`. "
-         "Loads with `AutoModel`, `AutoModelForMaskedLM`, `AutoModelForSequenceClassification` and "
-         "`AutoTokenizer`. `bert.pooler` is not part of pretraining: `AutoModel`/sequence "
-         "classification initialise it (and the classifier) freshly."),
-        "",
-        "## Training",
-        "",
-        _table([
-            ("objectives", objectives),
-            ("what they are", "; ".join(what)),
-            ("recipe", f"`{recipe}`"),
-            ("optimizer steps", meta.step),
-            ("samples seen", meta.consumed_samples),
-            ("tokens seen", meta.tokens_seen),
-            ("data manifest hash", f"`{meta.manifest_hash}`"),
-            ("config hash", f"`{meta.config_hash}`"),
-            ("ZeRO stage / ranks", f"{meta.zero_stage} / {meta.world_size}"),
-            ("checkpoint", f"`{tag_dir}`"),
-            ("weights", source),
-        ]),
-        "",
-        "## Final losses",
-        "",
-        _table([(k, f"{v:.4f}" if isinstance(v, (int, float)) else v) for k, v in sorted(meta.last_metrics.items())])
-        if meta.last_metrics else "(none recorded)",
-        "",
-        "## Architecture",
-        "",
-        _table([
-            ("layers / hidden / heads / FFN",
-             f"{enc.num_layers} / {enc.hidden_size} / {enc.num_heads} / {enc.ffn_size}"),
-            ("vocabulary", enc.vocab_size),
-            ("max positions", enc.max_position),
-            ("activation", "exact GELU (erf)"),
-            ("layer norm eps", enc.layer_norm_eps),
-        ]),
-    ]
-    if not generator_card:
-        lines += ["", "## Files", ""]
-        lines.append("- `config.json`, `model.safetensors`: `BertForMaskedLM` (encoder + tied MLM head).")
-        lines.append("- tokenizer files: the run's own tokenizer (`AutoTokenizer`).")
-        if export.objective_heads:
-            lines.append(
-                "- `objective_heads.safetensors`: objective-only parameters under their training names "
-                "(load with `safetensors.torch.load_file`): "
-                + ", ".join(f"`{k}`" for k in sorted(export.objective_heads))
-                + "."
-            )
-        if export.generator is not None:
-            lines.append(
-                f"- generator (objective `{export.generator.objective}`): written to `generator/` with "
-                "`--with-generator`; otherwise omitted."
-            )
-        if export.dropped_buffers:
-            lines.append(
-                "- not exported (training state, not weights): "
-                + ", ".join(f"`{k}`" for k in export.dropped_buffers)
-                + "."
-            )
-    return "\n".join(lines) + "\n"

@@ -11,16 +11,67 @@ step, so resuming needs no scheduler state and skipped steps cannot shift it.
 """
 from __future__ import annotations
 
-import importlib
 import logging
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from torch import nn
 
-from pipeline.config import OptimConfig
+from pipeline.config.checks import ConfigError, check_choice, check_positive
 
 log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adamw", "lamb")
+OPTIMIZER_IMPLS = ("auto", "torch", "deepspeed", "apex")
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    """`adamw` (decoupled weight decay) or `lamb` (GPU only: DeepSpeed or apex fused LAMB)."""
+    impl: str = "auto"
+    """`auto` (DeepSpeed FusedAdam on GPU, torch AdamW on CPU), `torch`, `deepspeed`, `apex`."""
+    lr: float = 1e-4
+    """Peak learning rate, reached at the end of warm-up."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam (beta1, beta2)."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay; never applied to biases and LayerNorm weights."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 to `lr` over this many steps."""
+    min_lr_ratio: float = 0.0
+    """Linear decay after warm-up ends at `lr * min_lr_ratio` on the last step."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping threshold (0 disables)."""
+
+    def check(self) -> None:
+        """Stage-1 checks (the config alone)."""
+        check_choice(self.name, OPTIMIZERS, "optim.name")
+        check_choice(self.impl, OPTIMIZER_IMPLS, "optim.impl")
+        check_positive(self.lr, "optim.lr")
+        check_positive(self.eps, "optim.eps")
+        check_positive(self.weight_decay, "optim.weight_decay", allow_zero=True)
+        check_positive(self.warmup_steps, "optim.warmup_steps", allow_zero=True)
+        check_positive(self.grad_clip, "optim.grad_clip", allow_zero=True)
+        if not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"optim.betas={list(self.betas)}: each must be in [0, 1)")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+
+    def check_device(self, cuda: bool) -> None:
+        """Stage-2 checks: the implementation this machine must support."""
+        from pipeline.capabilities import apex_available
+
+        if self.impl == "apex" and not (cuda and apex_available()):
+            raise ConfigError("optim.impl=apex needs NVIDIA apex (built from github.com/NVIDIA/apex, never the "
+                              "PyPI package 'apex') on a GPU machine")
+        if self.name == "lamb" and not cuda:
+            raise ConfigError("optim.name=lamb needs a GPU (DeepSpeed FusedLamb or apex FusedLAMB); use optim.name=adamw")
+        if self.impl == "deepspeed" and not cuda:
+            raise ConfigError("optim.impl=deepspeed (FusedAdam) needs a GPU; use optim.impl=auto or torch")
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
@@ -52,16 +103,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def apex_available() -> bool:
-    """True when NVIDIA apex (with its fused optimizers and LayerNorm) is importable."""
-    try:
-        importlib.import_module("apex.optimizers")
-        importlib.import_module("apex.normalization")
-    except Exception:  # ImportError, or apex's own import-time CUDA errors
-        return False
-    return True
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str, offload: bool = False) -> torch.optim.Optimizer:

@@ -17,10 +17,9 @@ after that marker exists, so a crash mid-save leaves the previous checkpoint in 
 tag directory is deleted and rewritten when that step is saved again; a complete one is never
 overwritten. The last `keep_last` complete checkpoints are kept.
 
-RNG: no generator state needs saving. Sampling in objectives uses per-micro-batch generators
-seeded from (seed, sample index, rank); masking hashes (seed, sample index); the training loop
-reseeds torch's global generators (dropout) from (seed, step, rank) before every step. A resumed
-step therefore draws exactly the numbers the uninterrupted run drew.
+RNG: no generator state needs saving: every random number comes from a named stream of
+`pipeline.seeding`, keyed by the run seed and the position in the run (sample index, step, rank),
+so a resumed step draws exactly the numbers the uninterrupted run drew.
 
 Resume with a different number of ranks (or ZeRO stage 1 <-> 2): DeepSpeed refuses to re-partition
 ZeRO optimizer states directly, so the checkpoint is converted once to DeepSpeed's *universal*
@@ -29,8 +28,8 @@ format (`deepspeed.checkpoint.ds_to_universal`, one file per parameter and optim
 on the rank count that wrote them: DeepSpeed 0.19's universal loading restores their weights but
 not a trajectory-preserving optimizer state (measured: losses drift by 1e-4 within 2 steps).
 
-Preemption: `PreemptionHandler` turns SIGTERM/SIGUSR1 into a flag; the loop checkpoints at the
-next step boundary and exits with `REQUEUE_EXIT_CODE` (75), which job scripts read as "requeue".
+Preemption (`pipeline.train.preemption`) checkpoints through `save_checkpoint` and exits with
+`REQUEUE_EXIT_CODE` (75), which job scripts read as "requeue".
 """
 from __future__ import annotations
 
@@ -39,19 +38,19 @@ import json
 import logging
 import os
 import shutil
-import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from pipeline.config import ConfigError, config_differences, config_hash
-from pipeline.run_meta import META_FILE, RunMeta
+from pipeline.config.checks import ConfigError
+from pipeline.config.run import config_differences, config_hash
+from pipeline.distributed import barrier, broadcast_object
+from pipeline.train.run_meta import META_FILE, RunMeta
 
 log = logging.getLogger(__name__)
 
-REQUEUE_EXIT_CODE = 75
 CHECKPOINT_DIR = "checkpoints"
 LATEST_FILE = "latest"
 COMPLETE_FILE = "COMPLETE.json"
@@ -95,7 +94,7 @@ class TrainState:
 # Atomic small files and completeness
 # --------------------------------------------------------------------------------------------
 def _write_text_atomic(path: Path, text: str) -> None:
-    from pipeline.shards import write_atomic
+    from pipeline.data.shards import write_atomic
 
     write_atomic(path, text)
 
@@ -110,7 +109,7 @@ def _fsync_tree(directory: Path) -> None:
 
 def _listing(tag_dir: Path) -> dict[str, dict]:
     """Relative path -> {bytes, sha256} of every file of a tag (the universal sub-directory excluded)."""
-    from pipeline.shards import sha256_file
+    from pipeline.data.shards import sha256_file
 
     return {
         p.relative_to(tag_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
@@ -125,7 +124,7 @@ def verify_checkpoint(tag_dir: Path, check_hashes: bool = False) -> dict:
     Always checks that every recorded file exists with its recorded size (cheap); with
     `check_hashes` also its sha256 (reads everything: done once, by rank 0, before resuming).
     """
-    from pipeline.shards import sha256_file
+    from pipeline.data.shards import sha256_file
 
     marker = tag_dir / COMPLETE_FILE
     if not tag_dir.is_dir():
@@ -185,24 +184,6 @@ def list_tags(root: Path) -> list[tuple[int, Path]]:
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
-def _broadcast_object(value: Any) -> Any:
-    """Rank 0's `value` on every rank (a no-op without a process group)."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, keep_last: int, is_main: bool) -> Path:
     """Save tag `step_<state.step>` (collective: every rank calls it). Returns the tag directory."""
     tag = tag_for_step(state.step)
@@ -216,24 +197,24 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
             else:
                 log.warning("removing partial checkpoint %s before saving it again", tag_dir)
                 shutil.rmtree(tag_dir)
-    if _broadcast_object(skip):
+    if broadcast_object(skip):
         log.info("checkpoint %s already complete; not rewritten", tag_dir)
         return tag_dir
-    _barrier()
+    barrier()
     engine.save_checkpoint(str(root), tag=tag, client_state={}, save_latest=False)
     if is_main:
         tmp = tag_dir / (TRAIN_STATE_FILE + ".tmp")
         torch.save(asdict(state), tmp)
         os.replace(tmp, tag_dir / TRAIN_STATE_FILE)
         meta.write(tag_dir)
-    _barrier()  # every rank's DeepSpeed files are written
+    barrier()  # every rank's DeepSpeed files are written
     if is_main:
         _fsync_tree(tag_dir)
         record = {"tag": tag, "step": state.step, "files": _listing(tag_dir)}
         _write_text_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
         _write_text_atomic(root / LATEST_FILE, tag)
         prune_checkpoints(root, keep_last)
-    _barrier()
+    barrier()
     return tag_dir
 
 
@@ -333,7 +314,7 @@ def ensure_universal(tag_dir: Path, is_main: bool) -> Path:
         (tag_dir / "latest_universal").unlink(missing_ok=True)  # the converter's pointer; we load by tag
         (tmp / COMPLETE_FILE).write_text("{}")
         os.replace(tmp, target)
-    _barrier()
+    barrier()
     return target
 
 
@@ -346,7 +327,7 @@ def load_checkpoint(engine: Any, target: ResumeTarget, is_main: bool) -> TrainSt
             verify_checkpoint(target.tag_dir, check_hashes=True)
         except CheckpointError as err:
             problem = str(err)
-    problem = _broadcast_object(problem)
+    problem = broadcast_object(problem)
     if problem:
         raise CheckpointError(problem)
     load_dir, tag = target.tag_dir.parent, target.tag_dir.name
@@ -363,33 +344,3 @@ def load_checkpoint(engine: Any, target: ResumeTarget, is_main: bool) -> TrainSt
     if path is None:
         raise CheckpointError(f"{target.tag_dir}: DeepSpeed found no checkpoint to load")
     return TrainState.from_dict(raw)
-
-
-# --------------------------------------------------------------------------------------------
-# Preemption
-# --------------------------------------------------------------------------------------------
-class PreemptionHandler:
-    """Context manager: SIGTERM / SIGUSR1 set `requested` instead of killing the process."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self) -> None:
-        self.requested = False
-        self.signal_name = ""
-        self._previous: dict[int, Callable | int | None] = {}
-
-    def _handle(self, signum: int, _frame: Any) -> None:
-        self.requested = True
-        self.signal_name = signal.Signals(signum).name
-
-    def __enter__(self) -> "PreemptionHandler":
-        for sig in self.SIGNALS:
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: signals stay with their current owner
-                log.warning("cannot install a %s handler outside the main thread", signal.Signals(sig).name)
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous)

@@ -1,4 +1,4 @@
-"""`python -m pipeline.demo [--objective taco] [--out DIR] [--corpus PATH ...]`: the whole pipeline, small.
+"""`python -m demo.run [--objective taco] [--out DIR] [--corpus PATH ...]`: the whole pipeline, small.
 
 The front door: on a fresh machine with no network and two CPU cores it runs, in a few minutes,
 
@@ -8,7 +8,7 @@ The front door: on a fresh machine with no network and two CPU cores it runs, in
 and prints where every artefact went and the equivalent command of every stage, so the next step
 (a bigger corpus, a paper preset, a GPU) is a matter of changing arguments.
 
-The default corpus is this Python installation's own documentation (`pipeline.demo_corpus`):
+The default corpus is this Python installation's own documentation (`demo.corpus`):
 real English prose that needs no download. `--corpus` uses the user's files or folders instead.
 The model is the `tiny-<objective>` preset widened to hidden 128 / 4 layers, trained for 1000
 steps of 32 sequences of 128 tokens on an 8k WordPiece vocabulary (about 4 minutes on two idle
@@ -55,7 +55,7 @@ DEMO_OVERRIDES = (
 
 def demo_objectives() -> list[str]:
     """Objectives with a `tiny-<objective>` preset (what the demo can run)."""
-    from pipeline.config import available_presets
+    from pipeline.config.loader import available_presets
 
     return sorted(p[len("tiny-"):] for p in available_presets() if p.startswith("tiny-"))
 
@@ -147,9 +147,9 @@ def fill_mask(model_dir: Path, prompts: Sequence[str], top_k: int = 5) -> list[d
 def run_demo(args: argparse.Namespace) -> dict:
     from data_prep.build_shards import build_shards
     from data_prep.train_tokenizer import train_tokenizer
-    from pipeline.convert import convert
-    from pipeline.demo_corpus import build_demo_corpus
-    from pipeline.metrics import read_jsonl
+    from pipeline.export.convert import convert
+    from demo.corpus import build_demo_corpus
+    from pipeline.train.metrics import read_jsonl
 
     objectives = demo_objectives()
     if args.objective not in objectives:
@@ -166,7 +166,7 @@ def run_demo(args: argparse.Namespace) -> dict:
 
     source = " ".join(map(str, args.corpus)) or "this Python installation's documentation"
     stages.begin("corpus", f"corpus: real text from {source}",
-                 command_line("pipeline.demo_corpus", corpus, *(["--corpus", *args.corpus] if args.corpus else []),
+                 command_line("demo.corpus", corpus, *(["--corpus", *args.corpus] if args.corpus else []),
                               "--max-mb", args.max_corpus_mb))
     stats = build_demo_corpus(corpus, args.corpus, int(args.max_corpus_mb * 1e6))
     stages.end(stats.summary())
@@ -197,7 +197,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     stages.end(f"final loss {last.get('loss', float('nan')):.3f}, MLM accuracy "
                f"{last.get('mlm/accuracy', float('nan')):.3f}" if last else "")
 
-    stages.begin("convert", "conversion to Hugging Face", command_line("pipeline.convert", run_dir, hf_dir))
+    stages.begin("convert", "conversion to Hugging Face", command_line("pipeline.export.convert", run_dir, hf_dir))
     convert(run_dir, hf_dir, overwrite=True)
     stages.end(str(hf_dir))
 
@@ -242,7 +242,7 @@ def print_summary(summary: dict) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m demo.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--objective", default="taco", help="objective to pretrain with (any with a tiny-<objective> preset)")
     p.add_argument("--out", default="demo_output", help="output directory (re-runs clear only the demo's own files)")
     p.add_argument("--corpus", nargs="+", default=[], metavar="PATH",

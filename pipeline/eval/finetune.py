@@ -1,4 +1,4 @@
-"""`python -m pipeline.finetune --model DIR --task-dir DIR`: GLUE-style fine-tuning of a converted model.
+"""`python -m pipeline.eval.finetune --model DIR --task-dir DIR`: GLUE-style fine-tuning of a converted model.
 
 A plain torch loop around `AutoModelForSequenceClassification` (CPU is fine for small tasks):
 AdamW, linear warm-up then linear decay, dynamic padding per batch, one run per seed. The dev
@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from pipeline.glue import TASK_CHOICES, Split, TaskSpec, resolve_task, task_metrics
+from pipeline.eval.glue import TASK_CHOICES, Split, TaskSpec, resolve_task, task_metrics
 
 
 def _encode(tokenizer, split: Split, max_length: int) -> list[dict[str, list[int]]]:
@@ -123,7 +123,7 @@ def finetune(args: argparse.Namespace) -> dict:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(
-            f"--model {model_dir}: no config.json (convert a checkpoint with pipeline.convert first)"
+            f"--model {model_dir}: no config.json (convert a checkpoint with pipeline.export.convert first)"
         )
     spec, train, dev = resolve_task(
         args.task_dir, args.task, args.text_cols, args.label_col, args.train_file, args.dev_file
@@ -153,8 +153,8 @@ def finetune(args: argparse.Namespace) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.finetune", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help="converted Hugging Face model dir (pipeline.convert output)")
+    p = argparse.ArgumentParser(prog="python -m pipeline.eval.finetune", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="converted Hugging Face model dir (pipeline.export.convert output)")
     p.add_argument("--task-dir", required=True, help="GLUE-format dir with train.tsv and dev.tsv (header row)")
     p.add_argument("--task", default="generic", choices=TASK_CHOICES, help="GLUE task (columns, labels, metric)")
     p.add_argument(

@@ -1,16 +1,16 @@
-"""`python -m pipeline.convert CHECKPOINT_DIR OUT_DIR`: a DeepSpeed checkpoint -> a Hugging Face BERT dir.
+"""`python -m pipeline.export.convert CHECKPOINT_DIR OUT_DIR`: a DeepSpeed checkpoint -> a Hugging Face BERT dir.
 
 CHECKPOINT_DIR is a checkpoint tag directory (it holds `pipeline_meta.json`), a checkpoints
 directory with a `latest` pointer, or a run's output directory (`<run>/checkpoints/latest`).
 
 Steps, each failing with a message that names the file at fault and leaving OUT_DIR untouched:
-1. check the tag is complete (`pipeline.checkpoint.verify_checkpoint`), read `pipeline_meta.json`
+1. check the tag is complete (`pipeline.train.checkpoint.verify_checkpoint`), read `pipeline_meta.json`
    (encoder shape, objectives, special tokens, tokenizer dir) and the tokenizer before any heavy work;
 2. consolidate the fp32 master weights of every rank with DeepSpeed's own
    `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (ZeRO 1/2/3, any number of ranks,
    CPU only). A checkpoint without ZeRO partitions (stage 0) is read from its single model file;
 3. check the weights against the model the meta describes, sort them into the HF main model,
-   the COCO-LM generator and `objective_heads.safetensors` (`pipeline.hf_export`);
+   the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`);
 4. write config, safetensors, tokenizer and model card into a temporary sibling directory and
    rename it to OUT_DIR only when everything is written.
 """
@@ -29,29 +29,29 @@ from typing import Optional, Sequence
 
 import torch
 
-from pipeline.hf_export import (
+from pipeline.data.shards import SPECIAL_TOKEN_NAMES
+from pipeline.export.hf_adapter import (
     ExportError,
     HFExport,
     bert_config,
     check_state_dict,
     contiguous_copies,
-    pretrain_model_from_meta,
-    render_model_card,
     split_for_hf,
 )
-from pipeline.model import EncoderConfig
-from pipeline.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
-from pipeline.run_meta import META_FILE, RunMeta
+from pipeline.export.model_card import render_model_card
+from pipeline.model.build import model_from_meta
+from pipeline.model.encoder import EncoderConfig
+from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
+from pipeline.train.run_meta import META_FILE, RunMeta
 
 GENERATOR_SUBDIR = "generator"
 OBJECTIVE_HEADS_FILE = "objective_heads.safetensors"
-SPECIAL_TOKEN_NAMES = ("pad", "cls", "sep", "mask", "unk")
 
 
 def resolve_tag_dir(path: str | os.PathLike) -> Path:
     """The complete checkpoint tag directory that `path` designates (follows `latest` pointers).
 
-    Completeness is `pipeline.checkpoint.verify_checkpoint`'s: `COMPLETE.json` present and every
+    Completeness is `pipeline.train.checkpoint.verify_checkpoint`'s: `COMPLETE.json` present and every
     file every rank wrote at its recorded size, so a partial or truncated save is refused here,
     before any weights are read.
     """
@@ -224,7 +224,7 @@ def convert(
     meta = RunMeta.read(tag_dir)
     encoder = EncoderConfig(**meta.encoder_config)
     tokenizer = load_tokenizer(meta, tokenizer_dir, encoder)
-    model = pretrain_model_from_meta(meta)
+    model = model_from_meta(meta)
 
     state, source = consolidate_fp32_weights(tag_dir)
     check_state_dict(model, state, str(tag_dir))
@@ -245,7 +245,7 @@ def convert(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pipeline.convert", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m pipeline.export.convert", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint_dir", help="checkpoint tag dir, a checkpoints dir with 'latest', or a run output dir")
     p.add_argument("out_dir", help="Hugging Face model directory to create")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR")

@@ -1,29 +1,22 @@
 """`PretrainModel`: encoder + MLM head + the configured objectives, as one `nn.Module`.
 
-This is what DeepSpeed wraps. `forward(batch)` returns `(loss, metrics)` with
-`loss = sum_k weight_k * loss_k` over the configured objectives. State-dict keys of the encoder
+This is what DeepSpeed wraps. `forward(batch, progress, sampling_seed)` returns `(loss, metrics)`
+with `loss = sum_k weight_k * loss_k` over the configured objectives. State-dict keys of the encoder
 and MLM head are exactly `BertForMaskedLM`'s (`bert.*`, `cls.*`); objective-only heads live
 under `objectives.<name>.*`.
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
 
-from pipeline.model import BertEncoder, EncoderConfig, MLMHead, init_bert_weights
-from pipeline.objectives.base import OBJECTIVES, Objective, StepContext
-
-
-def micro_batch_seed(run_seed: int, first_sample_index: int) -> int:
-    """Seed of the per-micro-batch sampling generator: a hash, so nearby seeds are unrelated.
-
-    The first sample index is a position in the global sample stream, unique to one micro-batch of
-    one rank; leaving the rank out makes the sampling independent of how many ranks there are."""
-    digest = hashlib.blake2b(f"{run_seed}:{first_sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+from pipeline import seeding
+from pipeline.model.encoder import BertEncoder, EncoderConfig, init_bert_weights
+from pipeline.model.heads import MLMHead
+from pipeline.objectives.base import StepContext, StepProgress
+from pipeline.objectives.registry import build_objective
 
 
 class PretrainModel(nn.Module):
@@ -40,27 +33,22 @@ class PretrainModel(nn.Module):
         objectives: name -> loss weight (e.g. {"mlm": 1.0, "taco": 1.0}).
         special_tokens: {"pad", "cls", "sep", "mask", "unk"} -> token id (from the shard manifest).
         objective_options: name -> keyword arguments of that objective's constructor.
-        Objectives are built as `OBJECTIVES[name](encoder_config, special_tokens, **options)`.
+        seed: the run seed (objective sampling streams derive from it, `pipeline.seeding`).
         """
         super().__init__()
         if not objectives:
             raise ValueError("objectives: at least one objective is required")
-        unknown = sorted(set(objectives) - set(OBJECTIVES))
-        if unknown:
-            raise ValueError(f"objectives: unknown {unknown}; registered: {sorted(OBJECTIVES)}")
         self.config = encoder_config
         self.bert = BertEncoder(encoder_config)
         self.cls = MLMHead(encoder_config, self.bert.embeddings.word_embeddings)
         options = dict(objective_options or {})
         self.weights = dict(objectives)
         self.objectives = nn.ModuleDict(
-            {name: OBJECTIVES[name](encoder_config, dict(special_tokens), **options.get(name, {})) for name in objectives}
+            {name: build_objective(name, encoder_config, special_tokens, options.get(name, {})) for name in objectives}
         )
         self.special_tokens = dict(special_tokens)
         self.seed = seed
         self.kernels = kernels
-        self.step = 0
-        self.total_steps = 1
         init_bert_weights(self, encoder_config.initializer_range)
         for obj in self.objectives.values():
             reset = getattr(obj, "reset_parameters", None)
@@ -72,16 +60,20 @@ class PretrainModel(nn.Module):
         """Union of the batch views the configured objectives need."""
         return {"original"}.union(*(o.views for o in self.objectives.values()))
 
-    def set_progress(self, step: int, total_steps: int) -> None:
-        """Called by the training loop before each step (CAPT's temperature depends on it)."""
-        self.step, self.total_steps = step, total_steps
+    def forward(self, batch: dict[str, Tensor], progress: Optional[StepProgress] = None,
+                sampling_seed: Optional[int] = None) -> tuple[Tensor, dict[str, Tensor]]:
+        """Weighted sum of the objectives' losses on one micro-batch.
 
-    def forward(self, batch: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
-        first = int(batch["sample_index"][0]) if "sample_index" in batch else self.step
+        progress: the optimizer step (CAPT's temperature); sampling_seed: the micro-batch's sampling
+        stream (`pipeline.seeding.sampling_seed`). The training loop computes it on the host before
+        the batch moves to the device; when omitted it is derived here from `sample_index`.
+        """
+        if sampling_seed is None:
+            first = int(batch["sample_index"][0]) if "sample_index" in batch else 0
+            sampling_seed = seeding.sampling_seed(self.seed, first)
         device = batch["input_ids"].device
-        generator = torch.Generator(device=device)
-        generator.manual_seed(micro_batch_seed(self.seed, first))
-        ctx = StepContext(self, batch, self.step, self.total_steps, generator, self.kernels)
+        generator = seeding.sampling_generator(sampling_seed, device)
+        ctx = StepContext(self.bert, self.cls, batch, progress or StepProgress(), generator, self.kernels)
         total = torch.zeros((), device=device, dtype=torch.float32)
         metrics: dict[str, Tensor] = {}
         for name, objective in self.objectives.items():

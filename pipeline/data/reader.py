@@ -11,8 +11,9 @@ micro-step m of rank r reads positions c + (m * world + r) * micro ... + micro. 
   * concatenating all ranks' micro-batches in (m, r) order gives the same stream for any world size;
   * the reader's whole state is `consumed_samples`: resuming is O(1) (no replay), also with a
     different number of ranks, as long as G divides the resume point the same way.
-Each batch carries `sample_index` (the global positions); the collator seeds its corruption from
-(seed, sample_index), so masks differ across epochs but are identical after a resume.
+Each batch carries `sample_index` (the global positions); the collator keys its corruption by it
+(`pipeline.seeding`), so masks differ across epochs but are identical after a resume. The split
+G = micro x accum x world is a `pipeline.data.config.BatchPlan`.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 import torch
 
-from pipeline.shards import TOKENIZER_SUBDIR, Manifest, ShardArrays, iter_shard_paths, open_shard, read_manifest
+from pipeline.seeding import epoch_permutation
+from pipeline.data.config import BatchPlan
+from pipeline.data.shards import TOKENIZER_SUBDIR, Manifest, ShardArrays, iter_shard_paths, open_shard, read_manifest
 
 
 class ShardDataset:
@@ -91,12 +94,6 @@ class ArrayCollator(Protocol):
     def collate(self, input_ids: np.ndarray, word_starts: np.ndarray, sample_index: np.ndarray) -> dict[str, torch.Tensor]: ...
 
 
-def epoch_permutation(seed: int, epoch: int, size: int) -> np.ndarray:
-    """The order of dataset rows in `epoch`: a function of (seed, epoch) only."""
-    dtype = np.int32 if size < 2**31 else np.int64
-    return np.random.default_rng([seed, epoch]).permutation(size).astype(dtype, copy=False)
-
-
 class _MicroBatchSource(torch.utils.data.Dataset):
     """Micro-batch number k (counted from `start`) -> batch; lets a DataLoader prefetch in workers."""
 
@@ -123,23 +120,20 @@ class PretrainBatches:
         self,
         dataset: ShardDataset,
         collator: ArrayCollator,
-        micro_batch_size: int,
-        grad_accum: int,
+        plan: BatchPlan,
         rank: int,
-        world_size: int,
         seed: int,
         consumed_samples: int = 0,
         num_workers: int = 0,
     ) -> None:
-        if micro_batch_size < 1 or grad_accum < 1 or world_size < 1:
-            raise ValueError(f"micro_batch_size ({micro_batch_size}), grad_accum ({grad_accum}), world_size ({world_size}) must be >= 1")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} outside [0, {world_size})")
+        if not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank {rank} outside [0, {plan.world_size})")
         if len(dataset) == 0:
             raise ValueError(f"{dataset.directory}: the dataset has no sequences")
         self.dataset, self.collator = dataset, collator
-        self.micro_batch_size, self.grad_accum = micro_batch_size, grad_accum
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.plan = plan
+        self.micro_batch_size, self.grad_accum, self.world_size = plan.micro_batch_size, plan.grad_accum, plan.world_size
+        self.rank, self.seed = rank, seed
         self.num_workers = num_workers
         self.consumed_samples = int(consumed_samples)
         self._micro_step = 0
@@ -148,7 +142,7 @@ class PretrainBatches:
 
     @property
     def global_batch_size(self) -> int:
-        return self.micro_batch_size * self.grad_accum * self.world_size
+        return self.plan.global_batch_size
 
     def positions(self, consumed: int, micro_step: int) -> np.ndarray:
         """Global stream positions of this rank's `micro_step` in the step that starts at `consumed`."""

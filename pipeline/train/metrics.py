@@ -35,7 +35,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from pipeline.model import BertLayerStack, PredictionHeadTransform, TiedVocabProjection
+from pipeline.model.encoder import BertLayerStack
+from pipeline.model.heads import PredictionHeadTransform, TiedVocabProjection
 
 
 def layer_forward_flops(batch: int, seq: int, hidden: int, ffn: int) -> float:

@@ -1,15 +1,13 @@
 """Corruption views of a packed batch: BERT / whole-word masking, InfoWord spans, COCO-LM crops,
 CAPT shuffles — the one home of all masking and noising in the project.
 
-Determinism: every random number a sample uses is a function of (seed, sample_index, stream,
-position) — a counter-based hash (splitmix64), not a stateful generator. So the same global
-sample gets the same corruption after a resume (no RNG state to save), a different one in every
-epoch (its `sample_index` differs), and the vectorised views cost a few numpy passes over [B, L]
-instead of a Python loop per sample. Only InfoWord span sampling is sequential by nature; it runs
-per sample from `numpy.random.default_rng([seed, stream, sample_index])`.
+Determinism: every random number a sample uses comes from the corruption streams of
+`pipeline.seeding` (a function of seed, global sample index, stream and position), so the same
+sample gets the same corruption after a resume and a different one in every epoch.
 
-"Content" positions are the non-special ones (not [CLS]/[SEP]/[PAD]); specials are never masked,
-replaced, shuffled or used as random replacements.
+"Content" positions are those that hold no structure token (`pipeline.batch.STRUCTURE_TOKENS`:
+[CLS]/[SEP]/[PAD]); only content is masked, replaced, shuffled or cropped, and no special token
+(`pipeline.batch.SPECIAL_TOKEN_NAMES`) is ever drawn as a random replacement.
 """
 from __future__ import annotations
 
@@ -18,47 +16,8 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from pipeline.objectives.base import VIEWS
-
-IGNORE_INDEX = -100
-_MASK64 = (1 << 64) - 1
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-# One stream number per independent random decision (changing one never shifts another).
-STREAM_SELECT, STREAM_ACTION, STREAM_RANDOM_TOKEN, STREAM_WORD, STREAM_SPAN, STREAM_CROP, STREAM_SHUFFLE = range(1, 8)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on a uint64 array (wrap-around arithmetic is intended)."""
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
-
-
-def _row_keys(seed: int, sample_index: np.ndarray, stream: int) -> np.ndarray:
-    """Per-sample uint64 starting points of the (seed, stream) random sequence."""
-    with np.errstate(over="ignore"):
-        base = _mix(np.array([(seed & _MASK64)], dtype=np.uint64) ^ (np.uint64(stream) * _GOLDEN))
-        return _mix(base ^ np.asarray(sample_index, dtype=np.int64).astype(np.uint64))
-
-
-def _to_unit(bits: np.ndarray) -> np.ndarray:
-    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
-def hash_uniform(seed: int, sample_index: np.ndarray, stream: int, width: int) -> np.ndarray:
-    """Uniform [0, 1) floats, shape [B, width]: a pure function of (seed, sample_index, stream, column)."""
-    with np.errstate(over="ignore"):
-        cols = (np.arange(1, width + 1, dtype=np.uint64) * _GOLDEN)[None, :]
-        return _to_unit(_mix(_row_keys(seed, sample_index, stream)[:, None] + cols))  # splitmix64 per row
-
-
-def hash_uniform_at(seed: int, sample_index: np.ndarray, stream: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
-    """`hash_uniform(...)[rows, cols]` without computing the rest of the grid."""
-    with np.errstate(over="ignore"):
-        offsets = (cols.astype(np.uint64) + np.uint64(1)) * _GOLDEN
-        return _to_unit(_mix(_row_keys(seed, sample_index, stream)[rows] + offsets))
+from pipeline.batch import IGNORE_INDEX, STRUCTURE_TOKENS, check_views, special_ids
+from pipeline.seeding import CorruptionStream, hash_uniform, hash_uniform_at, span_rng
 
 
 def _budget(counts: np.ndarray, fraction: float) -> np.ndarray:
@@ -229,7 +188,7 @@ def shuffle_within_window(input_ids: np.ndarray, candidates: np.ndarray, u: np.n
 
 
 class CorruptionCollator:
-    """Builds the batch contract's tensors for the requested views (see `pipeline.objectives.base.VIEWS`).
+    """Builds the batch contract's tensors for the requested views (`pipeline.batch`).
 
     `collate(input_ids, word_starts, sample_index)` is the fast path used by `PretrainBatches`;
     calling the collator on a list of `{"input_ids", "word_starts", "sample_index"}` dicts works as a
@@ -253,15 +212,10 @@ class CorruptionCollator:
         crop_fraction: float = 0.9,
         shuffle_window: int = 3,
     ) -> None:
-        self.views = set(views) | {"original"}
-        unknown = sorted(self.views - set(VIEWS))
-        if unknown:
-            raise ValueError(f"views: unknown {unknown}; known: {list(VIEWS)}")
-        if {"masked", "wwm_masked"} <= self.views:
-            raise ValueError("views: 'masked' and 'wwm_masked' both fill masked_ids/mlm_labels; choose one")
-        missing = [k for k in ("pad", "cls", "sep", "mask") if k not in special_tokens]
-        if missing:
-            raise ValueError(f"special_tokens: missing {missing}")
+        self.views = check_views(views)
+        self._structure_ids = np.array(special_ids(special_tokens, STRUCTURE_TOKENS), dtype=np.int64)
+        special_ids(special_tokens, ("mask",))  # masking writes it: its absence is an error here, not later
+        never_drawn = {int(v) for v in special_tokens.values()}
         for name, value in {"mlm_probability": mlm_probability, "span_budget": span_budget, "crop_fraction": crop_fraction}.items():
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} {value}: must be in (0, 1]")
@@ -276,9 +230,7 @@ class CorruptionCollator:
         self.mlm_probability, self.mask_fraction, self.random_fraction = mlm_probability, mask_fraction, random_fraction
         self.span = {"budget_fraction": span_budget, "mean": span_mean, "std": span_std, "min_words": span_min_words, "max_words": span_max_words}
         self.crop_fraction, self.shuffle_window = crop_fraction, shuffle_window
-        self._special_ids = np.array(sorted({special_tokens[k] for k in ("pad", "cls", "sep")}), dtype=np.int64)
-        excluded = {v for v in special_tokens.values()}
-        self._random_ids = np.array([i for i in range(vocab_size) if i not in excluded], dtype=np.int64)
+        self._random_ids = np.array([i for i in range(vocab_size) if i not in never_drawn], dtype=np.int64)
 
     def __call__(self, samples: Sequence[Mapping[str, Any]]) -> dict[str, torch.Tensor]:
         return self.collate(
@@ -290,7 +242,7 @@ class CorruptionCollator:
     def collate(self, input_ids: np.ndarray, word_starts: np.ndarray, sample_index: np.ndarray) -> dict[str, torch.Tensor]:
         ids = input_ids.astype(np.int64)
         sample_index = np.asarray(sample_index, dtype=np.int64)
-        special = np.isin(ids, self._special_ids)
+        special = np.isin(ids, self._structure_ids)
         candidates = ~special
         attention = ids != self.special_tokens["pad"]
         batch: dict[str, np.ndarray] = {
@@ -307,18 +259,18 @@ class CorruptionCollator:
 
         if self.views & {"masked", "wwm_masked"}:
             if "masked" in self.views:
-                selected = select_tokens(candidates, uniform(STREAM_SELECT), self.mlm_probability)
+                selected = select_tokens(candidates, uniform(CorruptionStream.SELECT), self.mlm_probability)
             else:
-                selected = select_whole_words(candidates, word_starts, uniform(STREAM_WORD), self.mlm_probability)
+                selected = select_whole_words(candidates, word_starts, uniform(CorruptionStream.WORD), self.mlm_probability)
             rows, cols = np.nonzero(selected)
             batch["masked_ids"], batch["mlm_labels"] = replace_selected(
                 ids, rows, cols,
-                hash_uniform_at(self.seed, sample_index, STREAM_ACTION, rows, cols),
-                hash_uniform_at(self.seed, sample_index, STREAM_RANDOM_TOKEN, rows, cols),
+                hash_uniform_at(self.seed, sample_index, CorruptionStream.ACTION, rows, cols),
+                hash_uniform_at(self.seed, sample_index, CorruptionStream.RANDOM_TOKEN, rows, cols),
                 self.special_tokens["mask"], self._random_ids, self.mask_fraction, self.random_fraction,
             )
         if "span_masked" in self.views:
-            rngs = [np.random.default_rng([self.seed & _MASK64, STREAM_SPAN, int(i)]) for i in sample_index]
+            rngs = [span_rng(self.seed, int(i)) for i in sample_index]
             span_index = span_mask_rows(candidates, word_starts, rngs, **self.span)
             in_span = span_index >= 0
             batch["span_masked_ids"] = np.where(in_span, self.special_tokens["mask"], ids)
@@ -326,9 +278,9 @@ class CorruptionCollator:
             batch["span_index"] = span_index
         if "crop" in self.views:
             batch["crop_ids"], batch["crop_attention_mask"] = crop(
-                ids, attention.sum(1), uniform(STREAM_CROP)[:, 0], self.crop_fraction,
+                ids, attention.sum(1), uniform(CorruptionStream.CROP)[:, 0], self.crop_fraction,
                 self.special_tokens["cls"], self.special_tokens["sep"], self.special_tokens["pad"],
             )
         if "shuffled" in self.views:
-            batch["shuffled_ids"] = shuffle_within_window(ids, candidates, uniform(STREAM_SHUFFLE), self.shuffle_window)
+            batch["shuffled_ids"] = shuffle_within_window(ids, candidates, uniform(CorruptionStream.SHUFFLE), self.shuffle_window)
         return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}

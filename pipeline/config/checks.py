@@ -1,0 +1,67 @@
+"""`ConfigError` and the small checks every component's config validation is written with.
+
+A leaf module (it imports nothing of the project), so each component can own its config section
+and its validation (`pipeline.model.config`, `pipeline.data.config`, `pipeline.train.config`,
+`pipeline.train.optim`, `pipeline.train.engine`, `pipeline.objectives.base`) without importing
+the run config that composes them.
+"""
+from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any, Sequence
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before any compute; the message names the field or file."""
+
+
+def did_you_mean(word: str, options: Sequence[str]) -> str:
+    """` (did you mean 'x'?)` for the closest option, or an empty string."""
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_choice(value: str, options: Sequence[str], where: str) -> None:
+    if value not in options:
+        raise ConfigError(f"{where}={value!r}: must be one of {list(options)}{did_you_mean(value, options)}")
+
+
+def check_positive(value: float, where: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{where}={value}: must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def accepted_keywords(fn: Any, skip: int = 0) -> list[str] | None:
+    """Keyword names `fn` (a class or function) accepts after its first `skip` parameters; None = any."""
+    target = fn.__init__ if inspect.isclass(fn) else fn
+    params = list(inspect.signature(target).parameters.values())
+    if inspect.isclass(fn):
+        params = params[1:]  # self
+    params = params[skip:]
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return None
+    return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
+
+def check_keywords(fn: Any, options: dict, where: str, skip: int = 0) -> None:
+    """Error naming `where.key` for any option that `fn` (a class or function) does not accept."""
+    names = accepted_keywords(fn, skip)
+    if names is None:
+        return
+    for key in options:
+        if key not in names:
+            raise ConfigError(f"{where}.{key}: unknown option{did_you_mean(str(key), names)}; accepted: {names}")
+
+
+def option_error(where: str, err: Exception, options: Sequence[str]) -> ConfigError:
+    """A component's own `ValueError` re-raised under its config path.
+
+    Components say what is wrong in their own terms ("tau must be positive"); the code that
+    builds them from the config knows where they live (`objective_options.capt`) and prefixes
+    it: `objective_options.capt.tau must be positive` when the message starts with an option
+    name, `objective_options.capt: ...` otherwise.
+    """
+    text = str(err)
+    first = text.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
+    return ConfigError(f"{where}.{text}" if first in options else f"{where}: {text}")

@@ -1,0 +1,174 @@
+"""`RunConfig`: one run, composed of the sections each component owns, and its two validation stages.
+
+    python -m pipeline.train --config PRESET_OR_YAML [section.key=value ...]
+
+| section               | owned by                         | what it describes                         |
+| --------------------- | -------------------------------- | ----------------------------------------- |
+| `model`               | `pipeline.model.config`          | encoder shape, dropout, kernel switches   |
+| `objectives`, `objective_options` | `pipeline.objectives.base` | loss weights and each objective's options |
+| `data`                | `pipeline.data.config`           | shards, batch split, corruption options   |
+| `optim`               | `pipeline.train.optim`           | optimizer and learning-rate schedule      |
+| `deepspeed`           | `pipeline.train.engine`          | engine file, precision                    |
+| `train`               | `pipeline.train.config`          | length, seed, output, checkpoints, guards |
+
+Validation happens in two stages, both before any model is built:
+  `load_config` -> `check`   each section's own `check()` (types, enums, ranges, option names)
+                              plus the few rules that span sections;
+  `check_run`                 what needs the launch environment: the batch split for this world
+                              size, the shard directory, the engine file, the ZeRO stage against
+                              the objectives, and the switches this machine must support.
+Loading itself (presets, inheritance, overrides, typed construction) is `pipeline.config.loader`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from pipeline.config.checks import ConfigError
+from pipeline.config.loader import apply_override, describe_config, from_dict, load_raw
+from pipeline.data.config import BatchPlan, DataConfig, plan_batches
+from pipeline.data.shards import Manifest
+from pipeline.model.config import ModelConfig
+from pipeline.objectives.registry import check_objectives, check_objectives_under_stage
+from pipeline.train.config import TrainConfig
+from pipeline.train.engine import DeepSpeedConfig, zero_stage_of
+from pipeline.train.optim import OptimConfig
+
+__all__ = ["ConfigError", "RunConfig", "RunPlan", "load_config", "check_run", "describe_run_config"]
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Run name (the preset's name by default)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    objectives: dict = field(default_factory=lambda: {"mlm": 1.0})
+    """Objective name -> loss weight; the total loss is the weighted sum."""
+    objective_options: dict = field(default_factory=dict)
+    """Objective name -> keyword options of its constructor (see each objective's docstring)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _jsonable(dataclasses.asdict(self))
+
+    def check(self) -> None:
+        """Stage 1: every section's own checks, then the rules that span sections."""
+        self.model.check()
+        check_objectives(self.objectives, self.objective_options)
+        self.data.check()
+        self.optim.check()
+        self.deepspeed.check()
+        self.train.check()
+        if self.optim.warmup_steps >= self.train.total_steps and self.train.total_steps > 1:
+            raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps} must be < train.total_steps="
+                              f"{self.train.total_steps}")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def describe_run_config() -> str:
+    """Every field with its default and docstring (`--help-config`)."""
+    return describe_config(RunConfig)
+
+
+def load_config(name_or_path: str, overrides: Sequence[str] = ()) -> RunConfig:
+    """Preset/YAML + dotted overrides -> validated `RunConfig` (stage-1 checks; no filesystem)."""
+    raw = load_raw(name_or_path, RunConfig)
+    for override in overrides:
+        apply_override(raw, override, RunConfig)
+    cfg = from_dict(RunConfig, raw)
+    cfg.check()
+    return cfg
+
+
+@dataclass
+class RunPlan:
+    """Everything `check_run` derived: the batch split, the engine settings, the data identity."""
+
+    batch: BatchPlan
+    engine: dict
+    zero_stage: int
+    manifest: Manifest
+    manifest_hash: str
+
+
+def check_run(cfg: RunConfig, world_size: int, cuda_available: bool) -> RunPlan:
+    """Stage 2 (before any model is built): batch split, shards, engine, device switches."""
+    batch = plan_batches(cfg.data, world_size)
+    manifest, data_hash = cfg.data.check_shards(batch)
+    cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)  # shape fits the data
+    engine = cfg.deepspeed.load_engine(cuda_available)
+    stage = zero_stage_of(engine)
+    check_objectives_under_stage(cfg.objectives, stage, cfg.deepspeed.config)
+    cfg.model.check_device(cuda_available)
+    cfg.optim.check_device(cuda_available)
+    return RunPlan(batch, engine, stage, manifest, data_hash)
+
+
+# --------------------------------------------------------------------------------------------
+# Identity of a config for resume checks
+# --------------------------------------------------------------------------------------------
+#: Fields that do not change what a step computes, so resuming with a different value is not a
+#: "config change": run control and I/O, the micro-batch split (a new rank count changes it; the
+#: global batch is what matters, and it is checked), the shard path (the manifest hash identifies
+#: the data). `train.total_steps` is NOT here: it shapes the LR decay and CAPT's temperature, so
+#: extending a run is a deliberate change that needs `train.allow_config_change=true`.
+RESUME_IGNORED_FIELDS = (
+    "name",
+    "data.shards_dir",
+    "data.micro_batch_size",
+    "data.grad_accum",
+    "data.num_workers",
+    "train.output_dir",
+    "train.log_every",
+    "train.checkpoint_every",
+    "train.keep_last",
+    "train.resume",
+    "train.allow_config_change",
+    "train.max_nonfinite_steps",
+    "train.deterministic",
+    "train.progress_bar",
+    "train.tensorboard",
+)
+_SECTIONS = {f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default_factory)}  # type: ignore[arg-type]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in d.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and path in _SECTIONS:
+            flat.update(_flatten(value, f"{path}."))
+        else:
+            flat[path] = value
+    return flat
+
+
+def resume_relevant(config_dict: dict) -> dict[str, Any]:
+    """Flat `section.field -> value` without `RESUME_IGNORED_FIELDS`."""
+    return {k: v for k, v in _flatten(config_dict).items() if k not in RESUME_IGNORED_FIELDS}
+
+
+def config_hash(config_dict: dict) -> str:
+    """sha256 of the resume-relevant fields (stable JSON)."""
+    blob = json.dumps(resume_relevant(config_dict), sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()
+
+
+def config_differences(old: dict, new: dict) -> list[str]:
+    """Human-readable `field: old -> new` lines for resume-relevant fields that differ."""
+    a, b = resume_relevant(old), resume_relevant(new)
+    return [f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]

@@ -1,0 +1,108 @@
+"""`data.*`: where the shards are and how the global batch is split — owned and validated here.
+
+`BatchPlan` / `plan_batches` is the one home of the batch arithmetic
+
+    global_batch_size = micro_batch_size x grad_accum x world_size
+
+used by the config checks, the reader (`pipeline.data.reader.PretrainBatches`) and the DeepSpeed
+settings (`pipeline.train.engine`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from pipeline.config.checks import ConfigError, check_keywords, check_positive
+from pipeline.data.shards import Manifest, manifest_hash, read_manifest
+
+
+@dataclass
+class DataConfig:
+    shards_dir: str = ""
+    """Directory written by `data_prep.build_shards` (holds `manifest.json`, shards, `tokenizer/`). Required."""
+    seq_len: Optional[int] = None
+    """Expected sequence length of the shards (the recipe's); checked against the manifest when set."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step over all ranks = micro_batch_size x grad_accum x world size."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank."""
+    grad_accum: Optional[int] = None
+    """Micro-batches per step on each rank; default: derived from the global batch and the world size."""
+    num_workers: int = 0
+    """Data-loader worker processes per rank (0: collate in the training process)."""
+    corruption: dict = field(default_factory=dict)
+    """Keyword options of `pipeline.data.corruption.CorruptionCollator` (mask probability, crop ratio, ...)."""
+
+    def check(self) -> None:
+        """Stage-1 checks (the config alone)."""
+        from pipeline.data.corruption import CorruptionCollator
+
+        check_positive(self.global_batch_size, "data.global_batch_size")
+        check_positive(self.micro_batch_size, "data.micro_batch_size")
+        if self.grad_accum is not None:
+            check_positive(self.grad_accum, "data.grad_accum")
+        check_positive(self.num_workers, "data.num_workers", allow_zero=True)
+        check_keywords(CorruptionCollator, self.corruption, "data.corruption", skip=4)  # views, specials, vocab, seed
+
+    def check_shards(self, batch: "BatchPlan") -> tuple[Manifest, str]:
+        """Stage-2 checks of the shard directory: (manifest, manifest hash), or a `ConfigError`."""
+        if not self.shards_dir:
+            raise ConfigError("data.shards_dir is required (a directory written by data_prep.build_shards); "
+                              "pass data.shards_dir=PATH")
+        shards = Path(self.shards_dir)
+        if not shards.is_dir():
+            raise ConfigError(f"data.shards_dir={shards}: no such directory")
+        try:
+            manifest = read_manifest(shards)
+        except (FileNotFoundError, ValueError) as err:
+            raise ConfigError(f"data.shards_dir={shards}: {err}") from err
+        missing = [s.name for s in manifest.shards if not (shards / s.name).is_file()]
+        if missing:
+            raise ConfigError(f"data.shards_dir={shards}: shards listed in manifest.json are missing: {missing[:5]}")
+        if self.seq_len is not None and self.seq_len != manifest.seq_len:
+            raise ConfigError(f"data.seq_len={self.seq_len} but the shards in {shards} have seq_len="
+                              f"{manifest.seq_len}; rebuild the shards or set data.seq_len={manifest.seq_len}")
+        if manifest.total_sequences < batch.global_batch_size:
+            raise ConfigError(f"data.global_batch_size={batch.global_batch_size} exceeds the "
+                              f"{manifest.total_sequences} sequences in {shards}")
+        return manifest, manifest_hash(shards)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How the global batch is split: global = micro x accum x world (the one home of this rule)."""
+
+    micro_batch_size: int
+    grad_accum: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size < 1 or self.grad_accum < 1 or self.world_size < 1:
+            raise ValueError(f"micro_batch_size ({self.micro_batch_size}), grad_accum ({self.grad_accum}), "
+                             f"world_size ({self.world_size}) must be >= 1")
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+
+def plan_batches(data: DataConfig, world_size: int) -> BatchPlan:
+    """Derive (or check) gradient accumulation so that micro x accum x world == global."""
+    per_step = data.micro_batch_size * world_size
+    if data.grad_accum is None:
+        if data.global_batch_size % per_step:
+            options = sorted({m for m in range(1, data.global_batch_size + 1)
+                              if data.global_batch_size % (m * world_size) == 0})
+            raise ConfigError(
+                f"data.global_batch_size={data.global_batch_size} is not divisible by data.micro_batch_size="
+                f"{data.micro_batch_size} x world size {world_size} = {per_step}; micro batch sizes that work "
+                f"with {world_size} rank(s): {options[-6:] or 'none'}")
+        return BatchPlan(data.micro_batch_size, data.global_batch_size // per_step, world_size)
+    plan = BatchPlan(data.micro_batch_size, data.grad_accum, world_size)
+    if plan.global_batch_size != data.global_batch_size:
+        raise ConfigError(
+            f"data.global_batch_size={data.global_batch_size} != data.micro_batch_size={data.micro_batch_size} x "
+            f"data.grad_accum={data.grad_accum} x world size {world_size} = {plan.global_batch_size}; "
+            "fix one of them or leave data.grad_accum unset to derive it")
+    return plan

@@ -1,0 +1,1 @@
+"""Downstream evaluation of converted checkpoints: GLUE-format tasks (`glue`) and fine-tuning (`finetune`)."""

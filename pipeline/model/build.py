@@ -1,0 +1,33 @@
+"""Building a `PretrainModel`: the one place it is constructed, for training and for conversion.
+
+The training loop builds from the run config (`ModelConfig.encoder_config` decides the shape from
+the preset, the overrides and the shards); conversion rebuilds the same model from a checkpoint's
+`pipeline_meta.json`. Both go through `build_pretrain_model`, so the two can never disagree on
+structure, initialisation order or objective options.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from pipeline.model.encoder import EncoderConfig
+from pipeline.model.pretrainer import PretrainModel
+from pipeline.seeding import seed_init
+
+
+def build_pretrain_model(encoder_config: EncoderConfig, objectives: Mapping[str, float],
+                         special_tokens: Mapping[str, int], objective_options: Mapping[str, Mapping[str, Any]],
+                         seed: int = 0, kernels: str = "auto") -> PretrainModel:
+    """A freshly initialised `PretrainModel` (initial weights from the `init` stream of `seed`)."""
+    seed_init(seed)
+    return PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels)
+
+
+def model_from_meta(meta: Any) -> PretrainModel:
+    """The training model a checkpoint's `RunMeta` describes (randomly initialised, on CPU).
+
+    Conversion uses it to learn names, shapes and module structure before loading the weights;
+    built on CPU rather than the `meta` device because objectives may compute real tensors in
+    their constructors (e.g. sampling tables).
+    """
+    return build_pretrain_model(EncoderConfig(**meta.encoder_config), meta.objectives, meta.special_tokens,
+                                meta.objective_options, seed=int(meta.config.get("train", {}).get("seed", 0)))

@@ -1,0 +1,81 @@
+"""`model.*`: the encoder's shape and implementation switches, owned and validated here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from pipeline.config.checks import ConfigError, check_choice, did_you_mean
+from pipeline.kernels import KERNEL_MODES
+from pipeline.model.encoder import SIZE_PRESETS, EncoderConfig
+
+LAYERNORM_IMPLS = ("torch", "apex")
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "ffn_size")
+
+
+@dataclass
+class ModelConfig:
+    size: str = "tiny"
+    """Size preset from `pipeline.model.encoder.SIZE_PRESETS`: tiny, taco-small, capt-small, base, large."""
+    num_layers: Optional[int] = None
+    """Override of the preset's layer count."""
+    hidden_size: Optional[int] = None
+    """Override of the preset's hidden size."""
+    num_heads: Optional[int] = None
+    """Override of the preset's attention-head count."""
+    ffn_size: Optional[int] = None
+    """Override of the preset's feed-forward inner size."""
+    max_position: Optional[int] = None
+    """Position-embedding table size; default: the shards' `seq_len`."""
+    dropout: float = 0.1
+    """Hidden dropout probability."""
+    attention_dropout: float = 0.1
+    """Attention-probability dropout."""
+    kernels: str = "auto"
+    """Loss ops: `torch` (reference), `triton` (fused kernels, error if unusable), `auto` (Triton on CUDA)."""
+    layernorm: str = "torch"
+    """LayerNorm implementation: `torch`, or `apex` (NVIDIA apex FusedLayerNorm; GPU, optional extra)."""
+
+    def check(self) -> None:
+        """Stage-1 checks (the config alone)."""
+        if self.size not in SIZE_PRESETS:
+            raise ConfigError(f"model.size={self.size!r}: unknown{did_you_mean(self.size, list(SIZE_PRESETS))}; "
+                              f"choose one of {sorted(SIZE_PRESETS)}")
+        check_choice(self.kernels, KERNEL_MODES, "model.kernels")
+        check_choice(self.layernorm, LAYERNORM_IMPLS, "model.layernorm")
+        for name in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"model.{name}={getattr(self, name)}: must be in [0, 1)")
+        for name in (*SHAPE_FIELDS, "max_position"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"model.{name}={value}: must be positive")
+        shape = self.shape()
+        if shape["hidden_size"] % shape["num_heads"]:
+            raise ConfigError(f"model.hidden_size={shape['hidden_size']} is not divisible by "
+                              f"model.num_heads={shape['num_heads']}")
+
+    def check_device(self, cuda: bool) -> None:
+        """Stage-2 checks: the switches this machine must support."""
+        from pipeline.capabilities import apex_available, triton_usable
+
+        if self.kernels == "triton" and not triton_usable("cuda" if cuda else "cpu"):
+            raise ConfigError("model.kernels=triton needs Triton on a CUDA device (or TRITON_INTERPRET=1 for CPU "
+                              "testing); use model.kernels=auto")
+        if self.layernorm == "apex" and not (cuda and apex_available()):
+            raise ConfigError("model.layernorm=apex needs NVIDIA apex (built from github.com/NVIDIA/apex, never the "
+                              "PyPI package 'apex') on a GPU machine")
+
+    def shape(self) -> dict[str, int]:
+        """Layers / hidden / heads / FFN: the size preset with this config's overrides."""
+        return {**SIZE_PRESETS[self.size], **{k: getattr(self, k) for k in SHAPE_FIELDS if getattr(self, k) is not None}}
+
+    def encoder_config(self, vocab_size: int, seq_len: int, special_tokens: Mapping[str, int]) -> EncoderConfig:
+        """The encoder this config describes for shards of `vocab_size` / `seq_len` (the one place a
+        run's model shape is decided)."""
+        max_position = self.max_position or seq_len
+        if max_position < seq_len:
+            raise ConfigError(f"model.max_position={max_position} < shard seq_len={seq_len}")
+        fields: dict[str, Any] = dict(self.shape(), vocab_size=vocab_size, max_position=max_position,
+                                      dropout=self.dropout, attention_dropout=self.attention_dropout,
+                                      pad_token_id=special_tokens["pad"])
+        return EncoderConfig(**fields)

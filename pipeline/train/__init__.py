@@ -1,0 +1,2 @@
+"""Phase 2: the DeepSpeed training loop (`loop`, run as `python -m pipeline.train`) and its parts:
+engine settings, optimizer and schedule, checkpoints, preemption, the non-finite guard, metrics."""

@@ -1,0 +1,42 @@
+"""`train.*`: length, seed, output, logging, checkpointing and the guards of a run, owned and validated here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipeline.config.checks import ConfigError, check_positive
+
+
+@dataclass
+class TrainConfig:
+    total_steps: int = 20
+    """Optimizer steps of the whole run (the LR schedule and CAPT's temperature depend on it)."""
+    seed: int = 1234
+    """Seed of initialisation, data order, masking, objective sampling and dropout (`pipeline.seeding`)."""
+    output_dir: str = ""
+    """Run directory (checkpoints/, metrics.jsonl, tb/); default: runs/<preset name>."""
+    log_every: int = 10
+    """Write metrics every this many steps (and on the last step)."""
+    checkpoint_every: int = 1000
+    """Save a checkpoint every this many steps (and on the last step, and on SIGTERM/SIGUSR1)."""
+    keep_last: int = 3
+    """Complete checkpoints kept in `<output_dir>/checkpoints/` (older ones are deleted)."""
+    resume: str = "auto"
+    """`auto` (from `<output_dir>/checkpoints/latest` if present), `never`, or a checkpoint tag directory."""
+    allow_config_change: bool = False
+    """Resume even if the checkpoint's config or data manifest differs (the differences are logged)."""
+    max_nonfinite_steps: int = 10
+    """Stop with an error after this many consecutive steps with a non-finite loss (each one is skipped)."""
+    deterministic: bool = False
+    """`torch.use_deterministic_algorithms` (e.g. scatter-add gradients in a fixed order): bitwise
+    reproducible runs and resumes; costs little on CPU, can be slower on GPU."""
+    progress_bar: bool = True
+    """Rank-0 tqdm progress bar."""
+    tensorboard: bool = True
+    """Also write metrics to TensorBoard in `<output_dir>/tb/`."""
+
+    def check(self) -> None:
+        """Stage-1 checks (the config alone)."""
+        for name in ("total_steps", "log_every", "checkpoint_every", "keep_last", "max_nonfinite_steps"):
+            check_positive(getattr(self, name), f"train.{name}")
+        if not self.resume:
+            raise ConfigError("train.resume: use 'auto', 'never' or a checkpoint directory")

@@ -1,0 +1,344 @@
+"""`python -m pipeline.train --config PRESET_OR_YAML [section.key=value ...]`: the pretraining loop.
+
+Read top to bottom: `main` parses, `train` validates everything it can before compute and builds
+the model, `start` brings up ranks, engine, resume and data, and `run` is the loop. The same code
+runs with no launcher (one process), under `torchrun`, the `deepspeed` launcher, `srun` or
+`mpirun` (`pipeline.distributed.discover` reads the environment; `--mpi` asks mpi4py when the MPI
+implementation exports nothing we know).
+
+A step = `grad_accum` micro-batches, each `engine(batch) -> engine.backward -> engine.step`
+(DeepSpeed averages the gradients over micro-batches and ranks and updates at the boundary). The
+learning rate is set from the step number before every step (`pipeline.train.optim.lr_at`), and
+every random number comes from a stream of `pipeline.seeding`, so a resumed run repeats the
+uninterrupted one bit for bit.
+
+Exit codes: 0 done; 2 bad config or unusable checkpoint (message on stderr, before compute);
+3 stopped by the non-finite loss guard; 75 (`REQUEUE_EXIT_CODE`) checkpointed after SIGTERM/SIGUSR1.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import yaml
+
+from pipeline import seeding
+from pipeline.config.checks import ConfigError
+from pipeline.config.run import RunConfig, RunPlan, check_run, config_hash, describe_run_config, load_config
+from pipeline.distributed import DistInfo, all_reduce_sum
+from pipeline.model.build import build_pretrain_model
+from pipeline.model.pretrainer import PretrainModel
+from pipeline.objectives.base import StepProgress
+from pipeline.train.checkpoint import (
+    CHECKPOINT_DIR,
+    CheckpointError,
+    ResumeTarget,
+    TrainState,
+    find_resume_checkpoint,
+    load_checkpoint,
+    plan_resume,
+    save_checkpoint,
+)
+from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded
+from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError
+from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
+from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
+from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
+from pipeline.train.run_meta import RunMeta
+
+log = logging.getLogger("pipeline.train")
+EXIT_CONFIG_ERROR = 2
+EXIT_NONFINITE = 3
+
+
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="preset name in pipeline/config/presets/ (e.g. taco-small) or a YAML file")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.total_steps=1000 data.shards_dir=DIR")
+    parser.add_argument("--check", action="store_true", help="validate config, data and checkpoint, then exit")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--help-config", action="store_true", help="list every config field with its documentation")
+    parser.add_argument("--mpi", action="store_true", help="take rank / world size from mpi4py")
+    args = parser.parse_args(argv)
+    if not args.config and not args.help_config:
+        parser.error("--config is required")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.help_config:
+        print(describe_run_config())
+        return 0
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            return 0
+        if args.mpi:
+            export_mpi4py_ranks()
+        return train(cfg, check_only=args.check)
+    except (ConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except NonFiniteLossError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_NONFINITE
+
+
+def export_mpi4py_ranks() -> None:
+    """`--mpi`: rank / world size / local rank from mpi4py, exported as torch's env variables, with
+    rank 0's host and a free port as the rendezvous (`pipeline.distributed`'s MPI rendezvous)."""
+    from mpi4py import MPI
+
+    from pipeline.distributed import _mpi_rendezvous
+
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
+    os.environ.update(RANK=str(comm.Get_rank()), WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(local))
+    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+        addr, port = _mpi_rendezvous()  # collective: every rank calls it
+        os.environ.setdefault("MASTER_ADDR", addr)
+        os.environ.setdefault("MASTER_PORT", port)
+
+
+def build_run_model(cfg: RunConfig, plan: RunPlan) -> PretrainModel:
+    """The run's `PretrainModel`: shape from the config and the shards, initialised from the run seed."""
+    manifest = plan.manifest
+    encoder_config = cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)
+    return build_pretrain_model(encoder_config, cfg.objectives, manifest.special_tokens, cfg.objective_options,
+                                seed=cfg.train.seed, kernels=cfg.model.kernels)
+
+
+def train(cfg: RunConfig, check_only: bool = False) -> int:
+    """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code."""
+    from pipeline.distributed import discover
+
+    # ---- 1. everything that can be checked before compute ------------------------------------
+    world = discover()
+    plan = check_run(cfg, world.world_size, torch.cuda.is_available())
+    cfg.train.output_dir = cfg.train.output_dir or str(Path("runs") / cfg.name)
+    config_dict = cfg.to_dict()
+    ckpt_root = Path(cfg.train.output_dir) / CHECKPOINT_DIR
+    resume_dir = find_resume_checkpoint(cfg.train.resume, ckpt_root)
+    target = None
+    if resume_dir is not None:
+        target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world.world_size, plan.zero_stage,
+                             cfg.train.allow_config_change)
+    model = build_run_model(cfg, plan)  # identical initial weights on every rank, for any world size
+    if check_only:
+        print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
+              f"{'resume from ' + str(resume_dir) if resume_dir else 'fresh start'}")
+        return 0
+    # The signal handler goes in before any slow start-up work, so a preemption signal that arrives
+    # while ranks rendezvous or the engine builds still ends in a checkpoint and the requeue code.
+    with torch_process_state(cfg.train.deterministic), PreemptionHandler() as preemption:
+        run = start(cfg, plan, model, target, config_dict)
+        return run.loop(preemption)
+
+
+@contextlib.contextmanager
+def torch_process_state(deterministic: bool) -> Iterator[None]:
+    """Process-wide torch settings of one run, restored afterwards (so runs can follow each other in
+    one process, as in tests): `train.deterministic` (torch's deterministic kernels), and
+    `torch.nn.functional.linear`, which DeepSpeed's ZeRO-3 replaces process-wide by its
+    memory-efficient version ("persists unless manually reset")."""
+    import torch.utils.deterministic
+
+    linear = torch.nn.functional.linear
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.utils.deterministic.fill_uninitialized_memory)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it for deterministic matmuls
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        # NaN-filling every new tensor is a debugging aid, not needed for determinism, and costs
+        # a page-touching pass over every allocation (DeepSpeed's flat buffers included).
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.utils.deterministic.fill_uninitialized_memory = previous[2]
+        torch.nn.functional.linear = linear
+
+
+def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[ResumeTarget],
+          config_dict: dict) -> "Run":
+    """Phase 2: ranks, engine, resume, data and metrics — everything the loop needs."""
+    import deepspeed
+
+    from pipeline.data.corruption import CorruptionCollator
+    from pipeline.data.reader import PretrainBatches, ShardDataset
+    from pipeline.distributed import init_distributed
+
+    info = init_distributed()
+    if not info.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dataset = ShardDataset(cfg.data.shards_dir)
+
+    if cfg.model.layernorm == "apex":
+        log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))
+    flop_counter = FlopCounter(model)
+    offload = optimizer_offloaded(plan.engine)
+    optimizer = build_optimizer(model, cfg.optim, device.type, offload)
+    ds_config = build_deepspeed_config(plan.engine, plan.batch, cfg.deepspeed.precision, cfg.optim.grad_clip,
+                                       load_universal=bool(target and target.universal))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+
+    state = TrainState()
+    if target is not None:
+        state = load_checkpoint(engine, target, info.is_main)
+        model.load_extra_state_from_checkpoint(state.objective_state)
+        log.info("resumed from %s at step %d (%d samples)", target.tag_dir, state.step, state.consumed_samples)
+
+    collator = CorruptionCollator(model.views, dataset.special_tokens, dataset.vocab_size, cfg.train.seed,
+                                  **cfg.data.corruption)
+    batches = PretrainBatches(dataset, collator, plan.batch, info.rank, cfg.train.seed,
+                              consumed_samples=state.consumed_samples, num_workers=cfg.data.num_workers)
+    meta = RunMeta(
+        encoder_config=model.config.to_dict(), objectives=dict(cfg.objectives),
+        objective_options=dict(cfg.objective_options), special_tokens=dict(dataset.special_tokens),
+        tokenizer_dir=str(dataset.tokenizer_dir.resolve()), data_dir=str(Path(cfg.data.shards_dir).resolve()),
+        manifest_hash=plan.manifest_hash, config_hash=config_hash(config_dict), config=config_dict,
+        zero_stage=plan.zero_stage, world_size=info.world_size)
+    if info.is_main:
+        log.info("%s: %s, ZeRO %d, %s, optimizer %s, %d parameters", cfg.name, plan.batch, plan.zero_stage,
+                 cfg.deepspeed.precision, resolve_impl(cfg.optim, device.type, offload),
+                 sum(p.numel() for p in model.parameters()))
+    return Run(cfg, plan, info, device, model, engine, optimizer, batches, state, meta, flop_counter,
+               MetricsWriter(cfg.train.output_dir, info.is_main, state.step, cfg.train.tensorboard),
+               ThroughputMeter(info.world_size, device_peak_flops(cfg.deepspeed.precision)),
+               NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16"))
+
+
+@dataclass
+class Run:
+    """A started run: what `loop` reads and updates."""
+
+    cfg: RunConfig
+    plan: RunPlan
+    info: DistInfo
+    device: torch.device
+    model: PretrainModel
+    engine: Any
+    optimizer: torch.optim.Optimizer
+    batches: Any  # pipeline.data.reader.PretrainBatches
+    state: TrainState
+    meta: RunMeta
+    flop_counter: FlopCounter
+    writer: MetricsWriter
+    meter: ThroughputMeter
+    guard: NonFiniteGuard
+
+    def loop(self, preemption: PreemptionHandler) -> int:
+        """Phase 3: steps until `train.total_steps`, a preemption, or the guard stops the run."""
+        from tqdm.auto import tqdm
+
+        cfg, state = self.cfg, self.state
+        total, accum = cfg.train.total_steps, self.plan.batch.grad_accum
+        bar = tqdm(total=total, initial=state.step, disable=not (self.info.is_main and cfg.train.progress_bar),
+                   desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
+        last_metrics: dict = {}
+        try:
+            while state.step < total:
+                step = state.step + 1
+                seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
+                lr = lr_at(step, cfg.optim, total)
+                set_lr(self.optimizer, lr)
+
+                sums, nonfinite_local, tokens_local = self.forward_backward(StepProgress(step, total), accum)
+
+                # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
+                host = torch.tensor([preemption.requested, tokens_local, self.flop_counter.pop()], dtype=torch.float64)
+                status = torch.cat([nonfinite_local.reshape(1), host.to(self.device)])
+                nonfinite, preempted, tokens, flops = all_reduce_sum(status).tolist()
+                bad = self.guard.observe(state, step, nonfinite, self.engine.was_step_applied())
+                state.step, state.consumed_samples = step, self.batches.consumed_samples
+                state.tokens_seen += int(tokens)
+                self.meter.add_step(self.plan.batch.global_batch_size, int(tokens), flops)
+                bar.update(1)
+
+                if step % cfg.train.log_every == 0 or step == total or bad:
+                    last_metrics = self.log_step(step, lr, sums, accum)
+                    bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}", lr=f"{lr:.2e}")
+                self.guard.check(state, step)
+                if step % cfg.train.checkpoint_every == 0 or step == total or preempted:
+                    self.checkpoint(last_metrics)
+                    self.meter.reset()  # keep the save time out of the throughput numbers
+                if preempted:
+                    log.info("preempted (%s): checkpoint at step %d written; exiting with %d",
+                             preemption.signal_name or "signal on another rank", step, REQUEUE_EXIT_CODE)
+                    return REQUEUE_EXIT_CODE
+        finally:
+            bar.close()
+            self.writer.close()
+            self.flop_counter.remove()
+        return 0
+
+    def forward_backward(self, progress: StepProgress, accum: int) -> tuple[dict, torch.Tensor, int]:
+        """One optimizer step: `accum` micro-batches of forward, backward and `engine.step()` (DeepSpeed
+        scales each loss by 1/accum, averages over ranks, and updates — or skips an update whose
+        gradients are not finite — at the boundary). Returns (summed metrics, count of non-finite
+        losses, non-pad tokens)."""
+        sums: dict[str, torch.Tensor] = {}
+        nonfinite = torch.zeros((), dtype=torch.float64, device=self.device)
+        tokens = 0
+        for _ in range(accum):
+            batch = next(self.batches)
+            # Host-side values first (no device sync): the token count and the sampling stream.
+            tokens += int(batch["attention_mask"].sum())
+            sampling_seed = seeding.sampling_seed(self.cfg.train.seed, int(batch["sample_index"][0]))
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            loss, parts = self.engine(batch, progress, sampling_seed)
+            nonfinite += (~torch.isfinite(loss.detach())).double()
+            self.engine.backward(loss)
+            self.engine.step()
+            for key, value in parts.items():
+                sums[key] = sums.get(key, 0.0) + value.detach().float()
+        return sums, nonfinite, tokens
+
+    def log_step(self, step: int, lr: float, sums: dict[str, torch.Tensor], accum: int) -> dict[str, float]:
+        """Mean metrics of the step over micro-batches and ranks, plus run counters; written and returned."""
+        state = self.state
+        metrics = mean_over_ranks(sums, accum * self.info.world_size, self.device)
+        grad_norm = self.engine.get_global_grad_norm()
+        metrics.update(
+            lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            consumed_samples=state.consumed_samples, tokens_seen=state.tokens_seen,
+            skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
+            **self.meter.report(), **peak_memory_gb())
+        if self.cfg.deepspeed.precision == "fp16":
+            metrics["loss_scale"] = float(getattr(self.engine.optimizer, "loss_scale", float("nan")))
+        self.writer.write(step, metrics)
+        if self.info.is_main and not self.cfg.train.progress_bar:
+            log.info("step %d/%d loss %.4f lr %.3e %.0f tok/s", step, self.cfg.train.total_steps,
+                     metrics.get("loss", float("nan")), lr, metrics["tokens_per_s"])
+        return metrics
+
+    def checkpoint(self, last_metrics: dict) -> None:
+        state, meta = self.state, self.meta
+        state.objective_state = self.model.extra_state_for_checkpoint()
+        meta.step, meta.consumed_samples, meta.tokens_seen = state.step, state.consumed_samples, state.tokens_seen
+        meta.last_metrics = {k: v for k, v in last_metrics.items() if isinstance(v, (int, float))}
+        save_checkpoint(self.engine, Path(self.cfg.train.output_dir) / CHECKPOINT_DIR, state, meta,
+                        self.cfg.train.keep_last, self.info.is_main)
+
+
+def mean_over_ranks(sums: dict[str, torch.Tensor], count: int, device: torch.device) -> dict[str, float]:
+    """Mean of each metric over the step's micro-batches and ranks (one all-reduce)."""
+    keys = sorted(sums)
+    if not keys:
+        return {}
+    values = all_reduce_sum(torch.stack([sums[k].to(device) for k in keys]).double())
+    return {k: v / count for k, v in zip(keys, values.tolist())}
