@@ -25,6 +25,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 from pipeline.config.checks import ConfigError
@@ -104,11 +105,13 @@ class RunPlan:
     manifest_hash: str
 
 
-def check_run(cfg: RunConfig, world_size: int, cuda_available: bool) -> RunPlan:
-    """Stage 2 (before any model is built): batch split, shards, engine, device switches."""
+def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start: bool = True) -> RunPlan:
+    """Stage 2 (before any model is built): batch split, shards, engine, device switches, and the
+    warm-start directory (`model.init_from`; its weights only for a fresh start, `fresh_start`)."""
     batch = plan_batches(cfg.data, world_size)
     manifest, data_hash = cfg.data.check_shards(batch)
     cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)  # shape fits the data
+    cfg.model.check_init_from(manifest, cfg.data.shards_dir, fresh_start)
     engine = cfg.deepspeed.load_engine(cuda_available)
     stage = zero_stage_of(engine)
     check_objectives_under_stage(cfg.objectives, stage, cfg.deepspeed.config)
@@ -159,6 +162,17 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 def resume_relevant(config_dict: dict) -> dict[str, Any]:
     """Flat `section.field -> value` without `RESUME_IGNORED_FIELDS`."""
     return {k: v for k, v in _flatten(config_dict).items() if k not in RESUME_IGNORED_FIELDS}
+
+
+def describe_recipe(name_or_path: str, cfg: RunConfig) -> dict[str, Any]:
+    """The preset a run started from and every field the run sets differently (command-line
+    overrides), `{"preset": name, "overrides": {field: {"preset": value, "run": value}}}`, for the
+    model card. The preset is read as written (no checks: an override may be what makes it valid)."""
+    preset = from_dict(RunConfig, load_raw(name_or_path, RunConfig))
+    a, b = _flatten(preset.to_dict()), _flatten(cfg.to_dict())
+    overrides = {k: {"preset": a.get(k), "run": b.get(k)} for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+    name = Path(name_or_path).stem if name_or_path.endswith((".yaml", ".yml")) else name_or_path
+    return {"preset": name, "overrides": overrides}
 
 
 def config_hash(config_dict: dict) -> str:

@@ -6,6 +6,14 @@ metrics after the last epoch are reported (no checkpoint selection on dev, so th
 tuned on the data it is measured on). Output: one JSON object on stdout (and in `--output`, written
 atomically) with every seed's metrics and, per metric, the mean and the sample standard deviation
 over seeds.
+
+What pretraining bought: `--random-init` fine-tunes, with the same seeds, data and
+hyperparameters, a randomly initialised model of the same configuration (`from_config`) as well,
+and reports its metrics (`random_init`) and the difference of the means (`pretraining_gain`).
+`--train-subset N` trains on N examples drawn once (`--subset-seed`), the same for every seed and
+both models. Predictions of every evaluated split (dev, and each `--eval-file`) are written, one
+TSV per model, seed and split, to `--predictions DIR` (default: beside `--output`);
+`--save-model DIR` keeps the fine-tuned model and tokenizer. Every file is written atomically.
 """
 from __future__ import annotations
 
@@ -13,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -22,7 +31,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from pipeline.eval.glue import TASK_CHOICES, Split, TaskSpec, resolve_task, task_metrics
+from pipeline.eval.glue import TASK_CHOICES, Split, TaskSpec, load_eval_file, resolve_task, subset_split, task_metrics
+
+PRETRAINED, RANDOM_INIT = "pretrained", "random_init"
 
 
 def _encode(tokenizer, split: Split, max_length: int) -> list[dict[str, list[int]]]:
@@ -51,22 +62,43 @@ def linear_schedule(optimizer: torch.optim.Optimizer, warmup: int, total: int) -
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def run_seed(args: argparse.Namespace, spec: TaskSpec, train: Split, dev: Split, seed: int) -> dict:
-    """Fine-tune from `args.model` once with `seed`; dev metrics after the last epoch."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+def _model(args: argparse.Namespace, spec: TaskSpec, random_init: bool):
+    """The model to fine-tune: the converted one, or (`random_init`) a random one of its configuration."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    regression = spec.labels is None
+    options = dict(num_labels=1 if regression else len(spec.labels),
+                   problem_type="regression" if regression else "single_label_classification")
+    if random_init:
+        return AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(args.model, **options))
+    return AutoModelForSequenceClassification.from_pretrained(args.model, **options)
+
+
+@torch.no_grad()
+def predict(model, features: list[dict], batch_size: int, tokenizer, regression: bool, device: str) -> np.ndarray:
+    """Class indices (classification) or scores (regression) for `features`, in order."""
+    model.eval()
+    outputs = []
+    dummy = [0.0] * len(features)
+    for batch, _ in _batches(features, dummy, range(len(features)), batch_size, tokenizer, True):
+        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits.float().cpu()
+        outputs.append(logits.squeeze(-1) if regression else logits.argmax(-1))
+    return torch.cat(outputs).numpy() if outputs else np.zeros(0)
+
+
+def run_seed(args: argparse.Namespace, spec: TaskSpec, train: Split, splits: dict[str, Split], seed: int,
+             random_init: bool = False) -> tuple[dict, object, dict[str, np.ndarray]]:
+    """Fine-tune once with `seed` (from `args.model`, or a random model of its configuration);
+    (record with the dev metrics after the last epoch, the model, predictions per split)."""
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     regression = spec.labels is None
     torch.manual_seed(seed)
     hf_logging.set_verbosity_error()  # the "pooler/classifier newly initialised" report is expected
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForSequenceClassification.from_pretrained(
-        args.model,
-        num_labels=1 if regression else len(spec.labels),
-        problem_type="regression" if regression else "single_label_classification",
-    ).to(args.device)
+    model = _model(args, spec, random_init).to(args.device)
     train_features = _encode(tokenizer, train, args.max_length)
-    dev_features = _encode(tokenizer, dev, args.max_length)
 
     no_decay = [p for n, p in model.named_parameters() if n.endswith("bias") or "LayerNorm" in n]
     decay = [p for n, p in model.named_parameters() if not (n.endswith("bias") or "LayerNorm" in n)]
@@ -92,23 +124,22 @@ def run_seed(args: argparse.Namespace, spec: TaskSpec, train: Split, dev: Split,
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
+    train_seconds = time.perf_counter() - started
 
-    model.eval()
-    outputs = []
-    with torch.no_grad():
-        dev_order = range(len(dev_features))
-        for batch, _ in _batches(dev_features, dev.labels, dev_order, args.batch_size, tokenizer, regression):
-            logits = model(**{k: v.to(args.device) for k, v in batch.items()}).logits.float().cpu()
-            outputs.append(logits.squeeze(-1) if regression else logits.argmax(-1))
-    predictions = torch.cat(outputs).numpy()
-    metrics = task_metrics(spec, predictions, np.asarray(dev.labels))
+    predictions = {name: predict(model, _encode(tokenizer, split, args.max_length), args.batch_size, tokenizer,
+                                 regression, args.device) for name, split in splits.items()}
+    metrics = {name: task_metrics(spec, predictions[name], np.asarray(split.labels))
+               for name, split in splits.items() if split.labels is not None}
     tail = losses[-steps_per_epoch:] or [float("nan")]
-    return {
+    record = {
         "seed": seed,
-        "metrics": metrics,
+        "metrics": metrics.pop("dev"),
         "final_epoch_train_loss": sum(tail) / len(tail),
-        "train_seconds": round(time.perf_counter() - started, 2),
+        "train_seconds": round(train_seconds, 2),
     }
+    if metrics:
+        record["eval_file_metrics"] = metrics
+    return record, (model, tokenizer), predictions
 
 
 def summarise(runs: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
@@ -119,18 +150,82 @@ def summarise(runs: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
     return mean, std
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """`text` to `path` via a temporary sibling and a rename: a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def prediction_tsv(spec: TaskSpec, split: Split, predictions: np.ndarray) -> str:
+    """`index<TAB>prediction[<TAB>label]`: label names for classification, scores for regression."""
+    def show(value) -> str:
+        return f"{float(value):.6g}" if spec.labels is None else spec.labels[int(value)]
+
+    header = ["index", "prediction"] + (["label"] if split.labels is not None else [])
+    lines = ["\t".join(header)]
+    for i, (row, value) in enumerate(zip(split.ids(), predictions)):
+        lines.append("\t".join([row, show(value)] + ([show(split.labels[i])] if split.labels is not None else [])))
+    return "\n".join(lines) + "\n"
+
+
+def save_model(model_and_tokenizer, directory: Path) -> None:
+    """`save_pretrained` into a temporary sibling, renamed to `directory` when complete."""
+    model, tokenizer = model_and_tokenizer
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        if directory.exists():
+            directory.rmdir()  # checked empty before training
+        os.replace(tmp, directory)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _outputs(args: argparse.Namespace) -> tuple[Optional[Path], Optional[Path]]:
+    """(predictions dir, save-model dir), checked before any training."""
+    predictions = Path(args.predictions) if args.predictions else (
+        Path(args.output).with_suffix(".predictions") if args.output else None)
+    save = Path(args.save_model) if args.save_model else None
+    if save is not None and save.exists() and (not save.is_dir() or any(save.iterdir())):
+        raise FileExistsError(f"--save-model {save}: exists and is not an empty directory")
+    return predictions, save
+
+
 def finetune(args: argparse.Namespace) -> dict:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(
             f"--model {model_dir}: no config.json (convert a checkpoint with pipeline.export.convert first)"
         )
+    predictions_dir, save_dir = _outputs(args)
     spec, train, dev = resolve_task(
         args.task_dir, args.task, args.text_cols, args.label_col, args.train_file, args.dev_file
     )
-    runs = [run_seed(args, spec, train, dev, seed) for seed in args.seeds]
-    mean, std = summarise(runs)
-    return {
+    n_available = len(train.texts)
+    if args.train_subset is not None:
+        train = subset_split(train, args.train_subset, args.subset_seed)
+    splits = {"dev": dev, **{Path(f).stem: load_eval_file(args.task_dir, f, spec, args.task) for f in args.eval_file}}
+    variants = [PRETRAINED] + ([RANDOM_INIT] if args.random_init else [])
+    results: dict[str, list[dict]] = {}
+    files: list[str] = []
+    for variant in variants:
+        results[variant] = []
+        for seed in args.seeds:
+            record, trained, predictions = run_seed(args, spec, train, splits, seed, random_init=variant == RANDOM_INIT)
+            results[variant].append(record)
+            if predictions_dir is not None:
+                for name, split in splits.items():
+                    path = predictions_dir / variant / f"seed_{seed}" / f"{name}.tsv"
+                    write_atomic(path, prediction_tsv(spec, split, predictions[name]))
+                    files.append(str(path))
+            if save_dir is not None and variant == PRETRAINED:
+                save_model(trained, save_dir if len(args.seeds) == 1 else save_dir / f"seed_{seed}")
+    mean, std = summarise(results[PRETRAINED])
+    out = {
         "model": str(model_dir),
         "task_dir": str(args.task_dir),
         "task": args.task,
@@ -140,16 +235,26 @@ def finetune(args: argparse.Namespace) -> dict:
         "labels": list(spec.labels) if spec.labels else None,
         "metric": spec.metrics[0],
         "n_train": len(train.labels),
+        "n_train_available": n_available,
+        "train_subset": args.train_subset,
+        "subset_seed": args.subset_seed if args.train_subset is not None else None,
         "n_dev": len(dev.labels),
         "hyperparameters": {
             k: getattr(args, k)
             for k in ("lr", "epochs", "batch_size", "max_length", "weight_decay", "warmup_ratio", "max_grad_norm")
         },
         "seeds": list(args.seeds),
-        "runs": runs,
+        "runs": results[PRETRAINED],
         "mean": mean,
         "std": std,
+        "prediction_files": files,
+        "saved_model": str(save_dir) if save_dir is not None else None,
     }
+    if args.random_init:
+        r_mean, r_std = summarise(results[RANDOM_INIT])
+        out["random_init"] = {"runs": results[RANDOM_INIT], "mean": r_mean, "std": r_std}
+        out["pretraining_gain"] = {k: mean[k] - r_mean[k] for k in mean}
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,13 +279,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     p.add_argument("--output", default=None, help="also write the JSON result to this file")
+    p.add_argument("--train-subset", type=int, default=None, metavar="N",
+                   help="train on N examples drawn once with --subset-seed (the same for every seed and model)")
+    p.add_argument("--subset-seed", type=int, default=0)
+    p.add_argument("--eval-file", nargs="+", default=[], metavar="FILE",
+                   help="further files of the task dir to predict (e.g. test.tsv); scored when labelled")
+    p.add_argument("--predictions", default=None, metavar="DIR",
+                   help="prediction TSVs: DIR/<model>/seed_<seed>/<split>.tsv (default: OUTPUT with .predictions "
+                        "instead of its suffix, when --output is given)")
+    p.add_argument("--save-model", default=None, metavar="DIR",
+                   help="save the fine-tuned model and tokenizer (several seeds: DIR/seed_<seed>)")
+    p.add_argument("--random-init", action="store_true",
+                   help="also fine-tune a randomly initialised model of the same configuration (a baseline)")
     return p
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    for flag in ("lr", "epochs", "batch_size", "max_length"):
-        if getattr(args, flag) <= 0:
+    for flag in ("lr", "epochs", "batch_size", "max_length", "train_subset"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
     previous_threads = torch.get_num_threads()
@@ -188,18 +305,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.set_num_threads(args.threads)  # small models on a shared CPU: more threads can be far slower
     try:
         result = finetune(args)
-    except (FileNotFoundError, ValueError) as err:
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:
         torch.set_num_threads(previous_threads)
     text = json.dumps(result, indent=2)
     if args.output:
-        out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, out)
+        write_atomic(Path(args.output), text + "\n")
     print(text)
     return 0
 

@@ -138,12 +138,20 @@ def detect_spec(train: TsvTable, text_cols: Optional[Sequence[str]], label_col: 
 @dataclass
 class Split:
     texts: list[tuple[str, ...]]
-    labels: list[float] | list[int]
+    labels: Optional[list[float] | list[int]]  # None: an unlabelled file (predictions only)
+    index: Optional[list[str]] = None  # the file's `index` column (GLUE test files), else row numbers
+
+    def ids(self) -> list[str]:
+        return self.index if self.index is not None else [str(i) for i in range(len(self.texts))]
 
 
 def load_split(table: TsvTable, spec: TaskSpec) -> Split:
-    """Examples of one file; labels as class indices (classification) or floats (regression)."""
+    """Examples of one file; labels as class indices (classification) or floats (regression), or
+    None when the file has no label column (a GLUE test file)."""
     columns = [table.column(c, "--text-cols") for c in spec.text_cols]
+    index = table.column("index", "") if "index" in table.columns else None
+    if spec.label_col not in table.columns:
+        return Split(list(zip(*columns)), None, index)
     raw = table.column(spec.label_col, "--label-col")
     if spec.labels is None:
         bad = next((i for i, v in enumerate(raw) if not _is_number(v)), None)
@@ -156,7 +164,17 @@ def load_split(table: TsvTable, spec: TaskSpec) -> Split:
         if unknown:
             raise ValueError(f"{table.path}: labels {unknown[:5]} not in the task's label set {list(spec.labels)}")
         labels = [index[v] for v in raw]
-    return Split(list(zip(*columns)), labels)
+    return Split(list(zip(*columns)), labels, index if "index" in table.columns else None)
+
+
+def subset_split(split: Split, n: int, seed: int) -> Split:
+    """`n` examples drawn without replacement with `seed` (file order kept); all when `n` >= size."""
+    if n >= len(split.texts):
+        return split
+    rows = sorted(np.random.default_rng(seed).choice(len(split.texts), size=n, replace=False).tolist())
+    labels = None if split.labels is None else [split.labels[i] for i in rows]
+    index = [split.ids()[i] for i in rows]
+    return Split([split.texts[i] for i in rows], labels, index)
 
 
 # ---- metrics -------------------------------------------------------------------------------
@@ -250,4 +268,11 @@ def resolve_task(
         spec = GLUE_TASKS[task]
         if text_cols or label_col:
             spec = replace(spec, text_cols=tuple(text_cols or spec.text_cols), label_col=label_col or spec.label_col)
+    for table in (train, dev):  # both must be labelled
+        table.column(spec.label_col, "--label-col")
     return spec, load_split(train, spec), load_split(dev, spec)
+
+
+def load_eval_file(task_dir: str | os.PathLike, file: str, spec: TaskSpec, task: str) -> Split:
+    """A further file to predict (`--eval-file`, e.g. GLUE's `test.tsv`); labels when it has them."""
+    return load_split(read_tsv(Path(task_dir) / file, task), spec)

@@ -9,22 +9,28 @@ Two failure modes make a pretraining comparison meaningless, and neither shows i
 
   (O(n H), no n x n matrix). Healthy BERT-style encoders sit well below 1; a collapsed one at
   ~1.0. `COLLAPSE_COSINE` is the threshold above which a run is flagged.
+* **a pinned contrastive positive**: a sequence-contrastive objective whose two views' representations
+  agree perfectly (`capt/positive_cosine` ~ 1.0) has made the task trivial, typically because the
+  encoder maps every input to the same vector; `pinned_positive_cosines` reads it off a run's last
+  metrics (any `*/positive_cosine`), `POSITIVE_COSINE_PINNED` being the threshold.
 * **the unigram plateau**: an MLM that predicts the most frequent token everywhere reaches the
   accuracy of that token's frequency at the masked positions, whatever the context. A baseline
   "learned" only when its masked-token accuracy clearly beats `unigram_accuracy`.
 
-Used during training (logged metrics and a warning), at conversion (the model card), and by the
-benchmarks (every report states both numbers for every run).
+Used at conversion (`pipeline.export.health_check`: a loud warning and a section of the model
+card) and by the benchmarks (every report states both numbers for every run).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 import torch
 from torch import Tensor
 
 #: Mean pairwise token cosine above which an encoder is reported as collapsed.
 COLLAPSE_COSINE = 0.9
+#: A contrastive positive cosine at or above this is "pinned at 1.0".
+POSITIVE_COSINE_PINNED = 0.999
 
 
 @torch.no_grad()
@@ -44,6 +50,30 @@ def mean_token_cosine(hidden: Tensor, mask: Optional[Tensor] = None) -> float:
 
 def is_collapsed(token_cosine: float, threshold: float = COLLAPSE_COSINE) -> bool:
     return token_cosine == token_cosine and token_cosine > threshold  # nan (too few tokens) is not collapse
+
+
+@torch.no_grad()
+def encoder_token_cosine(encoder: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                         special_mask: Tensor) -> float:
+    """`mean_token_cosine` of an encoder's last hidden states over the content tokens (attended,
+    not [CLS]/[SEP]/[PAD]) of a batch, in eval mode (no dropout)."""
+    was_training = encoder.training
+    encoder.eval()
+    try:
+        hidden = encoder(input_ids, attention_mask).last_hidden
+    finally:
+        encoder.train(was_training)
+    return mean_token_cosine(hidden, attention_mask.bool() & ~special_mask.bool())
+
+
+def positive_cosines(metrics: Mapping[str, float]) -> dict[str, float]:
+    """Every contrastive positive cosine (`<objective>/positive_cosine`) among a run's metrics."""
+    return {k: float(v) for k, v in metrics.items() if k.endswith("positive_cosine") and isinstance(v, (int, float))}
+
+
+def pinned_positive_cosines(metrics: Mapping[str, float], threshold: float = POSITIVE_COSINE_PINNED) -> dict[str, float]:
+    """The positive cosines of `metrics` pinned at 1.0 (>= `threshold`)."""
+    return {k: v for k, v in positive_cosines(metrics).items() if v >= threshold}
 
 
 @torch.no_grad()

@@ -11,8 +11,12 @@ Steps, each failing with a message that names the file at fault and leaving OUT_
    CPU only). A checkpoint without ZeRO partitions (stage 0) is read from its single model file;
 3. check the weights against the model the meta describes, sort them into the HF main model,
    the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`);
-4. write config, safetensors, tokenizer and model card into a temporary sibling directory and
-   rename it to OUT_DIR only when everything is written.
+4. the health check (`pipeline.export.health_check`): a loud warning on stderr, and in the card,
+   when the encoder looks collapsed;
+5. write config, safetensors, tokenizer (config cleaned of load-time keys), objective heads with
+   their rebuild recipe (`pipeline.export.objective_heads`), `pipeline_meta.json` and the model card
+   (`pipeline.export.model_card`) into a temporary sibling directory and rename it to OUT_DIR only
+   when everything is written.
 """
 from __future__ import annotations
 
@@ -38,14 +42,19 @@ from pipeline.export.hf_adapter import (
     contiguous_copies,
     split_for_hf,
 )
-from pipeline.export.model_card import render_model_card
+from pipeline.export.health_check import HealthReport, announce, check_health
+from pipeline.export.model_card import CardInputs, render_model_card
+from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
 from pipeline.model.build import model_from_meta
 from pipeline.model.encoder import EncoderConfig
 from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
 
 GENERATOR_SUBDIR = "generator"
-OBJECTIVE_HEADS_FILE = "objective_heads.safetensors"
+#: Keys `save_pretrained` copies from the *loading* call into tokenizer_config.json; they describe
+#: how the converter happened to load the tokenizer (and may hold local paths), not the tokenizer.
+TOKENIZER_LOAD_KEYS = ("is_local", "local_files_only", "name_or_path", "cache_dir", "_commit_hash", "token",
+                       "revision", "force_download", "trust_remote_code")
 
 
 def resolve_tag_dir(path: str | os.PathLike) -> Path:
@@ -151,31 +160,32 @@ def _write_hf_model(
     bert_config(encoder, meta.special_tokens).save_pretrained(str(directory))
     save_file(contiguous_copies(state), str(directory / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(directory))
+    clean_tokenizer_config(directory)
 
 
-def write_export(
-    directory: Path, export: HFExport, meta: RunMeta, tokenizer, tag_dir: Path, source: str, with_generator: bool
-) -> None:
-    """Everything OUT_DIR holds, written into `directory`."""
-    from safetensors.torch import save_file
+def clean_tokenizer_config(directory: Path) -> None:
+    """Drop `TOKENIZER_LOAD_KEYS` from `directory/tokenizer_config.json`."""
+    path = directory / "tokenizer_config.json"
+    if path.is_file():
+        config = json.loads(path.read_text())
+        path.write_text(json.dumps({k: v for k, v in config.items() if k not in TOKENIZER_LOAD_KEYS}, indent=2,
+                                   ensure_ascii=False) + "\n")
 
+
+def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, tag_dir: Path, model,
+                 with_generator: bool, card: CardInputs) -> None:
+    """Everything OUT_DIR holds, written into `directory` (`model`: the training model of the meta)."""
     encoder = EncoderConfig(**meta.encoder_config)
     _write_hf_model(directory, export.main, encoder, meta, tokenizer)
     if export.objective_heads:
-        info = {"objectives": meta.objectives, "objective_options": meta.objective_options}
-        save_file(
-            contiguous_copies(export.objective_heads),
-            str(directory / OBJECTIVE_HEADS_FILE),
-            metadata={"format": "pt", "pipeline": json.dumps(info, sort_keys=True)},
-        )
+        write_objective_heads(directory / OBJECTIVE_HEADS_FILE, model, export.objective_heads, meta)
     if with_generator:
         gen = export.generator
         assert gen is not None
         _write_hf_model(directory / GENERATOR_SUBDIR, gen.state, gen.config, meta, tokenizer)
-        (directory / GENERATOR_SUBDIR / "README.md").write_text(
-            render_model_card(meta, export, tag_dir, source, generator_card=True)
-        )
-    (directory / "README.md").write_text(render_model_card(meta, export, tag_dir, source, generator_card=False))
+        (directory / GENERATOR_SUBDIR / "README.md").write_text(render_model_card(meta, export, card, True))
+    shutil.copyfile(tag_dir / META_FILE, directory / META_FILE)
+    (directory / "README.md").write_text(render_model_card(meta, export, card, False))
     _make_readable(directory)
 
 
@@ -216,8 +226,15 @@ def convert(
     overwrite: bool = False,
     with_generator: bool = False,
     tokenizer_dir: Optional[str | os.PathLike] = None,
+    shards_dir: Optional[str | os.PathLike] = None,
+    license_id: Optional[str] = None,
+    base_model: Optional[str] = None,
 ) -> Path:
-    """Convert one checkpoint; returns OUT_DIR. Nothing is written to OUT_DIR on any error."""
+    """Convert one checkpoint; returns OUT_DIR. Nothing is written to OUT_DIR on any error.
+
+    shards_dir: the run's shards for the health check (default: `data_dir` of the meta);
+    license_id / base_model: the card's `license` and `base_model` metadata (defaults: the base
+    model's license and directory name for a warm-started run, else `unknown` / none)."""
     out_dir = Path(out_dir)
     _check_out_dir(out_dir, overwrite)
     tag_dir = resolve_tag_dir(checkpoint_dir)
@@ -231,12 +248,15 @@ def convert(
     export = split_for_hf(model, state)
     if with_generator and export.generator is None:
         raise ExportError(f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")
+    health: HealthReport = check_health(model, state, meta, shards_dir)
+    announce(health)
+    card = CardInputs(tag_dir.name, source, health, license_id, base_model)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        write_export(tmp, export, meta, tokenizer, tag_dir, source, with_generator)
+        write_export(tmp, export, meta, tokenizer, tag_dir, model, with_generator, card)
         _check_out_dir(out_dir, overwrite)  # someone may have written there meanwhile
         _publish(tmp, out_dir)
     finally:
@@ -255,6 +275,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"also write the COCO-LM generator as a second model in OUT_DIR/{GENERATOR_SUBDIR}/",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer_dir from pipeline_meta.json)")
+    p.add_argument("--shards", default=None, help="the run's shards, for the health check (default: data_dir from "
+                                                  "pipeline_meta.json)")
+    p.add_argument("--license", default=None, help="license id for the card (default: the base model's, else unknown)")
+    p.add_argument("--base-model", default=None, help="base_model id for the card, e.g. a Hub id (default: the "
+                                                      "warm-start directory's name)")
     return p
 
 
@@ -267,6 +292,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             overwrite=args.overwrite,
             with_generator=args.with_generator,
             tokenizer_dir=args.tokenizer,
+            shards_dir=args.shards,
+            license_id=args.license,
+            base_model=args.base_model,
         )
     except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -24,7 +24,7 @@ The other direction, Hugging Face names -> ours (`from_hf`), lets a `PretrainMod
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor, nn
@@ -38,8 +38,11 @@ _HF_TIED = ("cls.predictions.decoder.weight",)
 _OUR_DECODER_BIAS = "cls.predictions.decoder.bias"
 _HF_DECODER_BIAS = "cls.predictions.bias"
 _WORD_EMBEDDINGS = "bert.embeddings.word_embeddings.weight"
-#: Hugging Face tensors that have no counterpart in `PretrainModel` (buffers, the untrained pooler).
-_HF_NOT_OURS = ("bert.embeddings.position_ids", "bert.pooler.")
+#: Hugging Face tensors that have no counterpart in `PretrainModel` (buffers, the pooler, and the
+#: next-sentence head of `BertForPreTraining` checkpoints such as the original `bert-base-*`).
+_HF_NOT_OURS = ("bert.embeddings.position_ids", "bert.pooler.", "cls.seq_relationship.")
+#: LayerNorm parameter names of checkpoints converted from the original TensorFlow BERT.
+_LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 
 
 class ExportError(ValueError):
@@ -81,16 +84,21 @@ def to_hf(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def from_hf(hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
     """A Hugging Face BERT state dict under our names: (tensors, HF keys that have no counterpart).
 
-    Accepts `BertForMaskedLM` (`bert.*`, `cls.*`) and `BertModel` (`embeddings.*`, `encoder.*`,
-    `pooler.*`, no head) state dicts. The inverse of `to_hf`: `cls.predictions.bias` becomes the
-    decoder bias, the tied decoder weight is the word embeddings (so `load_state_dict(strict=True)`
-    works), and the position-id buffer and the pooler (not part of pretraining) are returned unused.
+    Accepts `BertForMaskedLM` / `BertForPreTraining` (`bert.*`, `cls.*`) and `BertModel`
+    (`embeddings.*`, `encoder.*`, `pooler.*`, no head) state dicts, with the legacy LayerNorm names
+    `gamma`/`beta` read as `weight`/`bias`. The inverse of `to_hf`: `cls.predictions.bias` becomes
+    the decoder bias, the tied decoder weight is the word embeddings (so
+    `load_state_dict(strict=True)` works), and the position-id buffer, the pooler and the
+    next-sentence head (not part of pretraining here) are returned unused.
     """
     bare = not any(k.startswith(("bert.", "cls.")) for k in hf_state)  # BertModel: no "bert." prefix
     out: dict[str, Tensor] = {}
     unused: list[str] = []
     for key, value in hf_state.items():
         name = f"bert.{key}" if bare else key
+        if "LayerNorm." in name:
+            stem, dot, last = name.rpartition(".")
+            name = stem + _LEGACY_SUFFIXES.get(dot + last, dot + last)
         alias = name == _OUR_DECODER_BIAS and _HF_DECODER_BIAS in hf_state  # HF ties the two biases
         if name.startswith(_HF_NOT_OURS) or name in _HF_TIED or alias:
             unused.append(key)
@@ -215,6 +223,26 @@ def split_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
         raise ExportError(f"parameters outside bert.*, cls.* and objectives.*: {unknown}")
     dropped = sorted(dict(model.named_buffers()))
     return HFExport(main=main, generator=generator, objective_heads=heads, dropped_buffers=dropped)
+
+
+#: `EncoderConfig` field -> `BertConfig` (config.json) field: the shape part of `bert_config`, read back.
+HF_CONFIG_FIELDS = {
+    "vocab_size": "vocab_size",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "ffn_size": "intermediate_size",
+    "max_position": "max_position_embeddings",
+    "type_vocab_size": "type_vocab_size",
+    "layer_norm_eps": "layer_norm_eps",
+    "initializer_range": "initializer_range",
+}
+
+
+def encoder_fields_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`EncoderConfig` fields from a BERT `config.json` (the inverse of `bert_config`; dropout and the
+    pad id stay the run's). Fields the file does not set are left out."""
+    return {ours: config[theirs] for ours, theirs in HF_CONFIG_FIELDS.items() if theirs in config}
 
 
 def bert_config(encoder: EncoderConfig, special_tokens: dict[str, int]):

@@ -1,11 +1,25 @@
-"""The model card (`README.md`) written beside converted weights: what was trained, how long, on
-what, and how it ended."""
+"""The model card (`README.md`) written beside converted weights: what was trained, from what, how
+long, on what, how it ended, whether it is healthy, and what a downstream user must know.
+
+Everything comes from `pipeline_meta.json` (`RunMeta`) and the conversion itself; no local path
+appears (files and directories by name only), so a card can be published as it is. The YAML front
+matter carries the Hugging Face Hub metadata: `library_name`, `pipeline_tag`, `license`, `tags`,
+and `base_model` for a warm-started run.
+"""
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from pipeline.eval.health import COLLAPSE_COSINE, POSITIVE_COSINE_PINNED
+from pipeline.export.health_check import HealthReport
 from pipeline.export.hf_adapter import HFExport
 from pipeline.model.encoder import EncoderConfig
-from pipeline.train.run_meta import RunMeta
-
+from pipeline.train.run_meta import META_FILE, RunMeta
 
 _OBJECTIVE_TITLES = {
     "mlm": "masked language modelling (BERT)",
@@ -15,91 +29,214 @@ _OBJECTIVE_TITLES = {
     "infoword": "InfoWord DIM n-gram contrast + NCE-MLM",
     "mlm-nce": "masked-token prediction against sampled negatives (NCE) instead of the full softmax",
 }
+#: The snippet of the "Fine-tuning" section; `tests/convert` runs it on a converted directory.
+SEGMENT_B_SNIPPET = '''import torch
+from transformers import AutoModelForSequenceClassification
+
+model_dir = "path/to/this/directory"
+model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2)
+with torch.no_grad():  # segment B starts where segment A is (trained), not at its untrained value
+    types = model.bert.embeddings.token_type_embeddings.weight
+    types[1:] = types[0]'''
 
 
-def _table(rows: list[tuple[str, object]]) -> str:
-    return "\n".join(["| field | value |", "| --- | --- |"] + [f"| {k} | {v} |" for k, v in rows])
+@dataclass
+class CardInputs:
+    """What the card needs beyond `RunMeta` and the export."""
+
+    tag_name: str  # the checkpoint tag (a name, never a path)
+    source: str  # where the weights came from (ZeRO consolidation / model file)
+    health: Optional[HealthReport] = None
+    license: Optional[str] = None  # `convert --license`; default: the base model's, else "unknown"
+    base_model: Optional[str] = None  # `convert --base-model` (a Hub id); default: the base directory's name
 
 
-def render_model_card(meta: RunMeta, export: HFExport, tag_dir, source: str, generator_card: bool) -> str:
-    """The README.md written beside the weights: what was trained, how long, on what, how it ended."""
+def public(value: Any) -> Any:
+    """`value` with every local path reduced to its last component (cards never show local paths)."""
+    if isinstance(value, dict):
+        return {k: public(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [public(v) for v in value]
+    if isinstance(value, str) and (os.path.isabs(value) or os.sep in value.strip(os.sep)):
+        return Path(value).name
+    return value
+
+
+def _table(rows: list[tuple[str, object]], header: tuple[str, ...] = ("field", "value")) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
+def _license(meta: RunMeta, inputs: CardInputs) -> tuple[str, str]:
+    """(license id, where it came from)."""
+    if inputs.license:
+        return inputs.license, "set at conversion (`--license`)"
+    if meta.base_model.get("license"):
+        return str(meta.base_model["license"]), "the base model's card (a derivative: check its terms)"
+    return "unknown", "not set at conversion: pass `--license`; the corpus's and any base model's terms apply"
+
+
+def front_matter(meta: RunMeta, inputs: CardInputs, generator_card: bool) -> str:
+    front: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "fill-mask",
+                             "license": _license(meta, inputs)[0],
+                             "tags": ["bert", "contrastive-pretraining", *meta.objectives]}
+    base = inputs.base_model or meta.base_model.get("name")
+    if base:
+        front["base_model"] = base
+    if generator_card:
+        front["tags"].append("cocolm-generator")
+    return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n"
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def training_rows(meta: RunMeta, inputs: CardInputs) -> list[tuple[str, object]]:
+    cfg = meta.config
+    optim, data, train = cfg.get("optim", {}), cfg.get("data", {}), cfg.get("train", {})
+    recipe = meta.recipe.get("preset") or cfg.get("name") or "(not recorded)"
+    if meta.recipe:
+        changed = meta.recipe.get("overrides", {})
+        overrides = "; ".join(f"`{k}`: {_fmt(public(v['preset']))} -> {_fmt(public(v['run']))}"
+                              for k, v in changed.items()) or "none"
+    else:
+        overrides = "(not recorded: the run was not started from the command line)"
+    base = meta.base_model
+    base_text = (f"`{base['name']}` (config.json sha256 `{str(base.get('config_sha256', ''))[:16]}`), "
+                 "warm start (`model.init_from`): encoder and MLM head from it, objective heads fresh"
+                 if base else f"none: random initialisation (seed {train.get('seed', '?')})")
+    global_batch = data.get("global_batch_size", "?")
+    micro = data.get("micro_batch_size", "?")
+    corpus = meta.corpus
+    files = ", ".join(f"`{f['name']}` ({f.get('documents', '?')} documents, sha256 `{str(f.get('sha256'))[:16]}`)"
+                      for f in corpus.get("files", [])) or "(not recorded)"
+    seq_len = corpus.get("seq_len") or meta.encoder_config.get("max_position")
+    warmup = optim.get("warmup_steps", 0)
+    lr = optim.get("lr", "?")
+    return [
+        ("objectives", ", ".join(f"`{n}` (weight {w:g})" for n, w in meta.objectives.items())),
+        ("what they are", "; ".join(_OBJECTIVE_TITLES.get(n, n) for n in meta.objectives)),
+        ("recipe", f"`{recipe}`"),
+        ("overrides vs the recipe", overrides),
+        ("base model", base_text),
+        ("learning rate", f"{lr} peak, `{optim.get('name', 'adamw')}` (betas {optim.get('betas')}, weight decay "
+                          f"{optim.get('weight_decay')}), linear warm-up then linear decay to "
+                          f"{optim.get('min_lr_ratio', 0.0)} x peak"),
+        ("warm-up", f"{warmup} steps"),
+        ("batch", f"{global_batch} sequences per optimizer step ({micro} per micro-batch, {meta.world_size} "
+                  f"rank{'' if meta.world_size == 1 else 's'})"),
+        ("sequence length", f"{seq_len} tokens"),
+        ("optimizer steps", f"{meta.step} (of `train.total_steps` {train.get('total_steps', '?')})"),
+        ("samples seen", meta.consumed_samples),
+        ("tokens seen", meta.tokens_seen),
+        ("corpus", files),
+        ("shards", f"{corpus.get('sequences', '?')} sequences, {corpus.get('tokens', '?')} tokens, packing "
+                   f"`{corpus.get('packing', '?')}`; manifest sha256 `{meta.manifest_hash}`"),
+        ("config hash", f"`{meta.config_hash}`"),
+        ("precision / ZeRO stage / ranks",
+         f"{cfg.get('deepspeed', {}).get('precision', '?')} / {meta.zero_stage} / {meta.world_size}"),
+        ("checkpoint", f"`{inputs.tag_name}`"),
+        ("weights", inputs.source),
+    ]
+
+
+def health_section(health: Optional[HealthReport]) -> list[str]:
+    if health is None:
+        return []
+    if health.token_cosine is None:
+        cosine = ("mean token cosine, last layer", "not measured", health.note)
+    else:
+        verdict = "**COLLAPSED**" if health.collapsed else "ok"
+        cosine = (f"mean token cosine, last layer ({health.probe_rows} shard rows, {health.probe_tokens} content "
+                  "tokens)", f"{health.token_cosine:.4f}", f"{verdict} (collapsed above {COLLAPSE_COSINE})")
+    rows = [cosine]
+    for key, value in sorted(health.positive_cosines.items()):
+        verdict = "**PINNED at 1.0**" if key in health.pinned else "ok"
+        rows.append((f"`{key}` (last logged step)", f"{value:.4f}", f"{verdict} (pinned at >= {POSITIVE_COSINE_PINNED})"))
+    return ["", "## Health check (at conversion)", "", _table(rows, ("measure", "value", "verdict"))]
+
+
+def usage_section(meta: RunMeta) -> list[str]:
+    warm = bool(meta.base_model)
+    segment_b = ("still holds the base model's value (this run did not update it)" if warm else
+                 "still holds its random initial value (shrunk by weight decay)")
+    return [
+        "", "## Fine-tuning: untrained parts", "",
+        "Pretraining here gives every token segment id 0 and has no pooler, so two parts of a "
+        "`BertForSequenceClassification` are not pretrained:",
+        "",
+        "- `bert.pooler` is not in these weights" + (" (nor carried over from the base model)" if warm else "")
+        + ": `AutoModel` and `AutoModelForSequenceClassification` initialise it randomly (as they do the "
+        "classifier) and list it in their load report;",
+        f"- the segment-B row of `bert.embeddings.token_type_embeddings` (token type id 1) never received a "
+        f"gradient: it {segment_b}.",
+        "",
+        "Recommendation for `AutoModelForSequenceClassification`: fine-tune the whole model (with a frozen "
+        "encoder the random pooler has nothing to adapt to), with warm-up; for frozen features use the [CLS] "
+        "or mean-pooled last hidden states, not the pooler output. For sentence-pair tasks, "
+        + ("the segment-B embedding is the base model's: keep it if the base model was pretrained on segment "
+           "pairs (the original BERT was); otherwise pass all-zero `token_type_ids`, or start segment B from "
+           "segment A:" if warm else
+           "pass all-zero `token_type_ids`, or start segment B from segment A so that fine-tuning learns it "
+           "from a trained starting point:"),
+        "", "```python", SEGMENT_B_SNIPPET, "```",
+    ]
+
+
+def files_section(export: HFExport) -> list[str]:
+    lines = ["", "## Files", "",
+             "- `config.json`, `model.safetensors`: `BertForMaskedLM` (encoder + tied MLM head).",
+             "- tokenizer files: the run's own tokenizer (`AutoTokenizer`).",
+             f"- `{META_FILE}`: the run's full record (config, data identity, counters, last metrics)."]
+    if export.objective_heads:
+        lines.append(
+            "- `objective_heads.safetensors`: objective-only parameters under their training names ("
+            + ", ".join(f"`{k}`" for k in sorted(export.objective_heads))
+            + "); its metadata records each head's class, shapes and options, and "
+            "`pipeline.export.objective_heads.load_objective_heads(DIR)` rebuilds them as modules.")
+    if export.generator is not None:
+        lines.append(f"- generator (objective `{export.generator.objective}`): written to `generator/` with "
+                     "`--with-generator`; otherwise omitted.")
+    if export.dropped_buffers:
+        lines.append("- not exported (training state, not weights): "
+                     + ", ".join(f"`{k}`" for k in export.dropped_buffers) + ".")
+    return lines
+
+
+def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, generator_card: bool) -> str:
+    """The README.md written beside the weights."""
     enc = EncoderConfig(**meta.encoder_config)
     if generator_card:
         assert export.generator is not None
         enc = export.generator.config
-    objectives = ", ".join(f"`{n}` (weight {w:g})" for n, w in meta.objectives.items())
-    recipe = meta.config.get("name") or meta.config.get("preset") or "(not recorded)"
-    what = [_OBJECTIVE_TITLES.get(n, n) for n in meta.objectives]
-    front = "---\nlibrary_name: transformers\npipeline_tag: fill-mask\ntags:\n" + "".join(
-        f"- {t}\n" for t in ["bert", "contrastive-pretraining", *meta.objectives]
-    ) + "---\n"
-    title = (
-        "COCO-LM auxiliary generator" if generator_card
-        else "BERT encoder pretrained with " + " + ".join(meta.objectives)
-    )
-    lines = [
-        front,
-        f"# {title}",
-        "",
-        ("The MLM generator that produced COCO-LM's corrupted inputs; it shares the main model's "
-         "embeddings (copied here). Loads with `AutoModelForMaskedLM`." if generator_card else
-         "Converted from a DeepSpeed checkpoint by `python -m pipeline.export.convert`. "
-         "Loads with `AutoModel`, `AutoModelForMaskedLM`, `AutoModelForSequenceClassification` and "
-         "`AutoTokenizer`. `bert.pooler` is not part of pretraining: `AutoModel`/sequence "
-         "classification initialise it (and the classifier) freshly."),
-        "",
-        "## Training",
-        "",
-        _table([
-            ("objectives", objectives),
-            ("what they are", "; ".join(what)),
-            ("recipe", f"`{recipe}`"),
-            ("optimizer steps", meta.step),
-            ("samples seen", meta.consumed_samples),
-            ("tokens seen", meta.tokens_seen),
-            ("data manifest hash", f"`{meta.manifest_hash}`"),
-            ("config hash", f"`{meta.config_hash}`"),
-            ("ZeRO stage / ranks", f"{meta.zero_stage} / {meta.world_size}"),
-            ("checkpoint", f"`{tag_dir}`"),
-            ("weights", source),
-        ]),
-        "",
-        "## Final losses",
-        "",
-        _table([(k, f"{v:.4f}" if isinstance(v, (int, float)) else v) for k, v in sorted(meta.last_metrics.items())])
-        if meta.last_metrics else "(none recorded)",
-        "",
-        "## Architecture",
-        "",
-        _table([
-            ("layers / hidden / heads / FFN",
-             f"{enc.num_layers} / {enc.hidden_size} / {enc.num_heads} / {enc.ffn_size}"),
-            ("vocabulary", enc.vocab_size),
-            ("max positions", enc.max_position),
-            ("activation", "exact GELU (erf)"),
-            ("layer norm eps", enc.layer_norm_eps),
-        ]),
-    ]
+    title = ("COCO-LM auxiliary generator" if generator_card
+             else "BERT encoder pretrained with " + " + ".join(meta.objectives))
+    lines = [front_matter(meta, inputs, generator_card), f"# {title}", ""]
+    problems = inputs.health.problems() if inputs.health and not generator_card else []
+    if problems:
+        lines += ["> **Warning: this checkpoint looks collapsed** and will likely fine-tune worse than a randomly "
+                  "initialised model:"] + [f"> - {p}" for p in problems] + [""]
+    lines.append(
+        "The MLM generator that produced COCO-LM's corrupted inputs; it shares the main model's embeddings "
+        "(copied here). Loads with `AutoModelForMaskedLM`." if generator_card else
+        "Converted from a DeepSpeed checkpoint by `python -m pipeline.export.convert`. Loads with `AutoModel`, "
+        "`AutoModelForMaskedLM` (every tensor), `AutoModelForSequenceClassification` and `AutoTokenizer`; "
+        "no `trust_remote_code`.")
+    license_id, license_source = _license(meta, inputs)
+    lines += ["", f"License: `{license_id}` ({license_source}).", "", "## Training", "",
+              _table(training_rows(meta, inputs)), "", f"## Final metrics (step {meta.step})", "",
+              _table([(k, f"{v:.4f}" if isinstance(v, (int, float)) else v) for k, v in sorted(meta.last_metrics.items())])
+              if meta.last_metrics else "(none recorded)"]
     if not generator_card:
-        lines += ["", "## Files", ""]
-        lines.append("- `config.json`, `model.safetensors`: `BertForMaskedLM` (encoder + tied MLM head).")
-        lines.append("- tokenizer files: the run's own tokenizer (`AutoTokenizer`).")
-        if export.objective_heads:
-            lines.append(
-                "- `objective_heads.safetensors`: objective-only parameters under their training names "
-                "(load with `safetensors.torch.load_file`): "
-                + ", ".join(f"`{k}`" for k in sorted(export.objective_heads))
-                + "."
-            )
-        if export.generator is not None:
-            lines.append(
-                f"- generator (objective `{export.generator.objective}`): written to `generator/` with "
-                "`--with-generator`; otherwise omitted."
-            )
-        if export.dropped_buffers:
-            lines.append(
-                "- not exported (training state, not weights): "
-                + ", ".join(f"`{k}`" for k in export.dropped_buffers)
-                + "."
-            )
+        lines += health_section(inputs.health) + usage_section(meta)
+    lines += ["", "## Architecture", "", _table([
+        ("layers / hidden / heads / FFN", f"{enc.num_layers} / {enc.hidden_size} / {enc.num_heads} / {enc.ffn_size}"),
+        ("vocabulary", enc.vocab_size),
+        ("max positions", enc.max_position),
+        ("activation", "exact GELU (erf)"),
+        ("layer norm eps", enc.layer_norm_eps),
+    ])]
+    if not generator_card:
+        lines += files_section(export)
     return "\n".join(lines) + "\n"

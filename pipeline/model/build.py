@@ -3,11 +3,13 @@
 The training loop builds from the run config (`ModelConfig.encoder_config` decides the shape from
 the preset, the overrides and the shards); conversion rebuilds the same model from a checkpoint's
 `pipeline_meta.json`. Both go through `build_pretrain_model`, so the two can never disagree on
-structure, initialisation order or objective options.
+structure, initialisation order or objective options. A warm start (`model.init_from`) is the same
+construction followed by copying the base model's BERT weights in (`pipeline.model.warm_start`), so
+the objective heads get exactly the initial weights a run without it gives them.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 from pipeline.model.encoder import EncoderConfig
 from pipeline.model.pretrainer import PretrainModel
@@ -16,10 +18,17 @@ from pipeline.seeding import seed_init
 
 def build_pretrain_model(encoder_config: EncoderConfig, objectives: Mapping[str, float],
                          special_tokens: Mapping[str, int], objective_options: Mapping[str, Mapping[str, Any]],
-                         seed: int = 0, kernels: str = "auto") -> PretrainModel:
-    """A freshly initialised `PretrainModel` (initial weights from the `init` stream of `seed`)."""
+                         seed: int = 0, kernels: str = "auto", init_from: Optional[str] = None) -> PretrainModel:
+    """A freshly initialised `PretrainModel` (initial weights from the `init` stream of `seed`); with
+    `init_from`, its `bert.*` (and MLM head, when the checkpoint has one) then come from that Hugging
+    Face BERT directory."""
     seed_init(seed)
-    return PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels)
+    model = PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels)
+    if init_from:
+        from pipeline.model.warm_start import load_base_weights
+
+        load_base_weights(model, init_from)
+    return model
 
 
 def model_from_meta(meta: Any) -> PretrainModel:

@@ -34,6 +34,10 @@ class ModelConfig:
     """Loss ops: `torch` (reference), `triton` (fused kernels, error if unusable), `auto` (Triton on CUDA)."""
     layernorm: str = "torch"
     """LayerNorm implementation: `torch`, or `apex` (NVIDIA apex FusedLayerNorm; GPU, optional extra)."""
+    init_from: Optional[str] = None
+    """Warm start: a local Hugging Face BERT directory (config.json, weights, tokenizer). Its config.json
+    gives the shape (`size` is ignored), its weights initialise `bert.*` and the MLM head at a fresh start
+    (never on resume); the shards must be built with its tokenizer (`pipeline.model.warm_start`)."""
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""
@@ -71,7 +75,10 @@ class ModelConfig:
 
     def encoder_config(self, vocab_size: int, seq_len: int, special_tokens: Mapping[str, int]) -> EncoderConfig:
         """The encoder this config describes for shards of `vocab_size` / `seq_len` (the one place a
-        run's model shape is decided)."""
+        run's model shape is decided): the size preset with its overrides, or with `init_from` the
+        base model's config.json."""
+        if self.init_from:
+            return self._base_encoder_config(vocab_size, seq_len, special_tokens)
         max_position = self.max_position or seq_len
         if max_position < seq_len:
             raise ConfigError(f"model.max_position={max_position} < shard seq_len={seq_len}")
@@ -79,3 +86,34 @@ class ModelConfig:
                                       dropout=self.dropout, attention_dropout=self.attention_dropout,
                                       pad_token_id=special_tokens["pad"])
         return EncoderConfig(**fields)
+
+    def _base_encoder_config(self, vocab_size: int, seq_len: int, special_tokens: Mapping[str, int]) -> EncoderConfig:
+        from pipeline.export.hf_adapter import HF_CONFIG_FIELDS
+        from pipeline.model.warm_start import CONFIG_FILE, base_encoder_fields
+
+        assert self.init_from
+        base = base_encoder_fields(self.init_from)
+        where = f"{self.init_from}/{CONFIG_FILE}"
+        for name in (*SHAPE_FIELDS, "max_position"):
+            value = getattr(self, name)
+            if value is not None and value != base[name]:
+                raise ConfigError(f"model.{name}={value} disagrees with {HF_CONFIG_FIELDS[name]}={base[name]} in "
+                                  f"{where}; a warm start takes its shape from config.json: drop the override")
+        if base["max_position"] < seq_len:
+            raise ConfigError(f"{where}: max_position_embeddings={base['max_position']} is shorter than the shards' "
+                              f"seq_len={seq_len}; build shards with --seq-len {base['max_position']} or less")
+        if base["vocab_size"] < vocab_size:
+            raise ConfigError(f"{where}: vocab_size={base['vocab_size']} is smaller than the shards' vocabulary "
+                              f"({vocab_size} tokens); build the shards with this model's tokenizer "
+                              f"(`python -m data_prep.build_shards --tokenizer {self.init_from}`)")
+        return EncoderConfig(**base, dropout=self.dropout, attention_dropout=self.attention_dropout,
+                             pad_token_id=special_tokens["pad"])
+
+    def check_init_from(self, manifest: Any, shards_dir: str, fresh_start: bool) -> None:
+        """Stage-2 checks of `init_from` against the shards (and its weights, for a fresh start)."""
+        if not self.init_from:
+            return
+        from pipeline.model.warm_start import check_base_model
+
+        encoder = self.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)
+        check_base_model(self.init_from, manifest, shards_dir, encoder, fresh_start)

@@ -31,7 +31,15 @@ import yaml
 
 from pipeline import seeding
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import RunConfig, RunPlan, check_run, config_hash, describe_run_config, load_config
+from pipeline.config.run import (
+    RunConfig,
+    RunPlan,
+    check_run,
+    config_hash,
+    describe_recipe,
+    describe_run_config,
+    load_config,
+)
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.model.build import build_pretrain_model
 from pipeline.model.pretrainer import PretrainModel
@@ -51,7 +59,7 @@ from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
 from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
 from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
-from pipeline.train.run_meta import RunMeta
+from pipeline.train.run_meta import RunMeta, corpus_summary
 
 log = logging.getLogger("pipeline.train")
 EXIT_CONFIG_ERROR = 2
@@ -85,7 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if args.mpi:
             export_mpi4py_ranks()
-        return train(cfg, check_only=args.check)
+        return train(cfg, check_only=args.check, recipe=describe_recipe(args.config, cfg))
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -110,30 +118,36 @@ def export_mpi4py_ranks() -> None:
         os.environ.setdefault("MASTER_PORT", port)
 
 
-def build_run_model(cfg: RunConfig, plan: RunPlan) -> PretrainModel:
-    """The run's `PretrainModel`: shape from the config and the shards, initialised from the run seed."""
+def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> PretrainModel:
+    """The run's `PretrainModel`: shape from the config and the shards, initialised from the run seed,
+    then (`warm_start`, i.e. not resuming) from `model.init_from`'s weights when set."""
     manifest = plan.manifest
     encoder_config = cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)
     return build_pretrain_model(encoder_config, cfg.objectives, manifest.special_tokens, cfg.objective_options,
-                                seed=cfg.train.seed, kernels=cfg.model.kernels)
+                                seed=cfg.train.seed, kernels=cfg.model.kernels,
+                                init_from=cfg.model.init_from if warm_start else None)
 
 
-def train(cfg: RunConfig, check_only: bool = False) -> int:
-    """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code."""
+def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = None) -> int:
+    """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code.
+    `recipe` (`describe_recipe`: preset and overrides) is recorded in the checkpoints for the model card."""
     from pipeline.distributed import discover
 
     # ---- 1. everything that can be checked before compute ------------------------------------
     world = discover()
-    plan = check_run(cfg, world.world_size, torch.cuda.is_available())
     cfg.train.output_dir = cfg.train.output_dir or str(Path("runs") / cfg.name)
-    config_dict = cfg.to_dict()
     ckpt_root = Path(cfg.train.output_dir) / CHECKPOINT_DIR
     resume_dir = find_resume_checkpoint(cfg.train.resume, ckpt_root)
+    # A resumed run takes its weights from the checkpoint: model.init_from's weights are neither
+    # checked nor read then (its config.json still gives the shape).
+    plan = check_run(cfg, world.world_size, torch.cuda.is_available(), fresh_start=resume_dir is None)
+    config_dict = cfg.to_dict()
     target = None
     if resume_dir is not None:
         target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world.world_size, plan.zero_stage,
                              cfg.train.allow_config_change)
-    model = build_run_model(cfg, plan)  # identical initial weights on every rank, for any world size
+    # identical initial weights on every rank, for any world size
+    model = build_run_model(cfg, plan, warm_start=target is None)
     if check_only:
         print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
               f"{'resume from ' + str(resume_dir) if resume_dir else 'fresh start'}")
@@ -141,7 +155,7 @@ def train(cfg: RunConfig, check_only: bool = False) -> int:
     # The signal handler goes in before any slow start-up work, so a preemption signal that arrives
     # while ranks rendezvous or the engine builds still ends in a checkpoint and the requeue code.
     with torch_process_state(cfg.train.deterministic), PreemptionHandler() as preemption:
-        run = start(cfg, plan, model, target, config_dict)
+        run = start(cfg, plan, model, target, config_dict, recipe)
         return run.loop(preemption)
 
 
@@ -171,13 +185,14 @@ def torch_process_state(deterministic: bool) -> Iterator[None]:
 
 
 def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[ResumeTarget],
-          config_dict: dict) -> "Run":
+          config_dict: dict, recipe: Optional[dict] = None) -> "Run":
     """Phase 2: ranks, engine, resume, data and metrics — everything the loop needs."""
     import deepspeed
 
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import PretrainBatches, ShardDataset
     from pipeline.distributed import init_distributed
+    from pipeline.model.warm_start import describe_base
 
     info = init_distributed()
     if not info.is_main:
@@ -211,7 +226,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
         objective_options=dict(cfg.objective_options), special_tokens=dict(dataset.special_tokens),
         tokenizer_dir=str(dataset.tokenizer_dir.resolve()), data_dir=str(Path(cfg.data.shards_dir).resolve()),
         manifest_hash=plan.manifest_hash, config_hash=config_hash(config_dict), config=config_dict,
-        zero_stage=plan.zero_stage, world_size=info.world_size)
+        zero_stage=plan.zero_stage, world_size=info.world_size, corpus=corpus_summary(plan.manifest),
+        base_model=describe_base(cfg.model.init_from) if cfg.model.init_from else {}, recipe=dict(recipe or {}))
     if info.is_main:
         log.info("%s: %s, ZeRO %d, %s, optimizer %s, %d parameters", cfg.name, plan.batch, plan.zero_stage,
                  cfg.deepspeed.precision, resolve_impl(cfg.optim, device.type, offload),

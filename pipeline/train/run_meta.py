@@ -32,6 +32,9 @@ class RunMeta:
     zero_stage: int = 0
     world_size: int = 1
     last_metrics: dict[str, float] = field(default_factory=dict)
+    base_model: dict[str, Any] = field(default_factory=dict)  # warm start: name, config_sha256, license
+    corpus: dict[str, Any] = field(default_factory=dict)  # `corpus_summary` of the shards' manifest
+    recipe: dict[str, Any] = field(default_factory=dict)  # preset and overrides (`describe_recipe`)
     version: int = META_VERSION
 
     def write(self, directory: str | os.PathLike) -> Path:
@@ -58,3 +61,12 @@ class RunMeta:
         if missing:
             raise ValueError(f"{path}: missing fields {missing}")
         return cls(**{k: v for k, v in raw.items() if k in known})
+
+
+def corpus_summary(manifest: Any) -> dict[str, Any]:
+    """What a model card says about the data: source files by name (never a local path), their
+    sha256 and documents, and the shards' sequence length and counts."""
+    files = [{"name": Path(str(s.get("path", ""))).name, "sha256": s.get("sha256"), "documents": s.get("documents")}
+             for s in manifest.sources]
+    return {"files": files, "seq_len": manifest.seq_len, "sequences": manifest.total_sequences,
+            "tokens": manifest.total_tokens, "packing": manifest.packing}

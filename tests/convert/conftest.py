@@ -126,3 +126,50 @@ def checkpoint_copy(tmp_path: Path, trained_runs):
         return dst
 
     return copy
+
+
+# ---- warm start: a tiny Hugging Face BERT directory and shards built with its tokenizer ----------
+
+TINY_BERT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+                 max_position_embeddings=64, hidden_act="gelu", type_vocab_size=2)
+
+
+def save_tiny_bert(directory: Path, tokenizer_dir: Path, seed: int = 7, model_cls: str = "BertForMaskedLM",
+                   **config) -> Path:
+    """A random tiny BERT (`model_cls`) saved with `save_pretrained`, plus the tokenizer of `tokenizer_dir`.
+
+    Every tensor is perturbed away from its initial value (LayerNorm 1/0, zero biases), so a test
+    that compares weights cannot pass because both sides happen to start at the same constant."""
+    import transformers
+    from transformers import AutoTokenizer, BertConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    bert_config = BertConfig(**{**TINY_BERT, "vocab_size": len(tokenizer), "pad_token_id": tokenizer.pad_token_id,
+                                **config})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(bert_config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(str(directory))
+    tokenizer.save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """A tiny `BertForMaskedLM` directory (config.json, model.safetensors, tokenizer) to warm-start from."""
+    return save_tiny_bert(tmp_path_factory.mktemp("hf") / "tiny-bert", tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def bert_shards(tmp_path_factory: pytest.TempPathFactory, tiny_corpus_file: Path, bert_dir: Path) -> Path:
+    """Shards built with the base model's own tokenizer (`build_shards --tokenizer bert_dir`)."""
+    from data_prep.build_shards import build_shards
+
+    from tests.fixtures_data import TINY_SEQ_LEN, TINY_SHARD_MB
+
+    out = tmp_path_factory.mktemp("bert_shards") / "shards"
+    build_shards([tiny_corpus_file], bert_dir, out, seq_len=TINY_SEQ_LEN, shard_size_mb=TINY_SHARD_MB, num_proc=1,
+                 progress=False)
+    return out

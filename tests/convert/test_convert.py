@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.export.objective_heads import load_objective_heads
 from tests.convert.conftest import RUNS
 
 pytestmark = pytest.mark.slow
@@ -55,6 +56,12 @@ def test_objective_heads_file_holds_exactly_the_objective_parameters(name, train
     assert sorted(heads) == sorted(expected)
     for key, value in expected.items():
         torch.testing.assert_close(heads[key], value, rtol=0, atol=0)
+    # the documented loader rebuilds every head as a module holding exactly the trained tensors
+    modules = load_objective_heads(out)
+    rebuilt = {f"objectives.{name}.{k}": v for name, m in modules.items() for k, v in m.state_dict().items()}
+    assert sorted(rebuilt) == sorted(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(rebuilt[key], value, rtol=0, atol=0)
 
 
 def test_cocolm_generator_is_a_second_masked_lm(trained_runs, converted):
@@ -77,7 +84,8 @@ def test_model_card_describes_the_run(trained_runs, converted):
     meta = json.loads((run.tag_dir / "pipeline_meta.json").read_text())
     card = (out / "README.md").read_text()
     assert meta["step"] == 3 and meta["tokens_seen"] > 0
-    for expected in ("`taco` (weight 1)", "`infoword`", "tiny-taco", "| optimizer steps | 3 |",
-                     f"| tokens seen | {meta['tokens_seen']} |", meta["manifest_hash"], "ZeRO stage / ranks | 1 / 2",
+    for expected in ("`taco` (weight 1)", "`infoword`", "| recipe | `tiny-taco` |", "| optimizer steps | 3 (of",
+                     "`train.total_steps`: 20 -> 3", f"| tokens seen | {meta['tokens_seen']} |",
+                     meta["manifest_hash"], "ZeRO stage / ranks | fp32 / 1 / 2", "`stdlib_docs.txt`",
                      f"{meta['last_metrics']['taco/loss']:.4f}", "consolidated from the ZeRO partitions"):
         assert expected in card, expected

@@ -87,3 +87,25 @@ def test_adapters_round_trip(objectives):
     assert unused == []
     expected = {k for k in state if k.startswith(("bert.", "cls."))}
     assert set(back) == expected and all(torch.equal(back[k], state[k]) for k in back)
+
+
+def test_import_from_bert_for_pretraining_with_legacy_layernorm_names():
+    """The original `bert-base-*` checkpoints: `BertForPreTraining` (MLM + next-sentence head, pooler)
+    with TensorFlow-era `LayerNorm.gamma` / `.beta` names. The NSP head and pooler are unused."""
+    from transformers import BertForPreTraining
+
+    torch.manual_seed(8)
+    hf = BertForPreTraining(bert_config(_ours().config, SPECIAL)).eval()
+    legacy = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+              for k, v in hf.state_dict().items()}
+    assert any(k.endswith("LayerNorm.gamma") for k in legacy)
+    state, unused = from_hf(legacy)
+    assert {k for k in unused if "seq_relationship" in k or "pooler" in k} == {
+        "cls.seq_relationship.weight", "cls.seq_relationship.bias", "bert.pooler.dense.weight", "bert.pooler.dense.bias"}
+    ours = _ours(seed=9)
+    missing, unexpected = ours.load_state_dict(state, strict=False)
+    assert unexpected == [] and missing == []
+    ids, mask = _batch()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=mask).prediction_logits
+    torch.testing.assert_close(_our_logits(ours, ids, mask), theirs, rtol=1e-5, atol=1e-5)
