@@ -149,8 +149,9 @@ def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = Non
     # identical initial weights on every rank, for any world size
     model = build_run_model(cfg, plan, warm_start=target is None)
     if check_only:
+        start_from = f"warm start from {cfg.model.init_from}" if cfg.model.init_from else "fresh start"
         print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
-              f"{'resume from ' + str(resume_dir) if resume_dir else 'fresh start'}")
+              f"{'resume from ' + str(resume_dir) if resume_dir else start_from}")
         return 0
     # The signal handler goes in before any slow start-up work, so a preemption signal that arrives
     # while ranks rendezvous or the engine builds still ends in a checkpoint and the requeue code.
