@@ -193,7 +193,12 @@ def _read(file: Path, shapes_only: bool) -> dict[str, Any]:
 
             with safe_open(str(file), framework="pt") as f:
                 return {k: tuple(f.get_slice(k).get_shape()) if shapes_only else f.get_tensor(k) for k in f.keys()}
-        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        try:  # memory-mapped: reading the names and shapes does not read the tensors
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:  # files of torch's legacy (pre-zip) format cannot be mapped
+            if "mmap" not in str(err):
+                raise
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:  # safetensors / torch.load raise many types for a broken file
         raise ConfigError(f"{file}: unreadable weights ({type(err).__name__}: {err})") from err
     if not isinstance(state, Mapping):

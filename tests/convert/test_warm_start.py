@@ -142,7 +142,7 @@ def test_other_weight_layouts_load_exactly(layout, bert_dir, bert_shards, tmp_pa
     if layout.startswith("legacy"):
         state = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
                  for k, v in hf.state_dict().items()}
-        torch.save(state, base / "pytorch_model.bin")
+        torch.save(state, base / "pytorch_model.bin", _use_new_zipfile_serialization=False)  # 2018's format
     else:
         hf.save_pretrained(str(base), max_shard_size="100KB")
         assert (base / "model.safetensors.index.json").is_file()

@@ -62,6 +62,8 @@ CASES = {
     "partial MLM head": (_drop_tensor("cls.predictions.transform.dense.weight"), [],
                          "missing weights ['cls.predictions.transform.dense.weight']"),
     "no weights": (lambda base: (base / "model.safetensors").unlink(), [], "no PyTorch weights (looked for"),
+    "corrupt weights": (lambda base: (base / "model.safetensors").write_bytes(b"\x00" * 64), [],
+                        "model.safetensors: unreadable weights"),
     "no config": (lambda base: (base / "config.json").unlink(), [], "config.json: missing"),
     "not a directory": (lambda base: shutil.rmtree(base), [], "not a directory"),
 }
