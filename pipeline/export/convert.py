@@ -43,7 +43,7 @@ from pipeline.export.hf_adapter import (
     split_for_hf,
 )
 from pipeline.export.health_check import HealthReport, announce, check_health
-from pipeline.export.model_card import CardInputs, render_model_card
+from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
 from pipeline.model.build import model_from_meta
 from pipeline.model.encoder import EncoderConfig
@@ -184,7 +184,10 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
         assert gen is not None
         _write_hf_model(directory / GENERATOR_SUBDIR, gen.state, gen.config, meta, tokenizer)
         (directory / GENERATOR_SUBDIR / "README.md").write_text(render_model_card(meta, export, card, True))
-    shutil.copyfile(tag_dir / META_FILE, directory / META_FILE)
+    # The run's full record, with local paths reduced to their last component (exports are shared:
+    # they must not reveal where the data or the run lived).
+    (directory / META_FILE).write_text(json.dumps(public(json.loads((tag_dir / META_FILE).read_text())),
+                                                  indent=2, sort_keys=True))
     (directory / "README.md").write_text(render_model_card(meta, export, card, False))
     _make_readable(directory)
 

@@ -3,6 +3,7 @@ objective, ZeRO stage 1/2/3 with two ranks, and one rank."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,3 +90,7 @@ def test_model_card_describes_the_run(trained_runs, converted):
                      meta["manifest_hash"], "ZeRO stage / ranks | fp32 / 1 / 2", "`stdlib_docs.txt`",
                      f"{meta['last_metrics']['taco/loss']:.4f}", "consolidated from the ZeRO partitions"):
         assert expected in card, expected
+    exported = json.loads((out / "pipeline_meta.json").read_text())
+    assert exported["step"] == meta["step"] and exported["manifest_hash"] == meta["manifest_hash"]
+    assert Path(meta["data_dir"]).is_absolute() and exported["data_dir"] == Path(meta["data_dir"]).name
+    assert "/" not in json.dumps({k: exported[k] for k in ("tokenizer_dir", "data_dir", "config")})
