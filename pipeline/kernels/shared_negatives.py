@@ -115,6 +115,7 @@ def shared_negatives_cross_entropy(
     """Fused shared layout of `functional.sampled_softmax_cross_entropy` (see the module docstring);
     shapes are checked by the caller."""
     if targets.numel() == 0:  # nothing selected: a graph-connected zero, like the reference
-        return hidden.float().sum() * 0.0 + weight.float()[:0].sum()
+        zero = hidden.float().sum() * 0.0 + weight.float()[:0].sum()
+        return zero if bias is None else zero + bias.float()[:0].sum()
     return _SharedNegativesXent.apply(hidden, weight, bias, targets, negative_ids, negative_counts, anchor_groups,
                                       torch.is_grad_enabled())
