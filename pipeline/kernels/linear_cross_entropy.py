@@ -24,9 +24,7 @@ gradient dZ is rounded to the weight dtype before the two backward GEMMs (as the
 will be anyway), while dW accumulates in fp32 across chunks.
 
 BERT-NCE (`sampled_softmax_cross_entropy`) gathers its K + 1 candidate rows instead and shares the
-gathered-candidate kernel of `pipeline.kernels.token_contrastive`; with a shared negative set
-(every token of the batch) it runs `pipeline.kernels.shared_negatives`, this file's row kernel over
-the distinct candidate ids.
+gathered-candidate kernel of `pipeline.kernels.token_contrastive`.
 """
 from __future__ import annotations
 
@@ -316,20 +314,11 @@ def corrective_lm_loss(
 
 
 def sampled_softmax_cross_entropy(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, negative_ids: Tensor,
-    negative_counts: Optional[Tensor] = None, anchor_groups: Optional[Tensor] = None,
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, negative_ids: Tensor
 ) -> Tensor:
-    """`functional.sampled_softmax_cross_entropy` (BERT-NCE). Per-row negatives [N, K]: without the
-    gathered [N, K + 1, H] weight rows (candidates = [target, negatives], negatives equal to the
-    target excluded). Shared negatives ([U] ids with [G, U] counts): `pipeline.kernels.shared_negatives`."""
-    _check_rows("sampled_softmax_cross_entropy", hidden, weight, bias, targets=targets)
-    if negative_counts is not None or negative_ids.dim() == 1:
-        from pipeline.kernels.shared_negatives import shared_negatives_cross_entropy
-        from pipeline.objectives.functional import check_shared_negatives
-
-        check_shared_negatives(targets, negative_ids, negative_counts, anchor_groups)
-        return shared_negatives_cross_entropy(hidden, weight, bias, targets, negative_ids, negative_counts, anchor_groups)
-    _check_rows("sampled_softmax_cross_entropy", hidden, weight, bias, negative_ids=negative_ids)
+    """`functional.sampled_softmax_cross_entropy` (BERT-NCE) without the gathered [N, K + 1, H]
+    weight rows: candidates = [target, negatives], negatives equal to the target excluded."""
+    _check_rows("sampled_softmax_cross_entropy", hidden, weight, bias, targets=targets, negative_ids=negative_ids)
     candidates = torch.cat([targets[:, None], negative_ids], dim=1)
     return gathered_infonce(
         hidden, None, weight, candidates, bias, scale=1.0, normalize=False, mask_duplicates=True, candidate_grad=True

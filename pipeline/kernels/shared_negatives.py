@@ -1,7 +1,10 @@
-"""BERT-NCE over a shared negative multiset ("every token of the other sequences"), fused.
+"""BERT-NCE's registered kernel op, and its shared-negatives path ("every token of the other
+sequences"), fused.
 
-Same semantics as the shared layout of `pipeline.objectives.functional.sampled_softmax_cross_entropy`
-(negative_ids [U], negative_counts [G, U], anchor_groups [N]):
+`sampled_softmax_cross_entropy` has the reference's signature (`pipeline.objectives.functional`):
+per-row negatives [N, K] go to `linear_cross_entropy.sampled_softmax_cross_entropy` (the gathered
+candidate kernel); the shared layout (negative_ids [U], negative_counts [G, U], anchor_groups [N])
+is computed here:
 
     L = mean_n [ logsumexp( s_n(t_n), { s_n(u_k) + log c_{g_n k} : u_k != t_n } ) - s_n(t_n) ]
 
@@ -27,7 +30,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from pipeline.kernels import linear_cross_entropy as lce
 from pipeline.kernels.linear_cross_entropy import chunk_rows_for, softmax_xent_rows
+from pipeline.objectives.functional import check_shared_negatives
 
 
 def _shared_forward(
@@ -108,12 +113,17 @@ class _SharedNegativesXent(torch.autograd.Function):
         return grads[0], grads[1], grads[2], None, None, None, None, None
 
 
-def shared_negatives_cross_entropy(
-    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
-    negative_ids: Tensor, negative_counts: Tensor, anchor_groups: Tensor,
+def sampled_softmax_cross_entropy(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, negative_ids: Tensor,
+    negative_counts: Optional[Tensor] = None, anchor_groups: Optional[Tensor] = None,
 ) -> Tensor:
-    """Fused shared layout of `functional.sampled_softmax_cross_entropy` (see the module docstring);
-    shapes are checked by the caller."""
+    """Fused `functional.sampled_softmax_cross_entropy` (BERT-NCE), either layout (module docstring)."""
+    if negative_counts is None and negative_ids.dim() == 2:
+        return lce.sampled_softmax_cross_entropy(hidden, weight, bias, targets, negative_ids)
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"sampled_softmax_cross_entropy: hidden [N, H], weight [V, H] and targets [N] expected, got "
+                         f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}")
+    check_shared_negatives(targets, negative_ids, negative_counts, anchor_groups)
     if targets.numel() == 0:  # nothing selected: a graph-connected zero, like the reference
         zero = hidden.float().sum() * 0.0 + weight.float()[:0].sum()
         return zero if bias is None else zero + bias.float()[:0].sum()
