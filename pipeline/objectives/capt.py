@@ -30,9 +30,10 @@ tau(t) = |t - T/2| / T + 0.05, from `ctx.progress`; pass a number as `tau` for a
 In-batch negatives (`batch_negatives`): "local" (default) contrasts each pair with the other 2b - 2
 views of its own micro-batch; "global" adds the views of every other rank's micro-batch (all-gathered,
 detached: gradient flows through this rank's views only), the paper's "training batch" of Eq. 2
-across data-parallel ranks. Default "local": Sec. 5.1 / Fig. 3 (left) equates "no memory queue"
-with 128 negatives at a batch of 2k — the per-device batch of 16 devices — so the paper's in-batch
-negatives were per device, and the queue (which is global here) supplies the rest.
+across data-parallel ranks. Default "local": Sec. 5.1 / Fig. 3 (left) puts "the absence of memory
+queue" at 128 negatives while the small model's batch is 2k (Table 4), so the paper's in-batch
+negatives were a small share of the batch (the paper does not name its device count; a per-device
+share is the likely reading), and the queue (global here) supplies the rest.
 
 Both views are encoded in the same step by the same encoder; x^ is the `masked` view (BERT 15%),
 or `shuffled` (window-3 shuffle, the paper's Sec. 5.2 ablation) via `corruption`. The paper's
