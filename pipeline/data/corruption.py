@@ -310,9 +310,10 @@ class CorruptionCollator:
             # [MASK] / random tokens / unchanged decided once per span (SpanBERT's span-level 80/10/10),
             # keyed by the span's first column; the default (1.0, 0.0) masks every span position.
             rows, cols = np.nonzero(span_index >= 0)
+            first_cols = span_starts(span_index)[rows, cols]
             batch["span_masked_ids"], batch["span_labels"] = replace_selected(
                 ids, rows, cols,
-                hash_uniform_at(self.seed, sample_index, CorruptionStream.SPAN_ACTION, rows, span_starts(span_index)[rows, cols]),
+                hash_uniform_at(self.seed, sample_index, CorruptionStream.SPAN_ACTION, rows, first_cols),
                 hash_uniform_at(self.seed, sample_index, CorruptionStream.SPAN_RANDOM_TOKEN, rows, cols),
                 self.special_tokens["mask"], self._random_ids, self.span_mask_fraction, self.span_random_fraction,
             )

@@ -120,7 +120,8 @@ def sampled_softmax_cross_entropy(
     """Fused `functional.sampled_softmax_cross_entropy` (BERT-NCE), either layout (module docstring)."""
     if negative_counts is None and negative_ids.dim() == 2:
         return lce.sampled_softmax_cross_entropy(hidden, weight, bias, targets, negative_ids)
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or hidden.shape[0] != targets.shape[0]:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] \
+            or hidden.shape[0] != targets.shape[0]:
         raise ValueError(f"sampled_softmax_cross_entropy: hidden [N, H], weight [V, H] and targets [N] expected, got "
                          f"{tuple(hidden.shape)}, {tuple(weight.shape)} and {tuple(targets.shape)}")
     check_shared_negatives(targets, negative_ids, negative_counts, anchor_groups)

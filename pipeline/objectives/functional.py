@@ -151,7 +151,8 @@ def check_shared_negatives(targets: Tensor, negative_ids: Tensor, negative_count
                          f"got {tuple(anchor_groups.shape)}")
 
 
-def shared_negative_offsets(targets: Tensor, negative_ids: Tensor, negative_counts: Tensor, anchor_groups: Tensor) -> Tensor:
+def shared_negative_offsets(targets: Tensor, negative_ids: Tensor, negative_counts: Tensor,
+                            anchor_groups: Tensor) -> Tensor:
     """[N, U] fp32 log c_{g_n k}: -inf where the count is 0 or u_k is the row's own target."""
     log_counts = torch.log(negative_counts.float())[anchor_groups]  # log 0 = -inf
     return log_counts.masked_fill(negative_ids[None, :] == targets[:, None], float("-inf"))
@@ -166,7 +167,8 @@ def _shared_negatives_xent(hidden, weight, bias, targets, negative_ids, negative
     if bias is not None:
         positive = positive + bias.float()[targets][:, None]
         negatives = negatives + bias.float()[negative_ids][None, :]
-    scores = torch.cat([positive, negatives + shared_negative_offsets(targets, negative_ids, negative_counts, anchor_groups)], 1)
+    offsets = shared_negative_offsets(targets, negative_ids, negative_counts, anchor_groups)
+    scores = torch.cat([positive, negatives + offsets], 1)
     losses = torch.logsumexp(scores, dim=1) - scores[:, 0]
     return _mean_or_zero(losses, targets.shape[0])
 

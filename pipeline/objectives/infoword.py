@@ -118,8 +118,8 @@ class InfoWord(Objective):
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         if tau <= 0:
             raise ValueError(f"tau must be positive, got {tau}")
-        if ngrams_per_sentence != "all" and (isinstance(ngrams_per_sentence, bool) or not isinstance(ngrams_per_sentence, int)
-                                             or ngrams_per_sentence < 1):
+        k = ngrams_per_sentence
+        if k != "all" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"ngrams_per_sentence must be an integer >= 1 or 'all', got {ngrams_per_sentence!r}")
         if dim_negatives not in DIM_NEGATIVES:
             raise ValueError(f"dim_negatives must be one of {DIM_NEGATIVES}, got {dim_negatives!r}")

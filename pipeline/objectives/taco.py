@@ -90,7 +90,8 @@ def sample_taco_indices(
         return empty, empty, empty.reshape(0, num_negatives)
     units = doc_groups if negative_unit == "document" else document_groups(eligible, None)
     flat_units = units.reshape(-1)
-    pick = sample_from_other_groups(flat_units[pool], units[rows, cols], int(flat_units.max()) + 1, num_negatives, generator)
+    num_units = int(flat_units.max()) + 1
+    pick = sample_from_other_groups(flat_units[pool], units[rows, cols], num_units, num_negatives, generator)
     return rows * length + cols, rows * length + pos_cols, pool[pick]
 
 
