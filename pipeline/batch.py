@@ -7,7 +7,7 @@ Every batch holds the `original` view's keys; objectives declare the further vie
 
 | view          | keys it adds                                   | built as                               |
 | ------------- | ---------------------------------------------- | -------------------------------------- |
-| `original`    | input_ids, attention_mask, special_mask, word_starts, sample_index | the packed row   |
+| `original`    | input_ids, attention_mask, special_mask, word_starts, sample_index, document_ids | the packed row |
 | `masked`      | masked_ids, mlm_labels                         | BERT: 15% selected, 80/10/10           |
 | `wwm_masked`  | masked_ids, mlm_labels                         | the same with whole-word selection     |
 | `span_masked` | span_masked_ids, span_labels, span_index       | InfoWord n-gram spans                  |
@@ -16,7 +16,9 @@ Every batch holds the `original` view's keys; objectives declare the further vie
 
 Labels are the original token id at a selected position and `IGNORE_INDEX` elsewhere;
 `span_index` numbers the spans of a row (-1 outside spans); `sample_index` is each row's global
-stream position (the key of every random draw, `pipeline.seeding`).
+stream position (the key of every random draw, `pipeline.seeding`); `document_ids` numbers the
+documents of a packed row from 0 (FULL packing ends every document with a `[SEP]`, so a content
+token's document is the number of `[SEP]`s before it) and is -1 at structure tokens.
 
 Two special-token sets, each with one job:
   * `STRUCTURE_TOKENS` (pad, cls, sep) mark positions that are not content: they are never
@@ -37,7 +39,7 @@ IGNORE_INDEX = -100
 STRUCTURE_TOKENS = ("pad", "cls", "sep")
 
 VIEW_KEYS: dict[str, tuple[str, ...]] = {
-    "original": ("input_ids", "attention_mask", "special_mask", "word_starts", "sample_index"),
+    "original": ("input_ids", "attention_mask", "special_mask", "word_starts", "sample_index", "document_ids"),
     "masked": ("masked_ids", "mlm_labels"),
     "wwm_masked": ("masked_ids", "mlm_labels"),
     "span_masked": ("span_masked_ids", "span_labels", "span_index"),

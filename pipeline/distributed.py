@@ -183,10 +183,18 @@ def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
     return values
 
 
-def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
-    """Concatenate `rows` [n, D] of every rank in rank order (n may differ between ranks)."""
+def rank_and_world() -> tuple[int, int]:
+    """(rank, world size) of the initialised process group; (0, 1) without one."""
     if not multi_rank():
-        return rows
+        return 0, 1
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def all_gather_row_blocks(rows: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's `rows` [n, D] (n may differ between ranks), one block per rank in rank order;
+    `[rows]` on one process. Gathered blocks carry no autograd history: pass detached rows."""
+    if not multi_rank():
+        return [rows]
     dist = torch.distributed
     world = dist.get_world_size()
     n = torch.tensor([rows.shape[0]], device=rows.device, dtype=torch.long)
@@ -197,4 +205,20 @@ def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
     padded[: rows.shape[0]] = rows
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded.contiguous())
-    return torch.cat([g[:s] for g, s in zip(gathered, sizes_int)], dim=0)
+    return [g[:s] for g, s in zip(gathered, sizes_int)]
+
+
+def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:
+    """Concatenate `rows` [n, D] of every rank in rank order (n may differ between ranks)."""
+    if not multi_rank():
+        return rows
+    return torch.cat(all_gather_row_blocks(rows), dim=0)
+
+
+def split_own_block(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(this rank's block, the other ranks' blocks concatenated in rank order) of
+    `all_gather_row_blocks`' result: the rows a rank adds as constant "other ranks" negatives."""
+    rank, _ = rank_and_world()
+    others = [b for r, b in enumerate(blocks) if r != rank]
+    own = blocks[rank]
+    return own, (torch.cat(others, dim=0) if others else own[:0])

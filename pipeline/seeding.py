@@ -50,6 +50,8 @@ class CorruptionStream(enum.IntEnum):
     SPAN = 5  # InfoWord span lengths and starts
     CROP = 6  # COCO-LM crop offset
     SHUFFLE = 7  # CAPT window shuffle
+    SPAN_ACTION = 8  # InfoWord span: [MASK] / random tokens / unchanged, one draw per span (SpanBERT)
+    SPAN_RANDOM_TOKEN = 9  # which random token replaces a position of a randomly replaced span
 
 
 def _hash_to_int63(text: str) -> int:

@@ -154,6 +154,28 @@ def span_mask_rows(
     return out
 
 
+def document_ids(ids: np.ndarray, structure: np.ndarray, sep_id: int) -> np.ndarray:
+    """Document number of every content position of packed rows, -1 at structure tokens, [B, L].
+
+    FULL packing (`data_prep/packing.py`, docs/data.md#packing) joins documents with a `[SEP]` after
+    each and wraps every row in `[CLS] ... [SEP]`, so the document of a content token is the number
+    of `[SEP]`s before it in its row (0, 1, ...). A document cut at a row boundary continues in
+    another row; that row numbers its piece from 0 again (rows do not know their neighbours).
+    """
+    sep = ids == sep_id
+    before = np.cumsum(sep, axis=1) - sep
+    return np.where(structure, -1, before).astype(np.int64)
+
+
+def span_starts(span_index: np.ndarray) -> np.ndarray:
+    """[B, L] column of the first position of the span each position belongs to (-1 outside spans)."""
+    in_span = span_index >= 0
+    first = in_span.copy()
+    first[:, 1:] &= span_index[:, 1:] != span_index[:, :-1]
+    cols = np.broadcast_to(np.arange(span_index.shape[1]), span_index.shape)
+    return np.where(in_span, np.maximum.accumulate(np.where(first, cols, -1), axis=1), -1)
+
+
 def crop(input_ids: np.ndarray, lengths: np.ndarray, u: np.ndarray, fraction: float, cls_id: int, sep_id: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """COCO-LM crop: a random contiguous `fraction` of each row's content, re-wrapped as [CLS] .. [SEP].
 
@@ -193,6 +215,12 @@ class CorruptionCollator:
     `collate(input_ids, word_starts, sample_index)` is the fast path used by `PretrainBatches`;
     calling the collator on a list of `{"input_ids", "word_starts", "sample_index"}` dicts works as a
     DataLoader `collate_fn`.
+
+    InfoWord span replacement (`span_mask_fraction`, `span_random_fraction`): by default every span
+    position becomes `[MASK]` — InfoWord's DIM needs the n-gram gone from the sentence, or "the task
+    becomes trivial" (Kong et al. 2020, Sec. 4). 0.8 / 0.1 gives SpanBERT's scheme (Joshi et al.
+    2020, Sec. 3.1, which InfoWord's span sampling follows): per *span*, 80% `[MASK]` everywhere,
+    10% a random non-special token at each position, 10% unchanged; labels cover every span position.
     """
 
     def __init__(
@@ -209,6 +237,8 @@ class CorruptionCollator:
         span_std: float = 1.0,
         span_min_words: int = 1,
         span_max_words: int = 10,
+        span_mask_fraction: float = 1.0,
+        span_random_fraction: float = 0.0,
         crop_fraction: float = 0.9,
         shuffle_window: int = 3,
     ) -> None:
@@ -221,6 +251,9 @@ class CorruptionCollator:
                 raise ValueError(f"{name} {value}: must be in (0, 1]")
         if mask_fraction < 0 or random_fraction < 0 or mask_fraction + random_fraction > 1:
             raise ValueError(f"mask_fraction {mask_fraction} + random_fraction {random_fraction}: must be within [0, 1]")
+        if span_mask_fraction < 0 or span_random_fraction < 0 or span_mask_fraction + span_random_fraction > 1:
+            raise ValueError(f"span_mask_fraction {span_mask_fraction} + span_random_fraction {span_random_fraction}: "
+                             "must be within [0, 1]")
         if not 1 <= span_min_words <= span_max_words:
             raise ValueError(f"span_min_words {span_min_words} / span_max_words {span_max_words}: need 1 <= min <= max")
         if shuffle_window < 0:
@@ -229,6 +262,7 @@ class CorruptionCollator:
         self.vocab_size, self.seed = vocab_size, seed
         self.mlm_probability, self.mask_fraction, self.random_fraction = mlm_probability, mask_fraction, random_fraction
         self.span = {"budget_fraction": span_budget, "mean": span_mean, "std": span_std, "min_words": span_min_words, "max_words": span_max_words}
+        self.span_mask_fraction, self.span_random_fraction = span_mask_fraction, span_random_fraction
         self.crop_fraction, self.shuffle_window = crop_fraction, shuffle_window
         self._random_ids = np.array([i for i in range(vocab_size) if i not in never_drawn], dtype=np.int64)
 
@@ -251,6 +285,7 @@ class CorruptionCollator:
             "special_mask": special,
             "word_starts": word_starts.astype(bool) & candidates,
             "sample_index": sample_index,
+            "document_ids": document_ids(ids, special, self.special_tokens["sep"]),
         }
         width = ids.shape[1]
 
@@ -272,9 +307,16 @@ class CorruptionCollator:
         if "span_masked" in self.views:
             rngs = [span_rng(self.seed, int(i)) for i in sample_index]
             span_index = span_mask_rows(candidates, word_starts, rngs, **self.span)
-            in_span = span_index >= 0
-            batch["span_masked_ids"] = np.where(in_span, self.special_tokens["mask"], ids)
-            batch["span_labels"] = np.where(in_span, ids, IGNORE_INDEX)
+            # [MASK] / random tokens / unchanged decided once per span (SpanBERT's span-level 80/10/10),
+            # keyed by the span's first column; the default (1.0, 0.0) masks every span position.
+            rows, cols = np.nonzero(span_index >= 0)
+            first_cols = span_starts(span_index)[rows, cols]
+            batch["span_masked_ids"], batch["span_labels"] = replace_selected(
+                ids, rows, cols,
+                hash_uniform_at(self.seed, sample_index, CorruptionStream.SPAN_ACTION, rows, first_cols),
+                hash_uniform_at(self.seed, sample_index, CorruptionStream.SPAN_RANDOM_TOKEN, rows, cols),
+                self.special_tokens["mask"], self._random_ids, self.span_mask_fraction, self.span_random_fraction,
+            )
             batch["span_index"] = span_index
         if "crop" in self.views:
             batch["crop_ids"], batch["crop_attention_mask"] = crop(

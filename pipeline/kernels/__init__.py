@@ -21,7 +21,7 @@ KERNEL_MODES = ("auto", "triton", "torch")
 TRITON_OPS: dict[str, str] = {
     "linear_cross_entropy": "pipeline.kernels.linear_cross_entropy:linear_cross_entropy",
     "corrective_lm_loss": "pipeline.kernels.linear_cross_entropy:corrective_lm_loss",
-    "sampled_softmax_cross_entropy": "pipeline.kernels.linear_cross_entropy:sampled_softmax_cross_entropy",
+    "sampled_softmax_cross_entropy": "pipeline.kernels.shared_negatives:sampled_softmax_cross_entropy",
     "token_contrastive_loss": "pipeline.kernels.token_contrastive:token_contrastive_loss",
     "sequence_contrastive_loss": "pipeline.kernels.sequence_contrastive:sequence_contrastive_loss",
 }

@@ -3,7 +3,9 @@
 Same signature and semantics as `pipeline.objectives.functional.sequence_contrastive_loss`.
 Rows X = [a; b] (2B); anchors are the first R rows (R = 2B when symmetric, else B); the
 candidates of anchor r are all 2B batch rows (itself excluded, its own view excluded when
-same_view_negatives is off) and every queue row; its positive is its partner (r + B) mod 2B.
+same_view_negatives is off, the other pairs of its group excluded when `groups` is given) and
+every queue row; its positive is its partner (r + B) mod 2B. `reduction` "sum" scales the row
+gradients by 1 instead of 1 / R.
 
     1. norms of X and the queue rows (fp32), one row-wise kernel;
     2. scores S[r, c] = <x_r, y_c> / (|x_r| |y_c| tau) for the batch columns and the queue
@@ -33,6 +35,7 @@ from torch import Tensor
 
 from pipeline.kernels.linear_cross_entropy import softmax_xent_rows
 from pipeline.kernels.token_contrastive import NORM_EPS
+from pipeline.objectives.functional import REDUCTIONS
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: (BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of the score tiles and (BLOCK_M, BLOCK_K, BLOCK_D, num_warps)
@@ -66,8 +69,10 @@ def _scores_kernel(
     x_ptr, stride_x, x_norm_ptr,  # anchor rows [R, D] and their norms
     y_ptr, stride_y, y_norm_ptr,  # candidate rows [NC, D] and their norms
     s_ptr, stride_s, col_offset,  # scores [R, *] fp32; this launch fills columns col_offset + [0, NC)
+    groups_ptr,  # [B] int64 group of each pair (HAS_GROUPS)
     R, NC, D, B, inv_tau, eps,
-    BATCH_COLS: tl.constexpr, SAME_VIEW: tl.constexpr, NORMALIZE: tl.constexpr, PRECISION: tl.constexpr,
+    BATCH_COLS: tl.constexpr, SAME_VIEW: tl.constexpr, NORMALIZE: tl.constexpr, HAS_GROUPS: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -90,6 +95,11 @@ def _scores_kernel(
         excluded = offs_m[:, None] == offs_n[None, :]
         if not SAME_VIEW:
             excluded = excluded | ((offs_m // B)[:, None] == (offs_n // B)[None, :])
+        if HAS_GROUPS:  # two pairs of one group are neither positives nor negatives of each other
+            pair_m, pair_n = offs_m % B, offs_n % B
+            g_m = tl.load(groups_ptr + pair_m, mask=in_m, other=-1)
+            g_n = tl.load(groups_ptr + pair_n, mask=in_n, other=-2)
+            excluded = excluded | ((g_m[:, None] == g_n[None, :]) & (pair_m[:, None] != pair_n[None, :]))
         s = tl.where(excluded, float("-inf"), s)
     out = s_ptr + offs_m[:, None].to(tl.int64) * stride_s + col_offset + offs_n[None, :]
     tl.store(out, s, mask=in_m[:, None] & in_n[None, :])
@@ -189,20 +199,24 @@ def _accumulate(out: Tensor, a: Tensor, stride_am: int, stride_ak: int, m: int, 
 
 
 def _fill_scores(scores: Tensor, x: Tensor, x_norms: Tensor, rows: int, y: Tensor, y_norms: Tensor,
-                 col_offset: int, batch: int, inv_tau: float, batch_cols: bool, same_view: bool, normalize: bool) -> None:
+                 col_offset: int, batch: int, inv_tau: float, batch_cols: bool, same_view: bool, normalize: bool,
+                 groups: Optional[Tensor] = None) -> None:
     if y.shape[0] == 0 or rows == 0:
         return
     block_m, block_n, block_d, warps = SCORE_BLOCKS
     _scores_kernel[(triton.cdiv(rows, block_m), triton.cdiv(y.shape[0], block_n))](
         x, x.stride(0), x_norms, y, y.stride(0), y_norms, scores, scores.stride(0), col_offset,
+        x_norms if groups is None else groups,
         rows, y.shape[0], x.shape[1], batch, inv_tau, NORM_EPS,
-        BATCH_COLS=batch_cols, SAME_VIEW=same_view, NORMALIZE=normalize, PRECISION=_precision(x.dtype, x.device),
+        BATCH_COLS=batch_cols, SAME_VIEW=same_view, NORMALIZE=normalize, HAS_GROUPS=groups is not None,
+        PRECISION=_precision(x.dtype, x.device),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, num_warps=warps, num_stages=3,
     )
 
 
 def _forward_and_grads(a: Tensor, b: Tensor, tau: float, queue: Optional[Tensor], normalize: bool,
-                       symmetric: bool, same_view: bool, want_grad: bool) -> tuple[Tensor, Optional[Tensor]]:
+                       symmetric: bool, same_view: bool, want_grad: bool, groups: Optional[Tensor] = None,
+                       reduction: str = "mean") -> tuple[Tensor, Optional[Tensor]]:
     """Loss and the fp32 gradient with respect to X = [a; b] (None unless want_grad)."""
     batch, dim = a.shape
     dtype = torch.promote_types(a.dtype, b.dtype)
@@ -217,14 +231,15 @@ def _forward_and_grads(a: Tensor, b: Tensor, tau: float, queue: Optional[Tensor]
     q_norms = None if q is None else _row_norms(q)
 
     scores = torch.empty(rows, cols, device=a.device, dtype=torch.float32)
-    _fill_scores(scores, x, x_norms, rows, x, x_norms, 0, batch, inv_tau, True, same_view, normalize)
+    _fill_scores(scores, x, x_norms, rows, x, x_norms, 0, batch, inv_tau, True, same_view, normalize, groups)
     if q is not None:
         _fill_scores(scores, x, x_norms, rows, q, q_norms, 2 * batch, batch, inv_tau, False, same_view, normalize)
     partners = (torch.arange(rows, device=a.device) + batch) % (2 * batch)
-    inv_count = torch.full((1,), 1.0 / rows, device=a.device)
+    scale = 1.0 if reduction == "sum" else 1.0 / rows
+    inv_count = torch.full((1,), scale, device=a.device)
     loss_rows = torch.empty(rows, device=a.device, dtype=torch.float32)
     softmax_xent_rows(scores, partners, loss_rows, inv_count, grad=scores if want_grad else None)
-    loss = (loss_rows.sum() / rows).reshape(())
+    loss = (loss_rows.sum() * scale).reshape(())
     if not want_grad:
         return loss, None
 
@@ -246,10 +261,11 @@ def _forward_and_grads(a: Tensor, b: Tensor, tau: float, queue: Optional[Tensor]
 
 class _SequenceInfoNCE(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, a, b, tau, queue, normalize, symmetric, same_view_negatives, grad_enabled):
+    def forward(ctx, a, b, tau, queue, normalize, symmetric, same_view_negatives, grad_enabled, groups, reduction):
         # needs_input_grad stays True under torch.no_grad(); grad_enabled (taken by the caller) does not.
         want = grad_enabled and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
-        loss, d_x = _forward_and_grads(a, b, tau, queue, normalize, symmetric, same_view_negatives, want)
+        loss, d_x = _forward_and_grads(a, b, tau, queue, normalize, symmetric, same_view_negatives, want,
+                                       groups, reduction)
         ctx.dtypes = (a.dtype, b.dtype)
         ctx.batch = a.shape[0]
         ctx.save_for_backward(d_x)
@@ -259,10 +275,10 @@ class _SequenceInfoNCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         (d_x,) = ctx.saved_tensors
         if d_x is None:
-            return (None,) * 8
+            return (None,) * 10
         d_x = d_x * grad_loss
         da, db = d_x[: ctx.batch].to(ctx.dtypes[0]), d_x[ctx.batch:].to(ctx.dtypes[1])
-        return da, db, None, None, None, None, None, None
+        return da, db, None, None, None, None, None, None, None, None
 
 
 def sequence_contrastive_loss(
@@ -273,17 +289,25 @@ def sequence_contrastive_loss(
     normalize: bool = True,
     symmetric: bool = True,
     same_view_negatives: bool = True,
+    groups: Optional[Tensor] = None,
+    reduction: str = "mean",
 ) -> Tensor:
     """Fused `functional.sequence_contrastive_loss`: InfoNCE of a_i against positive b_i, negatives
-    b_j (j != i), a_j (j != i, if same_view_negatives) and the queue rows (no gradient);
-    `symmetric` averages with the b-anchored direction."""
+    b_j (j != i, groups[j] != groups[i]), a_j (the same, if same_view_negatives) and the queue rows
+    (no gradient); `symmetric` adds the b-anchored direction; `reduction` "mean" or "sum" over the
+    B (2B) terms."""
     if a.dim() != 2 or a.shape != b.shape:
         raise ValueError(f"sequence_contrastive_loss: a and b must both be [B, D], got {tuple(a.shape)} and {tuple(b.shape)}")
     if queue is not None and (queue.dim() != 2 or queue.shape[1] != a.shape[1]):
         raise ValueError(f"sequence_contrastive_loss: queue must be [Q, {a.shape[1]}], got {tuple(queue.shape)}")
     if not tau > 0:
         raise ValueError(f"sequence_contrastive_loss: tau must be positive, got {tau}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"sequence_contrastive_loss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if groups is not None and groups.shape != (a.shape[0],):
+        raise ValueError(f"sequence_contrastive_loss: groups must be [{a.shape[0]}], got {tuple(groups.shape)}")
     if a.shape[0] == 0:  # nothing to contrast: a graph-connected zero, like the reference
         return (a.sum() + b.sum()).float() * 0.0
     return _SequenceInfoNCE.apply(a, b, float(tau), queue, normalize, symmetric, same_view_negatives,
-                                  torch.is_grad_enabled())
+                                  torch.is_grad_enabled(), None if groups is None else groups.long().contiguous(),
+                                  reduction)

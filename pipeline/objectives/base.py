@@ -29,10 +29,13 @@ from pipeline.model.heads import MLMHead
 
 @dataclass(frozen=True)
 class StepProgress:
-    """Where the run is: optimizer step `step` (1-based) of `total_steps` (CAPT's temperature uses it)."""
+    """Where the run is: optimizer step `step` (1-based) of `total_steps` (CAPT's temperature uses it),
+    and `micro_batches`, the number of micro-batches whose gradients the engine averages into one
+    step (ranks x accumulation steps; a loss that is a sum over the global batch uses it)."""
 
     step: int = 0
     total_steps: int = 1
+    micro_batches: int = 1
 
 
 @dataclass

@@ -3,14 +3,37 @@
 
     s = l2_normalize(A(h_[CLS](x))),   s^ = l2_normalize(A(h_[CLS](x^)))
     L(x_i)  = -log( e^{s_i.s^_i/tau} / (sum_j e^{s_i.s^_j/tau} + sum_{j!=i} e^{s_i.s_j/tau} + sum_q e^{s_i.q/tau}) )
-    L(x^_i) = the same with s and s^ swapped;   L_CAPT = mean_i (L(x_i) + L(x^_i)) / 2
+    L(x^_i) = the same with s and s^ swapped
+    L_CAPT  = sum_{i=1..n} (L(x_i) + L(x^_i))                       (Eq. 4: a sum over the 2n terms)
 
-(Eq. 4 sums; we average, which only rescales the learning rate.) A is an MLP with one hidden
-layer: hidden -> FFN size -> hidden (Sec. 3.1), GELU in between (*choice*: the paper says
-"nonlinear projection"). q runs over a `MemoryQueue` of 8192 rows into which both views of the
-whole global batch are enqueued (detached, FIFO, gathered across ranks) after each micro-batch's
-loss. tau follows the inverted triangle of Eq. 6, tau(t) = |t - T/2| / T + 0.05, from
-`ctx.progress`; pass a number as `tau` for a fixed temperature.
+Reduction (`reduction`, an explicit choice). Averaging is *not* a learning-rate rescaling: the
+training loss is L_MLM + L_CAPT (Sec. 3.1, "the sum of the above two"), so dividing L_CAPT by 2n
+changes CAPT's weight against MLM by 2n (with Adam, whose update ignores the overall scale, that
+relative weight is all the reduction changes).
+  - "mean" (default): mean over the 2n terms; CAPT's weight against the per-token MLM mean is
+    `objectives.capt`, whatever the batch size. Chosen because the paper does not say how its MLM
+    term is normalised: with BERT's and RoBERTa's per-masked-token mean, the literal Eq. 4 weights
+    CAPT 2n times a mean term (4,096 at capt-small's batch of 2,048, 16,384 at capt-large's 8,192),
+    and that weight would move with the batch size; `mean` with `objectives.capt: 2n` is the same
+    gradient as `sum`.
+  - "sum": Eq. 4 over the *global* batch: each micro-batch's loss is (ranks x accumulation steps)
+    x the sum of its 2b terms, so that after the engine averages the micro-batch gradients the
+    step's gradient is that of Eq. 4 summed over all n sequences of the step (independent of how
+    the batch is split into ranks and micro-batches).
+
+A is an MLP with one hidden layer: hidden -> FFN size -> hidden (Sec. 3.1), GELU in between
+(*choice*: the paper says "nonlinear projection"). q runs over a `MemoryQueue` of 8192 rows into
+which both views of the whole global batch are enqueued (detached, FIFO, gathered across ranks)
+after each micro-batch's loss. tau follows the inverted triangle of Eq. 6,
+tau(t) = |t - T/2| / T + 0.05, from `ctx.progress`; pass a number as `tau` for a fixed temperature.
+
+In-batch negatives (`batch_negatives`): "local" (default) contrasts each pair with the other 2b - 2
+views of its own micro-batch; "global" adds the views of every other rank's micro-batch (all-gathered,
+detached: gradient flows through this rank's views only), the paper's "training batch" of Eq. 2
+across data-parallel ranks. Default "local": Sec. 5.1 / Fig. 3 (left) puts "the absence of memory
+queue" at 128 negatives while the small model's batch is 2k (Table 4), so the paper's in-batch
+negatives were a small share of the batch (the paper does not name its device count; a per-device
+share is the likely reading), and the queue (global here) supplies the rest.
 
 Both views are encoded in the same step by the same encoder; x^ is the `masked` view (BERT 15%),
 or `shuffled` (window-3 shuffle, the paper's Sec. 5.2 ablation) via `corruption`. The paper's
@@ -25,12 +48,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.batch import VIEW_INPUTS, choose_view
+from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register
-from pipeline.objectives.functional import adaptive_temperature
+from pipeline.objectives.functional import REDUCTIONS, adaptive_temperature
 from pipeline.objectives.memory_queue import MemoryQueue
 
 CORRUPTIONS = ("masked", "wwm_masked", "shuffled")
+BATCH_NEGATIVES = ("local", "global")
 
 
 class AggregationMLP(nn.Module):
@@ -48,7 +73,8 @@ class AggregationMLP(nn.Module):
 @register
 class ContrastivePretraining(Objective):
     """CAPT (see the module docstring). Options: corruption, tau (None = adaptive Eq. 6),
-    queue_size (0 disables the queue), gather_queue (all-gather across ranks)."""
+    queue_size (0 disables the queue), gather_queue (all-gather across ranks), reduction
+    ("mean" | "sum"), batch_negatives ("local" | "global")."""
 
     name = "capt"
     views = ("masked",)
@@ -61,6 +87,8 @@ class ContrastivePretraining(Objective):
         tau: Optional[float] = None,
         queue_size: int = 8192,
         gather_queue: bool = True,
+        reduction: str = "mean",
+        batch_negatives: str = "local",
     ) -> None:
         super().__init__()
         choose_view("corruption", corruption, CORRUPTIONS)
@@ -68,12 +96,17 @@ class ContrastivePretraining(Objective):
             raise ValueError(f"tau must be positive (or null for the adaptive schedule), got {tau}")
         if queue_size < 0:
             raise ValueError(f"queue_size must be >= 0, got {queue_size}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if batch_negatives not in BATCH_NEGATIVES:
+            raise ValueError(f"batch_negatives must be one of {BATCH_NEGATIVES}, got {batch_negatives!r}")
         self.views = ("original", corruption)
         self.corrupted_key = VIEW_INPUTS[corruption][0]
         self.tau = tau
         self.aggregation = AggregationMLP(encoder_config.hidden_size, encoder_config.ffn_size)
         self.queue = MemoryQueue(queue_size, encoder_config.hidden_size) if queue_size else None
         self.gather_queue = gather_queue
+        self.reduction, self.batch_negatives = reduction, batch_negatives
 
     def temperature(self, step: int, total_steps: int) -> float:
         return self.tau if self.tau is not None else adaptive_temperature(step, total_steps)
@@ -86,16 +119,33 @@ class ContrastivePretraining(Objective):
         s = self.represent(ctx.encode("input_ids").last_hidden[:, 0])
         s_hat = self.represent(ctx.encode(self.corrupted_key).last_hidden[:, 0])
         tau = self.temperature(ctx.progress.step, ctx.progress.total_steps)
-        queue = self.queue.negatives(s.device) if self.queue is not None else None
+        views = torch.cat([s, s_hat]).detach()
+        gathered = None
+        if self.batch_negatives == "global" or (self.queue is not None and self.gather_queue and self.training):
+            gathered = all_gather_row_blocks(views)  # one collective serves both the negatives and the queue
+        extra = []
+        if self.batch_negatives == "global":
+            extra.append(split_own_block(gathered)[1])  # the other ranks' views of this step
+        queued = self.queue.negatives(s.device) if self.queue is not None else None
+        if queued is not None:
+            extra.append(queued)
+        negatives = torch.cat(extra) if extra else None
         loss = ctx.op("sequence_contrastive_loss")(
-            s, s_hat, tau, queue, normalize=True, symmetric=True, same_view_negatives=True
+            s, s_hat, tau, negatives, normalize=True, symmetric=True, same_view_negatives=True,
+            reduction=self.reduction,
         )
+        if self.reduction == "sum":
+            loss = loss * ctx.progress.micro_batches  # Eq. 4 over the global batch (module docstring)
         if self.queue is not None and self.training:
-            self.queue.enqueue(torch.cat([s, s_hat]).detach(), gather=self.gather_queue)
+            rows = torch.cat(gathered) if gathered is not None and self.gather_queue else views
+            self.queue.enqueue(rows, gather=False)
         metrics = {
             "tau": torch.tensor(tau, device=s.device),
             "positive_cosine": (s * s_hat).sum(-1).mean().detach(),
             "queue_rows": torch.tensor(float(len(self.queue) if self.queue else 0), device=s.device),
+            # per anchor: the other 2b - 2 views of the batch, the positive excluded, and the extra rows
+            "negatives": torch.tensor(float(2 * s.shape[0] - 2 + (0 if negatives is None else negatives.shape[0])),
+                                      device=s.device),
         }
         return loss, metrics
 

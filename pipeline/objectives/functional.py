@@ -35,6 +35,9 @@ __all__ = [
 
 _F = TypeVar("_F", bound=Callable[..., Tensor])
 
+#: Reductions of the contrastive losses that offer one (`sequence_contrastive_loss`).
+REDUCTIONS = ("mean", "sum")
+
 #: Upper clamp of COCO-LM's copy probability inside the LM mixture: a saturated copy head
 #: (sigmoid == 1.0 in fp32 for logits > ~17) would otherwise give log(0) for non-copied targets.
 COPY_PROB_MAX = 1.0 - 1e-6
@@ -101,18 +104,28 @@ def sampled_softmax_cross_entropy(
     bias: Optional[Tensor],
     targets: Tensor,
     negative_ids: Tensor,
+    negative_counts: Optional[Tensor] = None,
+    anchor_groups: Optional[Tensor] = None,
 ) -> Tensor:
-    """BERT-NCE: MLM with the softmax over the target and K sampled negatives (InfoWord, Kong et al.
-    2020, Sec. 3.1 / Eq. "I_MLM"; the sampled-softmax form of noise-contrastive MLM).
+    """BERT-NCE: MLM with the softmax over the target and sampled negatives (InfoWord, Kong et al.
+    2020, Sec. 4 "I_MLM"; the sampled-softmax form of noise-contrastive MLM).
 
         s_n(v) = w_v . h_n + b_v
-        L = mean_n -log( exp s_n(t_n) / (exp s_n(t_n) + sum_k [v_nk != t_n] exp s_n(v_nk)) )
+        L = mean_n -log( exp s_n(t_n) / (exp s_n(t_n) + sum_{v in Neg_n} [v != t_n] exp s_n(v)) )
 
-    hidden [N, H], weight [V, H], bias [V] or None, targets [N], negative_ids [N, K] (token ids).
-    A negative equal to its row's target is masked out (score -inf): it is the positive itself,
-    and counting it twice would push the target's own score down. Only the [N, K+1] scores
-    are built — never [N, V].
+    Neg_n is a multiset of token ids, given in one of two layouts:
+      * per row: negative_ids [N, K] — Neg_n = row n (K draws; repeats count);
+      * shared: negative_ids [U], negative_counts [G, U] >= 0 and anchor_groups [N] in [0, G) —
+        Neg_n holds id u_k negative_counts[g_n, k] times (a repeated id adds up). "Every token of the other
+        sequences" is then one [N, U] score matrix (U <= V distinct ids) instead of an
+        [N, K, H] gather over hundreds of thousands of occurrences:
+        sum_{v in Neg_n} e^{s(v)} = sum_k c_{g_n k} e^{s(u_k)} = sum_k e^{s(u_k) + log c_{g_n k}}.
+    hidden [N, H], weight [V, H], bias [V] or None, targets [N]. A negative equal to its row's
+    target is masked out (score -inf): it is the positive itself, and counting it would push the
+    target's own score down. Never builds [N, V] scores (per row: [N, K+1]; shared: [N, U+1]).
     """
+    if negative_counts is not None or negative_ids.dim() == 1:
+        return _shared_negatives_xent(hidden, weight, bias, targets, negative_ids, negative_counts, anchor_groups)
     candidates = torch.cat([targets[:, None], negative_ids], dim=1)  # [N, K+1], column 0 = target
     w = weight.float()[candidates]  # [N, K+1, H]
     scores = torch.einsum("nh,nkh->nk", hidden.float(), w)
@@ -120,6 +133,42 @@ def sampled_softmax_cross_entropy(
         scores = scores + bias.float()[candidates]
     duplicate = torch.cat([torch.zeros_like(targets[:, None], dtype=torch.bool), negative_ids == targets[:, None]], 1)
     scores = scores.masked_fill(duplicate, float("-inf"))
+    losses = torch.logsumexp(scores, dim=1) - scores[:, 0]
+    return _mean_or_zero(losses, targets.shape[0])
+
+
+def check_shared_negatives(targets: Tensor, negative_ids: Tensor, negative_counts: Optional[Tensor],
+                           anchor_groups: Optional[Tensor]) -> None:
+    """Shapes of the shared layout of `sampled_softmax_cross_entropy` (shared with the kernel)."""
+    if negative_ids.dim() != 1 or negative_counts is None or anchor_groups is None:
+        raise ValueError("sampled_softmax_cross_entropy: the shared layout needs negative_ids [U], "
+                         "negative_counts [G, U] and anchor_groups [N]")
+    if negative_counts.dim() != 2 or negative_counts.shape[1] != negative_ids.shape[0]:
+        raise ValueError(f"sampled_softmax_cross_entropy: negative_counts must be [G, {negative_ids.shape[0]}], "
+                         f"got {tuple(negative_counts.shape)}")
+    if anchor_groups.shape != targets.shape:
+        raise ValueError(f"sampled_softmax_cross_entropy: anchor_groups must be [{targets.shape[0]}], "
+                         f"got {tuple(anchor_groups.shape)}")
+
+
+def shared_negative_offsets(targets: Tensor, negative_ids: Tensor, negative_counts: Tensor,
+                            anchor_groups: Tensor) -> Tensor:
+    """[N, U] fp32 log c_{g_n k}: -inf where the count is 0 or u_k is the row's own target."""
+    log_counts = torch.log(negative_counts.float())[anchor_groups]  # log 0 = -inf
+    return log_counts.masked_fill(negative_ids[None, :] == targets[:, None], float("-inf"))
+
+
+def _shared_negatives_xent(hidden, weight, bias, targets, negative_ids, negative_counts, anchor_groups) -> Tensor:
+    check_shared_negatives(targets, negative_ids, negative_counts, anchor_groups)
+    h = hidden.float()
+    w_t, w_u = weight.float()[targets], weight.float()[negative_ids]
+    positive = (h * w_t).sum(-1, keepdim=True)  # [N, 1]
+    negatives = h @ w_u.T  # [N, U]
+    if bias is not None:
+        positive = positive + bias.float()[targets][:, None]
+        negatives = negatives + bias.float()[negative_ids][None, :]
+    offsets = shared_negative_offsets(targets, negative_ids, negative_counts, anchor_groups)
+    scores = torch.cat([positive, negatives + offsets], 1)
     losses = torch.logsumexp(scores, dim=1) - scores[:, 0]
     return _mean_or_zero(losses, targets.shape[0])
 
@@ -203,46 +252,54 @@ def sequence_contrastive_loss(
     normalize: bool = True,
     symmetric: bool = True,
     same_view_negatives: bool = True,
+    groups: Optional[Tensor] = None,
+    reduction: str = "mean",
 ) -> Tensor:
     """Sequence-level InfoNCE between two views; covers CAPT, COCO-LM SCL and InfoWord DIM.
 
     For anchor a_i the positive is b_i; the negatives are b_j (j != i), plus a_j (j != i) when
     `same_view_negatives`, plus every queue row q:
 
-        L_a = mean_i -log( exp(a_i.b_i/tau) / ( sum_j exp(a_i.b_j/tau)
-                                                + [same_view] sum_{j!=i} exp(a_i.a_j/tau)
-                                                + sum_q exp(a_i.q/tau) ) )
+        L_a(i) = -log( exp(a_i.b_i/tau) / ( sum_j exp(a_i.b_j/tau)
+                                            + [same_view] sum_{j!=i} exp(a_i.a_j/tau)
+                                            + sum_q exp(a_i.q/tau) ) )
 
-    `symmetric` adds L_b (the same with a and b swapped) and returns (L_a + L_b) / 2.
-    `normalize` l2-normalises a, b and the queue first (cosine scores).
+    `groups` [B] int (optional): pairs i != j with groups[i] == groups[j] are not negatives of
+    each other (neither b_j nor a_j) — InfoWord's several n-grams of one sentence.
+    `symmetric` adds L_b(i) (the same with a and b swapped). `reduction` "mean" returns
+    mean_i L_a(i) (symmetric: the mean over all 2B terms, (L_a + L_b) / 2); "sum" returns the sum
+    over the B (or 2B) terms — CAPT's Eq. 4. `normalize` l2-normalises a, b and the queue first.
       - CAPT (Luo et al. 2021, Eq. 2-4): normalize, symmetric, same_view_negatives, queue.
       - COCO-LM SCL (Meng et al. 2021, Sec. 3.2): NT-Xent over 2N = the same without a queue.
-      - InfoWord DIM (Kong et al. 2020, Eq. 3): dot product (normalize=False), symmetric=False,
-        same_view_negatives=False; a = masked sentence, b = n-gram.
-    The queue is a constant (no gradient). a, b [B, D]; queue [Q, D].
+      - InfoWord DIM (Kong et al. 2020, Sec. 4): dot product (normalize=False), symmetric=False,
+        same_view_negatives=False; a = masked sentence, b = n-gram; groups = the sentence.
+    The queue is a constant (no gradient): also where other ranks' rows are extra negatives.
+    a, b [B, D]; queue [Q, D].
     """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"sequence_contrastive_loss: reduction must be one of {REDUCTIONS}, got {reduction!r}")
     a, b = a.float(), b.float()
     q = None if queue is None else queue.detach().float()
     if normalize:
         a, b = F.normalize(a, dim=-1, eps=1e-8), F.normalize(b, dim=-1, eps=1e-8)
         q = None if q is None else F.normalize(q, dim=-1, eps=1e-8)
+    eye = torch.eye(a.shape[0], dtype=torch.bool, device=a.device)
+    same_group = eye if groups is None else (groups[:, None] == groups[None, :])
+    not_negative = same_group & ~eye  # pairs of one group: neither positive nor negative
 
     def one_direction(x: Tensor, y: Tensor) -> Tensor:
-        blocks = [x @ y.T]  # [B, B], positives on the diagonal
+        blocks = [(x @ y.T).masked_fill(not_negative, float("-inf"))]  # [B, B], positives on the diagonal
         if same_view_negatives:
-            self_sim = x @ x.T
-            eye = torch.eye(x.shape[0], dtype=torch.bool, device=x.device)
-            blocks.append(self_sim.masked_fill(eye, float("-inf")))
+            blocks.append((x @ x.T).masked_fill(same_group, float("-inf")))
         if q is not None:
             blocks.append(x @ q.T)
         logits = torch.cat(blocks, dim=1) / tau
-        losses = torch.logsumexp(logits, dim=1) - torch.diagonal(logits[:, : x.shape[0]])
-        return _mean_or_zero(losses, x.shape[0])
+        return torch.logsumexp(logits, dim=1) - torch.diagonal(logits[:, : x.shape[0]])  # [B]
 
-    loss = one_direction(a, b)
+    losses = one_direction(a, b)
     if symmetric:
-        loss = (loss + one_direction(b, a)) / 2
-    return loss
+        losses = torch.cat([losses, one_direction(b, a)])
+    return losses.sum() if reduction == "sum" else _mean_or_zero(losses, losses.shape[0])
 
 
 @torch.no_grad()

@@ -5,33 +5,67 @@ Input: the `span_masked` view — n-grams of n ~ N(5, 1) words (clipped to [1, 1
 15% of the sub-word tokens are covered (built by the collator; `span_index` numbers the spans).
 
     I_DIM: a_i = g(X^_i) = [CLS] state of sentence i with its spans masked,
-           b_i = g(X_{i:j}) = [CLS] state of one of its masked n-grams encoded alone as
+           b_m = g(X_{i:j}) = [CLS] state of its masked n-gram m encoded alone as
                  [CLS] n-gram [SEP] (same encoder, original tokens, positions from 0),
-           L_DIM = mean_i -log( exp(a_i . b_i) / sum_j exp(a_i . b_j) )
-           with the n-grams b_j of the other sentences of the micro-batch as negatives
-           (`sequence_contrastive_loss` with normalize=False, symmetric=False, no same-view terms).
+           L_DIM = mean_m -log( exp(a_{s(m)} . b_m) / (exp(a_{s(m)} . b_m) + sum_{m' in S-} exp(a_{s(m)} . b_m')) )
+           over the positive pairs (sentence s(m), n-gram m); S- = the n-grams of every *other*
+           sentence of the global batch ("negative n-grams from other sentences", Sec. 4)
+           (`sequence_contrastive_loss` with normalize=False, symmetric=False, no same-view
+           terms, groups = the sentence, the other ranks' n-grams as constant extra rows).
     I_MLM: BERT-NCE on the span-masked positions (`mlm-nce`), negatives = tokens of other
-           sequences of the micro-batch (paper Sec. 5.2).
+           sequences of the batch (paper Sec. 5.2).
     L = lambda_mlm * L_NCE + lambda_dim * L_DIM      (lambda_mlm 1, lambda_dim 1.0; paper 0.4-1.0)
 
-*Choices* (configurable): one n-gram per sentence, sampled uniformly among its spans
-(sentences without a span take no part in DIM); `score` "dot" (the paper's) or "cosine" with
-`tau` (the dot product is divided by tau too; default 1.0); NCE `negatives` / `num_negatives`
-as in `mlm-nce`.
+*Choices* (configurable):
+  - `ngrams_per_sentence` k (default 1): up to k of a sentence's masked n-grams, sampled uniformly
+    without replacement, are encoded; each is a positive pair with its sentence and a negative of
+    every other sentence (never of its own). "all" takes every span: the paper's "approximately
+    10,000 n-grams in a batch" of 1,024 sequences (Sec. 5.2) is about 10 per sentence, i.e. all of
+    them at a 15% budget of 512 tokens and ~5-word spans. k = 1 keeps the n-gram encoder pass at
+    one short row per sentence. Sentences without a span take no part.
+  - `dim_negatives` "global" (default, the paper's batch): the n-grams of every rank's micro-batch
+    are all-gathered (detached; the gradient flows through this rank's n-grams and sentences);
+    "local": this micro-batch only. The negatives per pair are logged as `dim_negatives`.
+  - `score` "dot" (the paper's) or "cosine" with `tau` (the dot product is divided by tau too;
+    default 1.0); NCE `negatives` / `num_negatives` as in `mlm-nce`.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping, Union
 
 import torch
 from torch import Tensor
 
+from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register
 from pipeline.objectives.mlm_nce import NegativeTokenSampler, nce_loss
-from pipeline.objectives.sampling import sample_one_per_row
+from pipeline.objectives.sampling import sample_per_row
 
 SCORES = ("dot", "cosine")
+DIM_NEGATIVES = ("global", "local")
+
+
+def dim_contrastive_loss(
+    op: Callable[..., Tensor], sentences: Tensor, ngrams: Tensor, owner: Tensor, tau: float, normalize: bool,
+    gather: bool,
+) -> tuple[Tensor, Tensor]:
+    """L_DIM over the pairs (sentences[owner[m]], ngrams[m]) and the mean number of negatives per pair.
+
+    sentences [S, H] (the span-masked [CLS] states), ngrams [M, H] (the n-grams' [CLS] states),
+    owner [M] (each n-gram's sentence). Negatives of pair m: the n-grams of the other sentences of
+    this micro-batch and, with `gather`, every n-gram of the other ranks (constants). A collective
+    when `gather`: every rank must call it, also with M = 0.
+    """
+    remote = None
+    if gather:
+        remote = split_own_block(all_gather_row_blocks(ngrams.detach().float()))[1]
+        remote = remote if remote.shape[0] else None
+    same = torch.bincount(owner, minlength=sentences.shape[0])[owner] if owner.numel() else owner
+    per_pair = owner.shape[0] - same + (0 if remote is None else remote.shape[0])
+    loss = op(sentences[owner], ngrams, tau, remote, normalize=normalize, symmetric=False,
+              same_view_negatives=False, groups=owner)
+    return loss, per_pair.float().mean() if per_pair.numel() else torch.zeros((), device=ngrams.device)
 
 
 def build_ngram_inputs(
@@ -60,7 +94,7 @@ def build_ngram_inputs(
 @register
 class InfoWord(Objective):
     """InfoWord (see the module docstring). Options: lambda_mlm, lambda_dim, score, tau,
-    negatives, num_negatives, track_accuracy."""
+    ngrams_per_sentence, dim_negatives, negatives, num_negatives, track_accuracy."""
 
     name = "infoword"
     views = ("span_masked",)
@@ -73,8 +107,10 @@ class InfoWord(Objective):
         lambda_dim: float = 1.0,
         score: str = "dot",
         tau: float = 1.0,
+        ngrams_per_sentence: Union[int, str] = 1,
+        dim_negatives: str = "global",
         negatives: str = "other_sequences",
-        num_negatives: int = 128,
+        num_negatives: Union[int, str] = 128,
         track_accuracy: bool = True,
     ) -> None:
         super().__init__()
@@ -82,38 +118,52 @@ class InfoWord(Objective):
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         if tau <= 0:
             raise ValueError(f"tau must be positive, got {tau}")
+        k = ngrams_per_sentence
+        if k != "all" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"ngrams_per_sentence must be an integer >= 1 or 'all', got {ngrams_per_sentence!r}")
+        if dim_negatives not in DIM_NEGATIVES:
+            raise ValueError(f"dim_negatives must be one of {DIM_NEGATIVES}, got {dim_negatives!r}")
         for key in ("cls", "sep", "pad"):
             if key not in special_tokens:
                 raise ValueError(f"special_tokens: infoword needs the {key!r} token id")
         self.lambda_mlm, self.lambda_dim, self.score, self.tau = lambda_mlm, lambda_dim, score, tau
+        self.ngrams_per_sentence, self.dim_negatives = ngrams_per_sentence, dim_negatives
         self.special = dict(special_tokens)
         self.sampler = NegativeTokenSampler(special_tokens, encoder_config.vocab_size, negatives, num_negatives)
         self.track_accuracy = track_accuracy
 
-    def dim_loss(self, ctx: StepContext) -> tuple[Tensor, Tensor]:
-        """(L_DIM, number of sentences taking part)."""
+    def dim_loss(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
+        """(L_DIM, metrics: sentences and pairs taking part, negatives per pair)."""
         span_index = ctx.batch["span_index"]
         sentence = ctx.encode("span_masked_ids").last_hidden[:, 0]
         num_spans = int(span_index.max().item()) + 1 if span_index.numel() else 0
-        if num_spans <= 0:
-            return sentence.float().sum() * 0.0, torch.zeros((), device=sentence.device)
-        present = torch.zeros(span_index.shape[0], num_spans + 1, dtype=torch.bool, device=span_index.device)
+        present = torch.zeros(span_index.shape[0], max(num_spans, 0) + 1, dtype=torch.bool, device=span_index.device)
         present.scatter_(1, span_index.clamp(min=-1) + 1, True)  # column 0 collects "no span"
-        chosen, has_span = sample_one_per_row(present[:, 1:], ctx.generator)
-        rows = torch.nonzero(has_span).squeeze(1)
-        ids, mask = build_ngram_inputs(
-            ctx.batch["input_ids"][rows], span_index[rows], chosen[rows],
-            self.special["cls"], self.special["sep"], self.special["pad"],
+        k = num_spans if self.ngrams_per_sentence == "all" else self.ngrams_per_sentence
+        chosen = sample_per_row(present[:, 1:], k, ctx.generator) if num_spans > 0 else present[:, 1:]
+        owner, span = torch.nonzero(chosen, as_tuple=True)  # pairs, row-major
+        if owner.numel():
+            ids, mask = build_ngram_inputs(
+                ctx.batch["input_ids"][owner], span_index[owner], span,
+                self.special["cls"], self.special["sep"], self.special["pad"],
+            )
+            ngram = ctx.encoder(ids, mask).last_hidden[:, 0]
+        else:  # no span anywhere: an empty (graph-connected) pair list; other ranks may still gather
+            ngram = sentence[:0]
+        loss, negatives = dim_contrastive_loss(
+            ctx.op("sequence_contrastive_loss"), sentence, ngram, owner, self.tau, self.score == "cosine",
+            self.dim_negatives == "global",
         )
-        ngram = ctx.encoder(ids, mask).last_hidden[:, 0]
-        loss = ctx.op("sequence_contrastive_loss")(
-            sentence[rows], ngram, self.tau, None,
-            normalize=self.score == "cosine", symmetric=False, same_view_negatives=False,
-        )
-        return loss, torch.tensor(float(rows.numel()), device=sentence.device)
+        device = sentence.device
+        metrics = {
+            "dim_sentences": torch.tensor(float(owner.unique().numel()), device=device),
+            "dim_pairs": torch.tensor(float(owner.numel()), device=device),
+            "dim_negatives": negatives,
+        }
+        return loss, metrics
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
         mlm, metrics = nce_loss(ctx, "span_masked_ids", "span_labels", self.sampler, self.track_accuracy)
-        dim, pairs = self.dim_loss(ctx)
-        metrics.update(nce_loss=mlm.detach(), dim_loss=dim.detach(), dim_sentences=pairs)
+        dim, dim_metrics = self.dim_loss(ctx)
+        metrics.update(nce_loss=mlm.detach(), dim_loss=dim.detach(), **dim_metrics)
         return self.lambda_mlm * mlm + self.lambda_dim * dim, metrics

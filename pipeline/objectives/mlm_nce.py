@@ -2,75 +2,135 @@
 
 InfoWord (Kong et al. 2020, Sec. 4, I_MLM and the BERT-NCE baseline of Sec. 5.1):
 
-    L = mean_{i in M} -log( exp s_i(x_i) / (exp s_i(x_i) + sum_k exp s_i(v_ik)) ),
+    L = mean_{i in M} -log( exp s_i(x_i) / (exp s_i(x_i) + sum_{v in Neg_i} exp s_i(v)) ),
     s_i(v) = E_v . T(h_i) + b_v
 
-The negatives v_ik replace the full vocabulary. The paper takes them from "words from other
-sequences in the same batch" (Sec. 5.2) and mentions a unigram distribution (Sec. 4); *choice*
-`negatives`:
-  - "other_sequences" (default): uniform over the non-special tokens of the *other* sequences of
-    the micro-batch (their original ids) — the batch's empirical unigram distribution, minus the
-    anchor's own sequence;
-  - "batch": uniform over the non-special tokens of the whole micro-batch (own sequence included);
-  - "uniform": uniform over the vocabulary ids that are not special tokens.
-A negative equal to the target is masked out inside the loss (see `functional`).
-`num_negatives` K defaults to 128 (the paper uses all ~70k batch tokens; K bounds the
-[N, K+1, H] gather of the torch reference). Uses the same head as `mlm` (`cls.predictions`).
+The negatives Neg_i replace the full vocabulary. The paper takes them from "words from other
+sequences in the same batch" (Sec. 5.2: "approximately 70,000 subwords ... in a batch") and
+mentions a unigram distribution (Sec. 4); *choice* `negatives` (the pool):
+  - "other_sequences" (default): the non-special tokens of the *other* sequences (their original
+    ids) — the batch's empirical unigram distribution, minus the anchor's own sequence;
+  - "other_targets": the masked (selected) tokens of the other sequences, i.e. the positives of
+    the other anchors — InfoNCE's in-batch negatives. The paper's count fits this reading: 15% of
+    a batch of 1,024 x 512 tokens is ~79k, close to its "approximately 70,000 subwords";
+  - "batch": the non-special tokens of the whole batch (own sequence included);
+  - "uniform": the vocabulary ids that are not special tokens.
+`num_negatives` K:
+  - an integer (default 128): K draws per masked position, uniform over the pool of this
+    micro-batch (`ctx.generator`), scored by per-row gathers;
+  - "all": Neg_i = every token of the pool across the *global* batch — all ranks' current
+    micro-batches, the ids all-gathered (cheap: integers; the tied weight is shared, so every
+    negative gets its gradient) — each occurrence counted once ("uniform": every non-special id
+    once, i.e. a full softmax without the special tokens). No sampling; scored as one shared
+    [N, U] matrix over the U <= V distinct ids with log-multiplicity offsets (exact, see
+    `functional.sampled_softmax_cross_entropy`), so its cost is about a full-vocabulary MLM head.
+A negative equal to the target is masked out inside the loss. The negatives per masked position
+are logged (`negatives`). Uses the same head as `mlm` (`cls.predictions`).
 """
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, Optional, Union
 
 import torch
 from torch import Tensor
 
-from pipeline.batch import content_tokens, gather_selected, masked_view_keys, special_ids
+from pipeline.batch import IGNORE_INDEX, content_tokens, gather_selected, masked_view_keys, special_ids
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES
+from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register
 from pipeline.objectives.mlm import with_accuracy
-from pipeline.objectives.sampling import sample_from_other_rows
+from pipeline.objectives.sampling import sample_from_other_groups
 
-NEGATIVE_SOURCES = ("other_sequences", "batch", "uniform")
+NEGATIVE_SOURCES = ("other_sequences", "other_targets", "batch", "uniform")
+
+
+@dataclass
+class Negatives:
+    """The negatives of N masked positions, in one of the two layouts of
+    `functional.sampled_softmax_cross_entropy`: per row (`ids` [N, K]) or shared (`ids` [U] sorted
+    distinct, `counts` [G, U], `groups` [N])."""
+
+    ids: Tensor
+    counts: Optional[Tensor] = None
+    groups: Optional[Tensor] = None
+
+    def op_args(self) -> tuple[Tensor, ...]:
+        return (self.ids,) if self.counts is None else (self.ids, self.counts, self.groups)
+
+    def per_anchor(self, targets: Tensor) -> Tensor:
+        """Mean size of Neg_i over the N positions, copies of the target excluded (a metric)."""
+        if targets.numel() == 0:
+            return torch.zeros((), device=targets.device)
+        if self.counts is None:
+            return (self.ids != targets[:, None]).sum(1).float().mean()
+        total = self.counts.sum(1).float()[self.groups]  # look the target up: no [N, U] tensor
+        if self.ids.numel() == 0:
+            return total.mean()
+        pos = torch.searchsorted(self.ids, targets).clamp(max=self.ids.numel() - 1)
+        own = torch.where(self.ids[pos] == targets, self.counts[self.groups, pos].float(), torch.zeros_like(total))
+        return (total - own).mean()
 
 
 class NegativeTokenSampler:
-    """Draws [N, K] negative token ids for N masked positions (see the module docstring)."""
+    """Draws the negatives of N masked positions (see the module docstring)."""
 
-    def __init__(self, special_tokens: Mapping[str, int], vocab_size: int, source: str, k: int) -> None:
+    def __init__(self, special_tokens: Mapping[str, int], vocab_size: int, source: str, k: Union[int, str]) -> None:
         if source not in NEGATIVE_SOURCES:
             raise ValueError(f"negatives must be one of {NEGATIVE_SOURCES}, got {source!r}")
-        if k < 1:
-            raise ValueError(f"num_negatives must be >= 1, got {k}")
+        if k != "all" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"num_negatives must be an integer >= 1 or 'all', got {k!r}")
         self.source, self.k = source, k
         special = torch.tensor(special_ids(special_tokens, SPECIAL_TOKEN_NAMES), dtype=torch.long)
         keep = torch.ones(vocab_size, dtype=torch.bool)
         keep[special[special < vocab_size]] = False
         self.non_special_ids = torch.nonzero(keep).squeeze(1)
 
-    def __call__(self, batch: Mapping[str, Tensor], flat_positions: Tensor, generator: torch.Generator) -> Tensor:
-        """flat_positions [N] index the [B*L] flattened batch; returns negative ids [N, K]."""
+    def __call__(self, batch: Mapping[str, Tensor], labels: Tensor, flat_positions: Tensor,
+                 generator: torch.Generator) -> Negatives:
+        """labels [B, L] (the view's labels); flat_positions [N] index the [B*L] flattened batch."""
         ids = batch["input_ids"]
         n, device = flat_positions.numel(), ids.device
         if self.source == "uniform":
             pool = self.non_special_ids.to(device)
-            pick = torch.randint(pool.numel(), (n, self.k), generator=generator, device=device)
-            return pool[pick]
-        eligible = content_tokens(batch).reshape(-1)
-        pool_pos = torch.nonzero(eligible).squeeze(1)  # row-major, so rows are sorted
-        pool_ids = ids.reshape(-1)[pool_pos]
+            if self.k == "all":
+                return Negatives(pool, torch.ones(1, pool.numel(), dtype=torch.long, device=device),
+                                 torch.zeros(n, dtype=torch.long, device=device))
+            return Negatives(pool[torch.randint(pool.numel(), (n, self.k), generator=generator, device=device)])
+        if self.source == "other_targets":
+            in_pool, pool_values = labels != IGNORE_INDEX, labels
+        else:
+            in_pool, pool_values = content_tokens(batch), ids
+        pool_pos = torch.nonzero(in_pool.reshape(-1)).squeeze(1)  # row-major, so rows are sorted
+        pool_ids = pool_values.reshape(-1)[pool_pos]
+        length = ids.shape[1]
+        if self.k == "all":
+            return self._all(pool_ids, pool_pos // length, flat_positions // length, ids.shape[0])
+        if n == 0:
+            return Negatives(torch.zeros(0, self.k, dtype=torch.long, device=device))
         if self.source == "batch":
             pick = torch.randint(pool_pos.numel(), (n, self.k), generator=generator, device=device)
         else:
-            length = ids.shape[1]
-            pick = sample_from_other_rows(pool_pos // length, flat_positions // length, ids.shape[0], self.k, generator)
-        return pool_ids[pick]
+            pick = sample_from_other_groups(pool_pos // length, flat_positions // length, ids.shape[0], self.k, generator)
+        return Negatives(pool_ids[pick])
+
+    def _all(self, pool_ids: Tensor, pool_rows: Tensor, anchor_rows: Tensor, rows: int) -> Negatives:
+        """Every pool token of the global batch as a shared multiset (ids all-gathered across ranks)."""
+        remote = split_own_block(all_gather_row_blocks(pool_ids[:, None]))[1].reshape(-1)
+        distinct, inverse = torch.unique(torch.cat([pool_ids, remote]), return_inverse=True)
+        total = torch.bincount(inverse, minlength=distinct.numel())
+        if self.source == "batch":
+            return Negatives(distinct, total[None, :], torch.zeros_like(anchor_rows))
+        own = torch.zeros(rows, distinct.numel(), dtype=torch.long, device=pool_ids.device)
+        own.index_put_((pool_rows, inverse[: pool_ids.numel()]), torch.ones_like(pool_rows), accumulate=True)
+        return Negatives(distinct, total[None, :] - own, anchor_rows)
 
 
 @register
 class MaskedLanguageModelingNCE(Objective):
-    """BERT-NCE. Options: view ("masked" | "wwm_masked" | "span_masked"), negatives, num_negatives,
-    track_accuracy (full-vocabulary argmax accuracy, no gradient)."""
+    """BERT-NCE. Options: view ("masked" | "wwm_masked" | "span_masked"), negatives, num_negatives
+    (an integer or "all"), track_accuracy (full-vocabulary argmax accuracy, no gradient)."""
 
     name = "mlm-nce"
     views = ("masked",)
@@ -81,7 +141,7 @@ class MaskedLanguageModelingNCE(Objective):
         special_tokens: Mapping[str, int],
         view: str = "masked",
         negatives: str = "other_sequences",
-        num_negatives: int = 128,
+        num_negatives: Union[int, str] = 128,
         track_accuracy: bool = True,
     ) -> None:
         super().__init__()
@@ -99,11 +159,15 @@ def nce_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """BERT-NCE on the selected positions of `ids_key` (shared by `mlm-nce` and `infoword`)."""
     hidden = ctx.encode(ids_key).last_hidden
-    h_sel, targets, flat = gather_selected(hidden, ctx.batch[labels_key])
-    negative_ids = sampler(ctx.batch, flat, ctx.generator)
+    labels = ctx.batch[labels_key]
+    h_sel, targets, flat = gather_selected(hidden, labels)
+    negatives = sampler(ctx.batch, labels, flat, ctx.generator)
     op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy)
-    loss, acc = ctx.head(h_sel, op, targets, negative_ids)
-    metrics = {"selected_tokens": torch.tensor(float(targets.numel()), device=hidden.device)}
+    loss, acc = ctx.head(h_sel, op, targets, *negatives.op_args())
+    metrics = {
+        "selected_tokens": torch.tensor(float(targets.numel()), device=hidden.device),
+        "negatives": negatives.per_anchor(targets),
+    }
     if acc is not None:
         metrics["accuracy"] = acc
     return loss, metrics

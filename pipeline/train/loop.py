@@ -274,7 +274,8 @@ class Run:
                 lr = lr_at(step, cfg.optim, total)
                 set_lr(self.optimizer, lr)
 
-                sums, nonfinite_local, tokens_local = self.forward_backward(StepProgress(step, total), accum)
+                sums, nonfinite_local, tokens_local = self.forward_backward(
+                    StepProgress(step, total, accum * self.info.world_size), accum)
 
                 # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
                 host = torch.tensor([preemption.requested, tokens_local, self.flop_counter.pop()], dtype=torch.float64)

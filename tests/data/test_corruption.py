@@ -205,3 +205,62 @@ def test_list_of_samples_entry_point_matches_the_array_path() -> None:
     a, b = collator(samples), collator.collate(ids, starts, np.arange(10, 14))
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def packed_documents(seed: int = 0, seq_len: int = 48) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """FULL-packed rows (data_prep's Packer) of documents whose tokens name their document
+    (document d uses ids 100 * (d + 1) + ...), so a token's true document is known independently."""
+    from data_prep.packing import Packer
+
+    rng = np.random.default_rng(seed)
+    packer = Packer(seq_len, SPECIALS["cls"], SPECIALS["sep"], SPECIALS["pad"], mode="full")
+    rows = []
+    for d in range(30):
+        n = int(rng.integers(1, 40))
+        packer.add_document(100 * (d + 1) + rng.integers(0, 100, n), np.ones(n, dtype=np.uint8))
+        rows.extend(packer.ready())
+    rows.extend(packer.finish())
+    ids = np.stack([r[0] for r in rows])
+    return ids, np.stack([r[1] for r in rows]), ids // 100 - 1  # the true document of content ids
+
+
+def test_document_ids_number_the_documents_of_a_packed_row() -> None:
+    ids, starts, truth = packed_documents()
+    batch = collate(("original",), (ids, starts))
+    docs, special = batch["document_ids"].numpy(), batch["special_mask"].numpy()
+    assert (docs[special] == -1).all() and (docs[~special] >= 0).all()
+    several = 0
+    for i in range(len(ids)):
+        content = np.flatnonzero(~special[i])
+        true_docs = truth[i, content]
+        _, expected = np.unique(true_docs, return_inverse=True)  # 0, 1, ... in order of appearance
+        assert np.array_equal(docs[i, content], expected), i
+        several += expected.max() > 0
+    assert several > len(ids) // 2  # most rows really hold several documents
+
+
+def test_span_replacement_spanbert_80_10_10_per_span() -> None:
+    ids, starts = synthetic_rows(batch=1024, length=256)
+    default = collate(("span_masked",), (ids, starts))
+    batch = collate(("span_masked",), (ids, starts), span_mask_fraction=0.8, span_random_fraction=0.1)
+    assert torch.equal(batch["span_index"], default["span_index"])  # same spans, same labels
+    assert torch.equal(batch["span_labels"], default["span_labels"])
+    span_index, original, corrupted = batch["span_index"].numpy(), batch["input_ids"].numpy(), batch["span_masked_ids"].numpy()
+    outside = span_index < 0
+    assert np.array_equal(corrupted[outside], original[outside])
+    actions = []
+    for i in range(len(ids)):
+        for s in range(span_index[i].max() + 1):
+            where = span_index[i] == s
+            masked = corrupted[i, where] == SPECIALS["mask"]
+            same = corrupted[i, where] == original[i, where]
+            assert masked.all() or not masked.any()  # one decision per span (SpanBERT)
+            actions.append("mask" if masked.all() else "keep" if same.all() else "random")
+            if actions[-1] == "random":
+                assert (corrupted[i, where] >= 5).all()  # never a special token
+    actions = np.array(actions)
+    assert len(actions) > 5000
+    for action, share in (("mask", 0.8), ("random", 0.1), ("keep", 0.1)):
+        assert abs(np.mean(actions == action) - share) < 0.02, action  # > 5 sigma at 5,000 spans
+    with pytest.raises(ValueError, match="span_mask_fraction 0.9 \\+ span_random_fraction 0.2"):
+        CorruptionCollator(("span_masked",), SPECIALS, VOCAB, 0, span_mask_fraction=0.9, span_random_fraction=0.2)

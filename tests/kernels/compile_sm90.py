@@ -81,11 +81,13 @@ def variants():
     bm, bn, bd, warps = seq.SCORE_BLOCKS
     mm, mk, md, mwarps = seq.MATMUL_BLOCKS
     for dt, precision in (("*bf16", "tf32"), ("*fp32", "tf32x3")):
-        for batch_cols, same_view in ((True, True), (True, False), (False, True)):
-            yield (seq._scores_kernel, f"{dt[1:]} batch_cols={batch_cols} same_view={same_view}",
-                   dict(x_ptr=dt, x_norm_ptr="*fp32", y_ptr=dt, y_norm_ptr="*fp32", s_ptr="*fp32"), ("inv_tau", "eps"),
-                   dict(BATCH_COLS=batch_cols, SAME_VIEW=same_view, NORMALIZE=True, PRECISION=precision,
-                        BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd), warps)
+        for batch_cols, same_view, groups in ((True, True, False), (True, False, False), (False, True, False),
+                                              (True, False, True), (True, True, True)):
+            yield (seq._scores_kernel, f"{dt[1:]} batch_cols={batch_cols} same_view={same_view} groups={groups}",
+                   dict(x_ptr=dt, x_norm_ptr="*fp32", y_ptr=dt, y_norm_ptr="*fp32", s_ptr="*fp32", groups_ptr="*i64"),
+                   ("inv_tau", "eps"),
+                   dict(BATCH_COLS=batch_cols, SAME_VIEW=same_view, NORMALIZE=True, HAS_GROUPS=groups,
+                        PRECISION=precision, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=bd), warps)
         yield (seq._scaled_matmul_kernel, dt[1:],
                dict(a_ptr="*fp32", k_norm_ptr="*fp32", b_ptr=dt, out_ptr="*fp32"), ("inv_tau", "eps"),
                dict(NORMALIZE=True, SPLIT_HI_LO=dt == "*bf16", PRECISION=precision, BLOCK_M=mm, BLOCK_K=mk, BLOCK_D=md), mwarps)

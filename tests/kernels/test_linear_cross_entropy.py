@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pipeline.kernels import linear_cross_entropy as fused
+from pipeline.kernels import shared_negatives as fused_nce
 from pipeline.objectives import functional as ref
 from tests.kernels.helpers import assert_matches
 
@@ -113,3 +114,36 @@ def test_shape_errors_name_the_argument(device):
         fused.linear_cross_entropy(h, w, b, t[:3])
     with pytest.raises(ValueError, match="hidden"):
         fused.linear_cross_entropy(h[:, :5], w, b, t)
+
+
+def shared_negatives(device, rows, seed, groups=3, distinct=200):
+    """A shared negative multiset: `distinct` ids (some repeated) with per-group counts (zeros included)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (distinct,), generator=gen)
+    counts = torch.randint(0, 4, (groups, distinct), generator=gen)
+    anchor_groups = torch.randint(0, groups, (rows,), generator=gen)
+    return ids.to(device), counts.to(device), anchor_groups.to(device)
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_sampled_softmax_shared_negatives_match_reference(device, with_bias, monkeypatch):
+    monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * 2 * 250 * 20)  # several row chunks
+    h, w, b, t = make(device, seed=10)
+    ids, counts, groups = shared_negatives(device, TOKENS, seed=11)
+    t[::5] = ids[::5][: t[::5].numel()]  # targets that are also negatives (masked out for their row)
+    assert_matches(ref.sampled_softmax_cross_entropy, fused_nce.sampled_softmax_cross_entropy,
+                   [h, w, b if with_bias else None, t, ids, counts, groups], [0, 1, 2] if with_bias else [0, 1])
+
+
+def test_sampled_softmax_shared_negatives_edge_cases(device):
+    h, w, b, t = make(device, rows=6, seed=12)
+    ids, counts, groups = shared_negatives(device, 6, seed=13, distinct=30)
+    counts[:] = 0  # no negative at all: every row's loss is 0
+    loss, _ = assert_matches(ref.sampled_softmax_cross_entropy, fused_nce.sampled_softmax_cross_entropy,
+                             [h, w, b, t, ids, counts, groups], [0, 1, 2])
+    assert loss.item() == 0.0
+    loss, _ = assert_matches(ref.sampled_softmax_cross_entropy, fused_nce.sampled_softmax_cross_entropy,
+                             [h[:0], w, b, t[:0], ids, counts, groups[:0]], [0, 1, 2])
+    assert loss.item() == 0.0
+    with pytest.raises(ValueError, match=r"anchor_groups must be \[6\]"):
+        fused_nce.sampled_softmax_cross_entropy(h, w, b, t, ids, counts, groups[:2])

@@ -84,3 +84,29 @@ def test_mixed_dtypes_compute_in_the_widest(device):
                               lambda x, y: fused.sequence_contrastive_loss(x, y, 0.1, q), [a16, b], [0, 1],
                               rtol=8e-3, atol=1e-5)  # a's gradient is rounded to bf16 on both sides
     assert grads[0].dtype == torch.bfloat16 and grads[1].dtype == torch.float32
+
+
+@pytest.mark.parametrize("normalize,symmetric,same_view", FLAGS)
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_groups_and_reduction_match_reference(device, normalize, symmetric, same_view, reduction):
+    """InfoWord's several n-grams per sentence (groups) and CAPT's Eq. 4 sum, over 2 x 2 tiles."""
+    a, b, q = make(device, batch=70, queue=9, seed=6)
+    groups = (torch.arange(70) // 3).to(device)  # pairs of one group are not each other's negatives
+    tau = 0.1 if normalize else 5.0
+    kwargs = dict(normalize=normalize, symmetric=symmetric, same_view_negatives=same_view, groups=groups,
+                  reduction=reduction)
+    _, grads = assert_matches(lambda x, y: ref.sequence_contrastive_loss(x, y, tau, q, **kwargs),
+                              lambda x, y: fused.sequence_contrastive_loss(x, y, tau, q, **kwargs), [a, b], [0, 1])
+    assert all(g.abs().max() > 0 for g in grads)
+
+
+def test_groups_exclude_exactly_the_same_group_pairs(device):
+    a, b, _ = make(device, seed=7)
+    kwargs = dict(symmetric=False, same_view_negatives=False)
+    distinct = torch.arange(BATCH, device=device)
+    plain = fused.sequence_contrastive_loss(a, b, 0.1, **kwargs)
+    torch.testing.assert_close(fused.sequence_contrastive_loss(a, b, 0.1, groups=distinct, **kwargs), plain)
+    one_group = torch.zeros(BATCH, dtype=torch.long, device=device)  # every other pair excluded: only the positive
+    assert fused.sequence_contrastive_loss(a, b, 0.1, groups=one_group, **kwargs).abs().item() < 1e-6
+    with pytest.raises(ValueError, match=r"groups must be \[5\]"):
+        fused.sequence_contrastive_loss(a, b, 0.1, groups=distinct[:2])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pipeline.data.corruption import document_ids
 from pipeline.model.encoder import build_encoder_config
 from pipeline.model.pretrainer import PretrainModel
 
@@ -72,6 +73,7 @@ def make_batch(batch_size: int = 4, seq_len: int = 24, seed: int = 0, vocab: int
         "special_mask": special_mask,
         "word_starts": word_starts,
         "sample_index": torch.arange(batch_size) + seed * batch_size,
+        "document_ids": torch.from_numpy(document_ids(input_ids.numpy(), special_mask.numpy(), sep)),
         "masked_ids": masked_ids,
         "mlm_labels": mlm_labels,
         "span_masked_ids": span_ids,

@@ -107,6 +107,45 @@ def test_sampled_softmax_with_full_vocabulary_equals_cross_entropy():
     )
 
 
+def naive_nce_every_token(h, w, b, t, anchor_seq, pool_ids, pool_seq):
+    """BERT-NCE whose negatives are every pool token (each occurrence) of the *other* sequences."""
+    losses = []
+    for n in range(h.shape[0]):
+        pos = torch.exp(w[t[n]] @ h[n] + b[t[n]])
+        denom = pos.clone()
+        for v, seq in zip(pool_ids.tolist(), pool_seq.tolist()):
+            if seq != anchor_seq[n] and v != t[n]:
+                denom = denom + torch.exp(w[v] @ h[n] + b[v])
+        losses.append(-torch.log(pos / denom))
+    return torch.stack(losses).mean()
+
+
+def test_sampled_softmax_shared_layout_is_every_token_of_the_other_sequences():
+    n, v, hsz, seqs = 7, 13, 5, 3
+    hidden, weight, bias = leaf(n, hsz), leaf(v, hsz, seed=1), leaf(v, seed=2)
+    g = torch.Generator().manual_seed(3)
+    pool_ids = torch.randint(0, v, (40,), generator=g)  # repeated ids, as in real text
+    pool_seq = torch.sort(torch.randint(0, seqs, (40,), generator=g)).values
+    anchor_seq = torch.randint(0, seqs, (n,), generator=g)
+    targets = pool_ids[torch.randint(0, 40, (n,), generator=g)]  # targets also occur as negatives
+    ids = torch.tensor([3, 0, 5, 7, 3, 1, 2, 4, 6, 8, 9, 10, 11, 12])  # every id; 3 twice (counts add up)
+    counts = torch.zeros(seqs, ids.numel(), dtype=torch.long)
+    for s in range(seqs):  # occurrences outside sequence s, all put on the first copy of each id
+        for tok, seq in zip(pool_ids.tolist(), pool_seq.tolist()):
+            if seq != s:
+                counts[s, (ids == tok).nonzero()[0, 0]] += 1
+    refs = [twin(hidden), twin(weight), twin(bias)]
+    shared = Fn.sampled_softmax_cross_entropy(hidden, weight, bias, targets, ids, counts, anchor_seq)
+    check(shared, naive_nce_every_token(*refs, targets, anchor_seq, pool_ids, pool_seq), [hidden, weight, bias], refs)
+    # the same multiset as per-row negatives (padded with the target, which is masked out)
+    rows = [[tok for tok, seq in zip(pool_ids.tolist(), pool_seq.tolist()) if seq != anchor_seq[i]] for i in range(n)]
+    width = max(map(len, rows))
+    per_row = torch.tensor([r + [int(targets[i])] * (width - len(r)) for i, r in enumerate(rows)])
+    assert_close(Fn.sampled_softmax_cross_entropy(hidden, weight, bias, targets, per_row), shared)
+    with pytest.raises(ValueError, match=r"negative_counts must be \[G, 14\]"):
+        Fn.sampled_softmax_cross_entropy(hidden, weight, bias, targets, ids, counts[:, :3], anchor_seq)
+
+
 # ---- COCO-LM -------------------------------------------------------------------------------
 def naive_corrective_lm(h, w, b, copy_prob, corrupted, targets):
     losses = []
@@ -253,6 +292,51 @@ def test_sequence_contrastive_dot_product_dim_form():
     ).mean()
     actual = Fn.sequence_contrastive_loss(a, b, 1.0, normalize=False, symmetric=False, same_view_negatives=False)
     check(actual, expected, [a, b], [ra, rb])
+
+
+def naive_capt_eq4(s, s_hat, tau):
+    """CAPT Eq. 4 exactly: the *sum* of L(x_i) + L(x^_i) (Eq. 2, 3) over the n pairs."""
+    s = [x / x.norm() for x in s]
+    s_hat = [x / x.norm() for x in s_hat]
+
+    def loss(anchor, other, same, i):
+        den = sum(torch.exp(anchor[i] @ other[j] / tau) for j in range(len(s)))
+        den = den + sum(torch.exp(anchor[i] @ same[j] / tau) for j in range(len(s)) if j != i)
+        return -torch.log(torch.exp(anchor[i] @ other[i] / tau) / den)
+
+    return sum(loss(s, s_hat, s, i) + loss(s_hat, s, s_hat, i) for i in range(len(s)))
+
+
+def test_sequence_contrastive_sum_is_capt_eq4_and_mean_divides_by_2n():
+    a, b = leaf(5, 6), leaf(5, 6, seed=1)
+    refs = [twin(a), twin(b)]
+    total = Fn.sequence_contrastive_loss(a, b, 0.2, reduction="sum")
+    check(total, naive_capt_eq4(*refs, 0.2), [a, b], refs)
+    assert_close(Fn.sequence_contrastive_loss(a, b, 0.2) * 10, total)  # mean = sum / 2n
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        Fn.sequence_contrastive_loss(a, b, 0.2, reduction="avg")
+
+
+def naive_dim_pairs(sentences, ngrams, owner, extra, tau):
+    """InfoWord I_DIM with several n-grams per sentence: pair m = (sentence owner[m], n-gram m);
+    negatives = the n-grams of the other sentences and the extra rows (other ranks)."""
+    losses = []
+    for m in range(ngrams.shape[0]):
+        a = sentences[owner[m]]
+        num = torch.exp(a @ ngrams[m] / tau)
+        den = num + sum(torch.exp(a @ ngrams[j] / tau) for j in range(ngrams.shape[0]) if owner[j] != owner[m])
+        den = den + sum(torch.exp(a @ q / tau) for q in extra.detach())
+        losses.append(-torch.log(num / den))
+    return torch.stack(losses).mean()
+
+
+def test_sequence_contrastive_groups_give_infoword_dim_with_several_ngrams():
+    sentences, ngrams, extra = leaf(4, 6, scale=0.5), leaf(9, 6, seed=1, scale=0.5), leaf(5, 6, seed=2, scale=0.5)
+    owner = torch.tensor([0, 0, 0, 1, 2, 2, 3, 3, 3])
+    refs = [twin(sentences), twin(ngrams)]
+    actual = Fn.sequence_contrastive_loss(sentences[owner], ngrams, 0.7, extra, normalize=False, symmetric=False,
+                                          same_view_negatives=False, groups=owner)
+    check(actual, naive_dim_pairs(*refs, owner, twin(extra), 0.7), [sentences, ngrams], refs)
 
 
 def test_adaptive_temperature_inverted_triangle():

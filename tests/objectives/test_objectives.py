@@ -329,3 +329,35 @@ def test_mlm_is_cross_entropy_of_the_tied_head_at_selected_positions():
     sel = labels != -100
     assert metrics["mlm/accuracy"].item() == pytest.approx((logits[sel].argmax(-1) == labels[sel]).float().mean().item())
     assert model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+
+
+def test_cocolm_copy_loss_counts_non_pad_positions_only():
+    """L_copy = mean over non-pad positions of BCE(sigmoid(w . h_i), 1[x^MLM_i == x_i]) (COCO-LM Sec. 3.1),
+    recomputed position by position; padding (where x^MLM == x trivially) must not enter the mean."""
+    from pipeline.seeding import sampling_seed
+
+    model = tiny_model({"cocolm": 1.0}, dropout=0.0, attention_dropout=0.0)
+    batch = make_batch(batch_size=4, seq_len=24, seed=7)
+    mask = batch["attention_mask"]
+    assert (mask == 0).sum() >= 8  # the rows are padded
+    _, metrics = model(batch)
+    objective = model.objectives["cocolm"]
+    gen = torch.Generator().manual_seed(sampling_seed(0, int(batch["sample_index"][0])))
+    _, replaced, _, _ = objective.generate(StepContext(model.bert, model.cls, batch, StepProgress(), gen, "torch"))
+    h = model.bert(replaced, mask).last_hidden
+    terms = []
+    for i in range(mask.shape[0]):
+        for j in range(mask.shape[1]):
+            if mask[i, j]:
+                p = torch.sigmoid(objective.copy_head(h[i, j]))[0]
+                terms.append(-torch.log(p) if replaced[i, j] == batch["input_ids"][i, j] else -torch.log(1 - p))
+    assert metrics["cocolm/copy_loss"].item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-5)
+    # and more padding changes nothing
+    wide = {k: (F.pad(v, (0, 8)) if v.dim() == 2 and k != "special_mask" else v) for k, v in batch.items()}
+    wide["special_mask"] = F.pad(batch["special_mask"], (0, 8), value=True)
+    wide["document_ids"] = F.pad(batch["document_ids"], (0, 8), value=-1)
+    for key in ("mlm_labels", "span_labels"):
+        wide[key] = F.pad(batch[key], (0, 8), value=-100)
+    wide["span_index"] = F.pad(batch["span_index"], (0, 8), value=-1)
+    model_wide = tiny_model({"cocolm": 1.0}, dropout=0.0, attention_dropout=0.0)
+    assert model_wide(wide)[1]["cocolm/copy_loss"].item() == pytest.approx(metrics["cocolm/copy_loss"].item(), rel=1e-5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.objectives.sampling import sample_from_other_rows, sample_one_per_row, sample_window_positives
+from pipeline.objectives.sampling import sample_from_other_groups, sample_per_row, sample_window_positives
 from pipeline.objectives.taco import sample_taco_indices
 
 
@@ -15,7 +15,7 @@ def gen(seed: int = 0) -> torch.Generator:
 def test_other_row_samples_never_hit_the_anchor_row_and_cover_all_others_uniformly():
     candidate_rows = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
     anchor_rows = torch.tensor([0, 1, 2, 3])
-    picks = sample_from_other_rows(candidate_rows, anchor_rows, 4, 20000, gen())
+    picks = sample_from_other_groups(candidate_rows, anchor_rows, 4, 20000, gen())
     assert picks.shape == (4, 20000)
     for a, row in enumerate(anchor_rows.tolist()):
         hit_rows = candidate_rows[picks[a]]
@@ -28,14 +28,14 @@ def test_other_row_samples_never_hit_the_anchor_row_and_cover_all_others_uniform
 
 
 def test_other_row_sampling_falls_back_when_only_one_row_has_candidates():
-    picks = sample_from_other_rows(torch.tensor([1, 1, 1]), torch.tensor([1]), 3, 50, gen())
+    picks = sample_from_other_groups(torch.tensor([1, 1, 1]), torch.tensor([1]), 3, 50, gen())
     assert picks.min() >= 0 and picks.max() <= 2
 
 
 def test_other_row_sampling_is_reproducible():
     rows = torch.tensor([0, 0, 1, 1, 2])
-    a = sample_from_other_rows(rows, torch.tensor([0, 2]), 3, 7, gen(5))
-    b = sample_from_other_rows(rows, torch.tensor([0, 2]), 3, 7, gen(5))
+    a = sample_from_other_groups(rows, torch.tensor([0, 2]), 3, 7, gen(5))
+    b = sample_from_other_groups(rows, torch.tensor([0, 2]), 3, 7, gen(5))
     assert torch.equal(a, b)
 
 
@@ -70,11 +70,14 @@ def test_taco_indices_shapes_and_membership():
     assert eligible.reshape(-1)[negatives].all()
 
 
-def test_one_per_row():
-    cand = torch.tensor([[False, True, True], [False, False, False], [True, False, False]])
-    col, has = sample_one_per_row(cand, gen())
-    assert has.tolist() == [True, False, True]
-    assert col[0] in (1, 2) and col[2] == 0
+def test_per_row_picks_up_to_k_distinct_candidates_uniformly():
+    cand = torch.tensor([[False, True, True, True], [False, False, False, False], [True, False, False, False]])
+    for k in (1, 2, 5):
+        chosen = sample_per_row(cand, k, gen(k))
+        assert not (chosen & ~cand).any()
+        assert chosen.sum(1).tolist() == [min(k, 3), 0, 1]
+    hits = sum(sample_per_row(cand, 2, gen(s))[0].long() for s in range(3000))
+    assert torch.allclose(hits[1:].float() / 3000, torch.full((3,), 2 / 3), atol=0.04)  # each of 3 columns: 2/3
 
 
 def test_taco_max_anchors_subsamples_without_repetition():

@@ -8,6 +8,8 @@ optimizer moments, data position, objective state (CAPT's queue) and every rando
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -16,17 +18,32 @@ from tests.train.runs import metric_rows, module_state, run_inprocess, tag_dir
 STEPS = ["train.total_steps=4", "train.checkpoint_every=2", "train.keep_last=3"]
 
 
-@pytest.mark.parametrize("preset", ["tiny-mlm", "tiny-taco", "tiny-capt", "tiny-cocolm", "tiny-infoword"])
-def test_resume_is_bitwise_exact(preset, tiny_shards_dir, tmp_path):
+#: the scale options of the objectives (issue 14): every n-gram per sentence, NCE over every token,
+#: SpanBERT span replacement (new corruption streams), CAPT's Eq. 4 sum with global in-batch negatives
+SCALE_OPTIONS = {
+    "tiny-infoword": ["objective_options.infoword.num_negatives=all", "objective_options.infoword.ngrams_per_sentence=all",
+                      "data.corruption.span_mask_fraction=0.8", "data.corruption.span_random_fraction=0.1"],
+    "tiny-capt": ["objective_options.capt.reduction=sum", "objective_options.capt.batch_negatives=global"],
+}
+
+
+@pytest.mark.parametrize("preset, options", [(p, []) for p in ("tiny-mlm", "tiny-taco", "tiny-capt", "tiny-cocolm", "tiny-infoword")]
+                         + [(p, o) for p, o in SCALE_OPTIONS.items()])
+def test_resume_is_bitwise_exact(preset, options, tiny_shards_dir, tmp_path):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    assert run_inprocess(preset, tiny_shards_dir, full, *STEPS) == 0
-    assert run_inprocess(preset, tiny_shards_dir, resumed, *STEPS, f"train.resume={tag_dir(full, 2)}") == 0
+    assert run_inprocess(preset, tiny_shards_dir, full, *STEPS, *options) == 0
+    assert run_inprocess(preset, tiny_shards_dir, resumed, *STEPS, *options, f"train.resume={tag_dir(full, 2)}") == 0
 
     expected, got = metric_rows(full), metric_rows(resumed)
     assert sorted(got) == [3, 4]  # a fresh directory: only the resumed steps are logged...
     for step in (3, 4):
         assert got[step] == expected[step], f"{preset}: step {step} differs after resume"
     assert expected[3]["loss"] != expected[4]["loss"]  # ...and the compared values really move
+    if preset == "tiny-infoword" and options:  # the options are in effect
+        assert expected[3]["infoword/dim_pairs"] > expected[3]["infoword/dim_sentences"]
+        assert expected[3]["infoword/negatives"] > 16  # more than the preset's per-position draws
+    if preset == "tiny-capt" and options:  # a sum over 2b terms: far above the per-term log(negatives + 1)
+        assert expected[3]["capt/loss"] > 4 * math.log(expected[3]["capt/negatives"] + 1)
 
     final_full, final_resumed = module_state(tag_dir(full, 4)), module_state(tag_dir(resumed, 4))
     assert final_full.keys() == final_resumed.keys()
