@@ -16,10 +16,14 @@ from pipeline.seeding import seed_init
 
 def build_pretrain_model(encoder_config: EncoderConfig, objectives: Mapping[str, float],
                          special_tokens: Mapping[str, int], objective_options: Mapping[str, Mapping[str, Any]],
-                         seed: int = 0, kernels: str = "auto") -> PretrainModel:
-    """A freshly initialised `PretrainModel` (initial weights from the `init` stream of `seed`)."""
+                         seed: int = 0, kernels: str = "auto", attention: str = "auto",
+                         compile_layers: bool = False) -> PretrainModel:
+    """A freshly initialised `PretrainModel` (initial weights from the `init` stream of `seed`);
+    `attention` / `compile_layers` are `model.attention` / `model.compile` (they change how the
+    layers run, never the weights)."""
     seed_init(seed)
-    return PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels)
+    return PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels,
+                         attention=attention, compile_layers=compile_layers)
 
 
 def model_from_meta(meta: Any) -> PretrainModel:

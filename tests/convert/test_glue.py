@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline import glue
+from pipeline.eval import glue
 
 
 def _write(path: Path, header: list[str] | None, rows: list[list[str]]) -> None:
