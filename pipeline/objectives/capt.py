@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from pipeline.batch import VIEW_INPUTS, choose_view
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
 from pipeline.objectives.functional import adaptive_temperature
 from pipeline.objectives.memory_queue import MemoryQueue
 
@@ -93,9 +93,9 @@ class ContrastivePretraining(Objective):
         if self.queue is not None and self.training:
             self.queue.enqueue(torch.cat([s, s_hat]).detach(), gather=self.gather_queue)
         metrics = {
-            "tau": torch.tensor(tau, device=s.device),
+            "tau": scalar_metric(tau, s.device),
             "positive_cosine": (s * s_hat).sum(-1).mean().detach(),
-            "queue_rows": torch.tensor(float(len(self.queue) if self.queue else 0), device=s.device),
+            "queue_rows": scalar_metric(len(self.queue) if self.queue else 0, s.device),
         }
         return loss, metrics
 

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
 from pipeline.objectives.mlm_nce import NegativeTokenSampler, nce_loss
 from pipeline.objectives.sampling import sample_one_per_row
 
@@ -110,7 +110,7 @@ class InfoWord(Objective):
             sentence[rows], ngram, self.tau, None,
             normalize=self.score == "cosine", symmetric=False, same_view_negatives=False,
         )
-        return loss, torch.tensor(float(rows.numel()), device=sentence.device)
+        return loss, scalar_metric(rows.numel(), sentence.device)
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
         mlm, metrics = nce_loss(ctx, "span_masked_ids", "span_labels", self.sampler, self.track_accuracy)

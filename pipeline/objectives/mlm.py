@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Optional
 
-import torch
 from torch import Tensor
 
 from pipeline.batch import gather_selected, masked_view_keys, positions_key

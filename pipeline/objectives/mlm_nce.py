@@ -24,10 +24,10 @@ from typing import Mapping
 import torch
 from torch import Tensor
 
-from pipeline.batch import content_tokens, gather_selected, masked_view_keys, special_ids
+from pipeline.batch import content_tokens, gather_selected, masked_view_keys, positions_key, special_ids
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
 from pipeline.objectives.mlm import with_accuracy
 from pipeline.objectives.sampling import sample_from_other_rows
 
@@ -99,11 +99,11 @@ def nce_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """BERT-NCE on the selected positions of `ids_key` (shared by `mlm-nce` and `infoword`)."""
     hidden = ctx.encode(ids_key).last_hidden
-    h_sel, targets, flat = gather_selected(hidden, ctx.batch[labels_key])
+    h_sel, targets, flat = gather_selected(hidden, ctx.batch[labels_key], ctx.batch.get(positions_key(labels_key)))
     negative_ids = sampler(ctx.batch, flat, ctx.generator)
     op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy)
     loss, acc = ctx.head(h_sel, op, targets, negative_ids)
-    metrics = {"selected_tokens": torch.tensor(float(targets.numel()), device=hidden.device)}
+    metrics = {"selected_tokens": scalar_metric(targets.numel(), hidden.device)}
     if acc is not None:
         metrics["accuracy"] = acc
     return loss, metrics

@@ -139,3 +139,12 @@ def test_make_batch_helper_has_the_batch_contract(tiny_shards_dir: Path) -> None
     for key in ("special_mask", "word_starts"):
         assert batch[key].dtype == torch.bool
     assert batch["attention_mask"].dtype == batch["crop_attention_mask"].dtype == torch.int64
+
+
+@pytest.mark.gpu
+def test_batches_are_pinned_for_asynchronous_copies(tiny_shards_dir: Path) -> None:
+    for workers in (0, 1):
+        reader = _reader(tiny_shards_dir, 4, 1, 0, 1, workers=workers)
+        reader.pin_memory = True
+        batch = next(reader)
+        assert all(v.is_pinned() for v in batch.values()), workers

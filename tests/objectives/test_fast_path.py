@@ -127,3 +127,24 @@ def test_copy_loss_mask_equals_the_gathered_mean():
     gathered = functional.copy_loss(logits[keep], original[keep])
     assert masked.item() == pytest.approx(gathered.item(), rel=1e-6)
     assert math.isclose(functional.copy_loss(logits, original, torch.zeros(30)).item(), 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mlm", "cocolm"])
+def test_no_device_sync_in_the_step_on_cuda(name):
+    """What the CPU test above infers, observed: CUDA's sync debug mode raises on any synchronising
+    call during a forward + backward with the fused kernels (after one warm-up step)."""
+    from pipeline.batch import move_batch
+
+    model = tiny_model({name: 1.0}).cuda()
+    model.kernels = "auto"
+    batch = move_batch(collated(model), torch.device("cuda"))
+    model(batch, sampling_seed=1)[0].backward()  # lazy initialisation, allocator, kernel probes
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, _ = model(batch, sampling_seed=1)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss)
