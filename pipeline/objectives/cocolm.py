@@ -11,7 +11,8 @@
    computed without gradient and without dropout: `gumbel_max_sample` walks the vocabulary in
    chunks of `SAMPLE_CHUNK` columns (fp32 logits of one chunk at a time, never [N, V]) and keeps
    argmax_v (z_v + G_v), G_v ~ Gumbel(0, 1) drawn from `ctx.generator` — an exact sample of
-   softmax(z) (the Gumbel-max trick), reproducible from the micro-batch's stream. `sample_mode="eval"` (the public code's default) runs an extra no-grad pass with the
+   softmax(z) (the Gumbel-max trick), reproducible from the micro-batch's stream.
+   `sample_mode="eval"` (the public code's default) runs an extra no-grad pass with the
    generator and shared embeddings in eval mode; `"zero_dropout"` runs the generator without
    dropout always and samples from its (detached) training pass — one generator pass instead of two.
 3. Corrective LM on the main model's states h_i of X^MLM:
@@ -56,7 +57,8 @@ def gumbel_max_sample(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ge
 
         sample_n = argmax_v (z_nv + G_nv),  G = -log(-log U),  U ~ Uniform(0, 1) from `generator`
 
-    is distributed exactly as softmax(z_n) (Gumbel-max trick); the maximum over the whole
+    is distributed exactly as softmax(z_n) (the Gumbel-max trick: Gumbel 1954; Maddison, Tarlow and
+    Minka 2014, "A* Sampling", Sec. 2); the maximum over the whole
     vocabulary is the maximum of the chunk maxima, so only [N, chunk] fp32 logits (and noise)
     exist at a time. hidden [N, H], weight [V, H], bias [V]. Returns (samples [N], argmax [N]);
     ties keep the first column, like `torch.argmax`. The logits are fp32 (`fp32_logits`).
