@@ -30,6 +30,12 @@ in the training command, e.g. `--launcher "torchrun --nproc_per_node 2"` or
 (default `$SLURM_JOB_NUM_NODES` or 1) is recorded for `benchmarks/scaling.py`, which turns the
 JSON files of several node counts into scaling efficiency.
 
+Hugging Face baseline: `--hf-baseline` adds, per size x length x precision x micro-batch, a row
+`hf-bert`: `transformers.BertForMaskedLM` with SDPA attention in a plain torch loop with fused
+AdamW, on the same shards, micro-batches and precision (`benchmarks/hf_baseline.py`, one rank).
+Every pipeline row then gets `vs_hf_bert` = its tokens/s / hf-bert's tokens/s, printed with the
+MFU formula (`MFU_FORMULA`) next to the table.
+
 Output: `<out>/throughput.json`, `throughput.md` and PNG bar charts (tokens/s, overhead vs MLM,
 and MFU when measured), with hardware and library versions.
 """
@@ -54,6 +60,11 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable f
 from benchmarks.report import bar_chart, write_report  # noqa: E402
 
 OPTIONS_MODES = ("tiny", "paper")
+HF_ROW = "hf-bert"
+#: How MFU is computed (pipeline.train.metrics; the hf-bert row applies the same formula to the same model).
+MFU_FORMULA = ("MFU = FLOPs / (step time x devices x peak); FLOPs per micro-batch = 3 [n_layers (2 B s (4 h^2 + 2 h f) "
+               "+ 4 B s^2 h) + 2 N h^2 + 2 N h V] (Megatron-style; MLM head on the N predicted rows only; "
+               "backward = 2x forward; every extra encoder pass of an objective counted the same way)")
 
 
 @dataclass(frozen=True)
@@ -84,7 +95,7 @@ def parse_list(text: str, kind: type = str) -> list:
 
 
 def train_overrides(case: BenchCase, shards_dir: Path, run_dir: Path, steps: int, world_size: int,
-                    options: str, extra: Sequence[str]) -> list[str]:
+                    options: str, extra: Sequence[str], num_workers: int = 0) -> list[str]:
     """Dotted overrides of `pipeline.train` for one case (on top of the `tiny-<objective>` preset)."""
     overrides = [
         f"model.size={case.preset}", f"data.shards_dir={shards_dir}", f"data.seq_len={case.seq_len}",
@@ -92,7 +103,7 @@ def train_overrides(case: BenchCase, shards_dir: Path, run_dir: Path, steps: int
         f"deepspeed.config=zero{case.zero}", f"deepspeed.precision={case.precision}",
         f"train.total_steps={steps}", "train.log_every=1", f"train.checkpoint_every={steps}",
         "train.keep_last=1", "train.resume=never", "train.tensorboard=false", "train.progress_bar=false",
-        f"train.output_dir={run_dir}",
+        f"train.output_dir={run_dir}", f"data.num_workers={num_workers}",
     ]
     if options == "paper":
         overrides.append("objective_options={}")
@@ -138,6 +149,24 @@ def add_overhead_ratios(rows: list[dict]) -> None:
         row["overhead_vs_mlm"] = row["step_time_s"] / base if base and row.get("step_time_s") else None
 
 
+def add_hf_ratios(rows: list[dict]) -> list[str]:
+    """`vs_hf_bert` = tokens/s over the hf-bert row's of the same size, length, precision and micro-batch;
+    returns one printable line per pipeline row that has a baseline."""
+    def key(row: dict) -> tuple:
+        return tuple(row[k] for k in ("preset", "seq_len", "precision", "micro_batch"))
+
+    base = {key(r): r["tokens_per_s"] for r in rows if r["objective"] == HF_ROW and r.get("tokens_per_s")}
+    lines = []
+    for row in rows:
+        ref = base.get(key(row)) if row["objective"] != HF_ROW else None
+        row["vs_hf_bert"] = row["tokens_per_s"] / ref if ref and row.get("tokens_per_s") else None
+        if row["vs_hf_bert"] is not None:
+            lines.append(f"{row['objective']} {row['preset']} L{row['seq_len']} {row['precision']} mb{row['micro_batch']}"
+                         f" z{row['zero']}: {row['tokens_per_s']:.0f} / {ref:.0f} tokens/s = "
+                         f"{row['vs_hf_bert']:.2f}x {HF_ROW}")
+    return lines
+
+
 def last_error_line(log_text: str) -> str:
     """The most telling line of a failed run's log (an `error:` line, else the last exception line)."""
     lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
@@ -156,10 +185,16 @@ def run_case(case: BenchCase, shards_dir: Path, work_dir: Path, args: argparse.N
     run_dir = work_dir / "runs" / case.label
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    overrides = train_overrides(case, shards_dir, run_dir, args.warmup + args.steps, args.world_size,
-                                args.options, args.set)
-    launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
-    cmd = [*launcher, "-m", "pipeline.train", "--config", f"tiny-{case.objective}", *overrides]
+    if case.objective == HF_ROW:
+        cmd = [sys.executable, str(Path(__file__).resolve().parent / "hf_baseline.py"), "--shards", str(shards_dir),
+               "--size", case.preset, "--seq-len", str(case.seq_len), "--micro-batch", str(case.micro_batch),
+               "--precision", case.precision, "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--num-workers", str(args.num_workers), "--out", str(run_dir)]
+    else:
+        overrides = train_overrides(case, shards_dir, run_dir, args.warmup + args.steps, args.world_size,
+                                    args.options, args.set, args.num_workers)
+        launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
+        cmd = [*launcher, "-m", "pipeline.train", "--config", f"tiny-{case.objective}", *overrides]
     row: dict = {**asdict(case), "nodes": args.nodes, "world_size": args.world_size, "error": None}
     log_path = work_dir / "logs" / f"{case.label}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -213,9 +248,12 @@ def resolve_shards(args: argparse.Namespace, out: Path) -> dict[int, Path]:
 
 def cases(args: argparse.Namespace) -> Iterable[BenchCase]:
     objectives = list(dict.fromkeys(["mlm", *args.objectives] if args.with_mlm else args.objectives))
-    for preset, seq_len, zero, precision, micro, objective in itertools.product(
-            args.sizes, args.seq_lens, args.zero, args.precision, args.micro_batches, objectives):
-        yield BenchCase(objective, preset, seq_len, zero, precision, micro)
+    for preset, seq_len, precision, micro in itertools.product(args.sizes, args.seq_lens, args.precision,
+                                                               args.micro_batches):
+        if args.hf_baseline:  # no ZeRO in a plain torch loop: one row per shape, recorded as stage 0
+            yield BenchCase(HF_ROW, preset, seq_len, 0, precision, micro)
+        for zero, objective in itertools.product(args.zero, objectives):
+            yield BenchCase(objective, preset, seq_len, zero, precision, micro)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -233,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (allocator, autotuning, caches)")
     p.add_argument("--options", choices=OPTIONS_MODES, default="tiny", help="objective options: tiny presets' or papers'")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra pipeline.train override")
+    p.add_argument("--hf-baseline", action="store_true",
+                   help=f"add a '{HF_ROW}' row (transformers.BertForMaskedLM, plain torch loop) per shape")
+    p.add_argument("--num-workers", type=int, default=None,
+                   help="data.num_workers of every run (default: 2 with a GPU, 0 without)")
     p.add_argument("--shards", action="append", default=[], metavar="DIR", help="shard dir (one per seq len)")
     p.add_argument("--vocab-size", type=int, default=30522, help="vocabulary of synthetic shards")
     p.add_argument("--launcher", default="", help='command replacing "python", e.g. "torchrun --nproc_per_node 2"')
@@ -272,6 +314,14 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
             parser.error(f"{flag} {values}: each must be one of {allowed}")
     if args.steps < 1 or args.warmup < 0 or args.world_size < 1:
         parser.error("--steps >= 1, --warmup >= 0 and --world-size >= 1 required")
+    if args.hf_baseline and (args.world_size != 1 or args.launcher):
+        parser.error("--hf-baseline compares one device: use it without --launcher and with --world-size 1")
+    if args.num_workers is None:
+        import torch
+
+        args.num_workers = 2 if torch.cuda.is_available() else 0
+    elif args.num_workers < 0:
+        parser.error("--num-workers must be >= 0")
     return args
 
 
@@ -292,13 +342,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"[{i}/{len(all_cases)}] {case.label}", flush=True)
         rows.append(run_case(case, shards[case.seq_len], work, args))
     add_overhead_ratios(rows)
+    ratio_lines = add_hf_ratios(rows)
     for row in rows:
         row["config"] = f"{row['objective']}/{row['preset']}/L{row['seq_len']}/z{row['zero']}/{row['precision']}"
     data = {s: str(d) for s, d in shards.items()}
     notes = [f"{args.warmup} warm-up steps, then {args.steps} measured steps per configuration; step time = median",
              f"objective options: {args.options}; data: {'given shards' if args.shards else 'synthetic shards'} {data}",
              "overhead_vs_mlm = step time / MLM's step time (same size, length, ZeRO stage, precision, batch; "
-             "measured in this run)"]
+             "measured in this run)", MFU_FORMULA]
+    if args.hf_baseline:
+        notes.append(f"{HF_ROW}: transformers.BertForMaskedLM (SDPA attention, fused AdamW, autocast for bf16/fp16, "
+                     "plain torch loop, one device, no ZeRO) on the same shards and micro-batches; vs_hf_bert = "
+                     "tokens/s / its tokens/s")
+        notes += ratio_lines
+    print(MFU_FORMULA)
+    for line in ratio_lines:
+        print(line)
     paths = write_report(args.name, rows, out, "Pretraining throughput per objective", bar=("config", "tokens_per_s"),
                          notes=notes, extra={"args": vars(args)})
     ok = [r for r in rows if r.get("error") is None]

@@ -7,18 +7,26 @@ Every batch holds the `original` view's keys; objectives declare the further vie
 
 | view          | keys it adds                                   | built as                               |
 | ------------- | ---------------------------------------------- | -------------------------------------- |
-| `original`    | input_ids, attention_mask, special_mask, word_starts, sample_index, document_ids | the packed row |
-| `masked`      | masked_ids, mlm_labels                         | BERT: 15% selected, 80/10/10           |
-| `wwm_masked`  | masked_ids, mlm_labels                         | the same with whole-word selection     |
-| `span_masked` | span_masked_ids, span_labels, span_index       | InfoWord n-gram spans                  |
-| `crop`        | crop_ids, crop_attention_mask                  | COCO-LM contiguous crop                |
+| `original`    | input_ids, attention_mask, special_mask, word_starts, sample_index, document_ids, seqlens | the packed row |
+| `masked`      | masked_ids, mlm_labels, mlm_positions          | BERT: 15% selected, 80/10/10           |
+| `wwm_masked`  | masked_ids, mlm_labels, mlm_positions          | the same with whole-word selection     |
+| `span_masked` | span_masked_ids, span_labels, span_index, span_positions | InfoWord n-gram spans        |
+| `crop`        | crop_ids, crop_attention_mask, crop_seqlens    | COCO-LM contiguous crop, [B, W]: W = longest crop + 2 |
 | `shuffled`    | shuffled_ids                                   | CAPT window shuffle                    |
 
 Labels are the original token id at a selected position and `IGNORE_INDEX` elsewhere;
+`*_positions` [N] int64 are the flat (row-major into B*L) indices of those positions, computed by
+the collator on the host, so no objective needs a `nonzero` (a device sync) to find them;
 `span_index` numbers the spans of a row (-1 outside spans); `sample_index` is each row's global
 stream position (the key of every random draw, `pipeline.seeding`); `document_ids` numbers the
 documents of a packed row from 0 (FULL packing ends every document with a `[SEP]`, so a content
 token's document is the number of `[SEP]`s before it) and is -1 at structure tokens.
+
+Host keys (`HOST_KEYS`) stay on the CPU when the batch moves to the device (`move_batch`):
+`seqlens` / `crop_seqlens` [B] int64 count the real tokens of each row of a right-padded view
+(`seqlens_key(mask_key)` names them). The encoder reads them to choose its attention path
+without a device sync (`pipeline.model.attention`); a view without them (a batch built by hand,
+InfoWord's n-gram view) takes the masked reference path.
 
 Two special-token sets, each with one job:
   * `STRUCTURE_TOKENS` (pad, cls, sep) mark positions that are not content: they are never
@@ -28,7 +36,7 @@ Two special-token sets, each with one job:
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Optional
 
 import torch
 from torch import Tensor
@@ -39,11 +47,12 @@ IGNORE_INDEX = -100
 STRUCTURE_TOKENS = ("pad", "cls", "sep")
 
 VIEW_KEYS: dict[str, tuple[str, ...]] = {
-    "original": ("input_ids", "attention_mask", "special_mask", "word_starts", "sample_index", "document_ids"),
-    "masked": ("masked_ids", "mlm_labels"),
-    "wwm_masked": ("masked_ids", "mlm_labels"),
-    "span_masked": ("span_masked_ids", "span_labels", "span_index"),
-    "crop": ("crop_ids", "crop_attention_mask"),
+    "original": ("input_ids", "attention_mask", "special_mask", "word_starts", "sample_index", "document_ids",
+                 "seqlens"),
+    "masked": ("masked_ids", "mlm_labels", "mlm_positions"),
+    "wwm_masked": ("masked_ids", "mlm_labels", "mlm_positions"),
+    "span_masked": ("span_masked_ids", "span_labels", "span_index", "span_positions"),
+    "crop": ("crop_ids", "crop_attention_mask", "crop_seqlens"),
     "shuffled": ("shuffled_ids",),
 }
 VIEWS = tuple(VIEW_KEYS)
@@ -59,6 +68,12 @@ VIEW_INPUTS: dict[str, tuple[str, str]] = {
 }
 #: masked view -> its labels key
 VIEW_LABELS: dict[str, str] = {"masked": "mlm_labels", "wwm_masked": "mlm_labels", "span_masked": "span_labels"}
+#: attention-mask key -> host key of its rows' real-token counts
+SEQLENS_KEYS: dict[str, str] = {"attention_mask": "seqlens", "crop_attention_mask": "crop_seqlens"}
+#: labels key -> key of the flat positions it selects
+POSITIONS_KEYS: dict[str, str] = {"mlm_labels": "mlm_positions", "span_labels": "span_positions"}
+#: keys that stay on the host when a batch moves to the device
+HOST_KEYS = frozenset(SEQLENS_KEYS.values())
 
 
 def check_views(views: Iterable[str]) -> set[str]:
@@ -100,14 +115,46 @@ def content_tokens(batch: Mapping[str, Tensor]) -> Tensor:
     return batch["attention_mask"].bool() & ~batch["special_mask"].bool()
 
 
-def selected_positions(labels: Tensor) -> tuple[Tensor, Tensor]:
+def seqlens_key(mask_key: str) -> str:
+    """Name of the host key holding the real-token count per row of the view masked by `mask_key`."""
+    return SEQLENS_KEYS.get(mask_key, f"{mask_key}:seqlens")
+
+
+def positions_key(labels_key: str) -> str:
+    """Name of the key holding the flat positions that `labels_key` selects."""
+    return POSITIONS_KEYS.get(labels_key, f"{labels_key}:positions")
+
+
+def move_batch(batch: Mapping[str, Tensor], device: torch.device) -> dict[str, Tensor]:
+    """The batch on `device` (non-blocking copies; pinned sources make them asynchronous), except
+    `HOST_KEYS`, which stay where the host can read them without a device sync."""
+    return {k: v if k in HOST_KEYS else v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def right_padded_lengths(mask) -> Optional[Tensor]:
+    """[B] int64 real-token counts of a [B, L] 1/0 mask (numpy or torch, on the host) whose rows are
+    a run of ones followed by zeros; None when some row is not (its layout is then not vouched for)."""
+    keep = torch.as_tensor(mask).to("cpu", torch.bool)
+    lengths = keep.sum(1)
+    if not torch.equal(keep, torch.arange(keep.shape[1])[None, :] < lengths[:, None]):
+        return None
+    return lengths.to(torch.int64)
+
+
+def selected_positions(labels: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(targets [N], flat_positions [N]) of the selected positions (labels != IGNORE_INDEX),
-    row-major into the flattened [B*L] batch."""
-    flat = torch.nonzero(labels.reshape(-1) != IGNORE_INDEX).squeeze(1)
+    row-major into the flattened [B*L] batch. `positions` (the collator's `*_positions` key) avoids
+    the `nonzero`, which would make the host wait for the device."""
+    flat = positions if positions is not None else torch.nonzero(labels.reshape(-1) != IGNORE_INDEX).squeeze(1)
     return labels.reshape(-1)[flat], flat
 
 
-def gather_selected(hidden: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def batch_selected(batch: Mapping[str, Tensor], labels_key: str) -> tuple[Tensor, Tensor]:
+    """`selected_positions` of `batch[labels_key]`, with the collator's positions when the batch has them."""
+    return selected_positions(batch[labels_key], batch.get(positions_key(labels_key)))
+
+
+def gather_selected(hidden: Tensor, labels: Tensor, positions: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Rows of `hidden` [B, L, H] at the selected positions: (hidden [N, H], targets [N], flat [N])."""
-    targets, flat = selected_positions(labels)
+    targets, flat = selected_positions(labels, positions)
     return hidden.reshape(-1, hidden.shape[-1])[flat], targets, flat

@@ -29,8 +29,9 @@ class DataConfig:
     """Sequences per forward/backward on one rank."""
     grad_accum: Optional[int] = None
     """Micro-batches per step on each rank; default: derived from the global batch and the world size."""
-    num_workers: int = 0
-    """Data-loader worker processes per rank (0: collate in the training process)."""
+    num_workers: int = 2
+    """Data-loader worker processes per rank that collate (mask, crop, ...) while the step runs; 0 collates in the
+    training process between steps (the tiny CPU presets: their batches take microseconds)."""
     corruption: dict = field(default_factory=dict)
     """Keyword options of `pipeline.data.corruption.CorruptionCollator` (mask probability, crop ratio, ...)."""
 

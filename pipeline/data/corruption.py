@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import torch
 
-from pipeline.batch import IGNORE_INDEX, STRUCTURE_TOKENS, check_views, special_ids
+from pipeline.batch import IGNORE_INDEX, STRUCTURE_TOKENS, check_views, right_padded_lengths, special_ids
 from pipeline.seeding import CorruptionStream, hash_uniform, hash_uniform_at, span_rng
 
 
@@ -180,7 +180,9 @@ def crop(input_ids: np.ndarray, lengths: np.ndarray, u: np.ndarray, fraction: fl
     """COCO-LM crop: a random contiguous `fraction` of each row's content, re-wrapped as [CLS] .. [SEP].
 
     Content = positions 1 .. length-2; crop length = max(1, round(fraction * n)); the start is
-    uniform over the valid offsets. Returns (crop_ids, crop_attention_mask), both [B, L].
+    uniform over the valid offsets. Returns (crop_ids, crop_attention_mask), both [B, W] with
+    W = longest crop + 2 <= L: the columns after every row's [SEP] would be padding in every row,
+    and cutting them lets a batch of equal-length crops (packed rows) run without any padding.
     """
     batch, length = input_ids.shape
     n = np.maximum(lengths - 2, 0)
@@ -192,7 +194,8 @@ def crop(input_ids: np.ndarray, lengths: np.ndarray, u: np.ndarray, fraction: fl
     out = np.where(cols <= crop_len[:, None], out, pad_id)
     out[:, 0] = cls_id
     out[np.arange(batch), crop_len + 1] = sep_id
-    return out, (cols <= crop_len[:, None] + 1).astype(np.int64)
+    width = int(crop_len.max()) + 2 if batch else 2
+    return out[:, :width], (cols <= crop_len[:, None] + 1).astype(np.int64)[:, :width]
 
 
 def shuffle_within_window(input_ids: np.ndarray, candidates: np.ndarray, u: np.ndarray, window: int) -> np.ndarray:
@@ -288,6 +291,10 @@ class CorruptionCollator:
             "document_ids": document_ids(ids, special, self.special_tokens["sep"]),
         }
         width = ids.shape[1]
+        host: dict[str, torch.Tensor] = {}  # host-side layout keys (`pipeline.batch.HOST_KEYS`)
+        lengths = right_padded_lengths(attention)
+        if lengths is not None:
+            host["seqlens"] = lengths
 
         def uniform(stream: int) -> np.ndarray:
             return hash_uniform(self.seed, sample_index, stream, width)
@@ -304,6 +311,7 @@ class CorruptionCollator:
                 hash_uniform_at(self.seed, sample_index, CorruptionStream.RANDOM_TOKEN, rows, cols),
                 self.special_tokens["mask"], self._random_ids, self.mask_fraction, self.random_fraction,
             )
+            batch["mlm_positions"] = rows * width + cols  # np.nonzero is row-major: the flat order
         if "span_masked" in self.views:
             rngs = [span_rng(self.seed, int(i)) for i in sample_index]
             span_index = span_mask_rows(candidates, word_starts, rngs, **self.span)
@@ -318,11 +326,15 @@ class CorruptionCollator:
                 self.special_tokens["mask"], self._random_ids, self.span_mask_fraction, self.span_random_fraction,
             )
             batch["span_index"] = span_index
+            batch["span_positions"] = rows * width + cols  # np.nonzero is row-major: the flat order
         if "crop" in self.views:
             batch["crop_ids"], batch["crop_attention_mask"] = crop(
                 ids, attention.sum(1), uniform(CorruptionStream.CROP)[:, 0], self.crop_fraction,
                 self.special_tokens["cls"], self.special_tokens["sep"], self.special_tokens["pad"],
             )
+            crop_lengths = right_padded_lengths(batch["crop_attention_mask"])
+            if crop_lengths is not None:
+                host["crop_seqlens"] = crop_lengths
         if "shuffled" in self.views:
             batch["shuffled_ids"] = shuffle_within_window(ids, candidates, uniform(CorruptionStream.SHUFFLE), self.shuffle_window)
-        return {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}
+        return {**{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}, **host}

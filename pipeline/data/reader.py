@@ -14,6 +14,11 @@ micro-step m of rank r reads positions c + (m * world + r) * micro ... + micro. 
 Each batch carries `sample_index` (the global positions); the collator keys its corruption by it
 (`pipeline.seeding`), so masks differ across epochs but are identical after a resume. The split
 G = micro x accum x world is a `pipeline.data.config.BatchPlan`.
+
+With `num_workers > 0` the micro-batches are collated in DataLoader worker processes, `prefetch`
+of them ahead per worker, while the training process runs the step; `pin_memory` (a GPU run) puts
+them in page-locked memory so the copy to the device is asynchronous. Micro-batch k is a pure
+function of (consumed samples, k), so workers change nothing in the stream.
 """
 from __future__ import annotations
 
@@ -125,6 +130,8 @@ class PretrainBatches:
         seed: int,
         consumed_samples: int = 0,
         num_workers: int = 0,
+        pin_memory: bool = False,
+        prefetch: int = 4,
     ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} outside [0, {plan.world_size})")
@@ -134,7 +141,7 @@ class PretrainBatches:
         self.plan = plan
         self.micro_batch_size, self.grad_accum, self.world_size = plan.micro_batch_size, plan.grad_accum, plan.world_size
         self.rank, self.seed = rank, seed
-        self.num_workers = num_workers
+        self.num_workers, self.pin_memory, self.prefetch = num_workers, pin_memory, prefetch
         self.consumed_samples = int(consumed_samples)
         self._micro_step = 0
         self._permutations: dict[int, np.ndarray] = {}
@@ -184,11 +191,15 @@ class PretrainBatches:
                     sampler=itertools.count(self._micro_step),
                     num_workers=self.num_workers,
                     persistent_workers=False,
+                    pin_memory=self.pin_memory,
+                    prefetch_factor=self.prefetch,
                 )
                 self._loader_iter = iter(loader)
             batch = next(self._loader_iter)
         else:
             batch = self.micro_batch(self.consumed_samples, self._micro_step)
+            if self.pin_memory:
+                batch = {k: v.pin_memory() for k, v in batch.items()}
         self._micro_step += 1
         if self._micro_step == self.grad_accum:
             self._micro_step = 0

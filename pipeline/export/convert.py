@@ -46,7 +46,7 @@ from pipeline.export.health_check import HealthReport, announce, check_health
 from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
 from pipeline.model.build import model_from_meta
-from pipeline.model.encoder import EncoderConfig
+from pipeline.model.encoder import EncoderConfig, fuse_qkv
 from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
 
@@ -247,6 +247,7 @@ def convert(
     model = model_from_meta(meta)
 
     state, source = consolidate_fp32_weights(tag_dir)
+    state = fuse_qkv(state)  # checkpoints written before Q, K and V were fused hold them separately
     check_state_dict(model, state, str(tag_dir))
     export = split_for_hf(model, state)
     if with_generator and export.generator is None:

@@ -1,9 +1,11 @@
 """The two-way state-dict adapter between `PretrainModel` and Hugging Face BERT.
 
 `PretrainModel` already uses `BertForMaskedLM` parameter names (`bert.*`, `cls.*`), so the main
-model is a key copy plus one rename: our `cls.predictions.decoder.bias` is HF's
-`cls.predictions.bias` (HF ties `decoder.bias` to it, and `decoder.weight` to the word embeddings,
-so neither tied tensor is written). What is not part of `BertForMaskedLM` is sorted as follows:
+model is a key copy plus two renames: our fused `attention.self.qkv` projection is split into HF's
+`query` / `key` / `value` (`pipeline.model.encoder.split_qkv`; `fuse_qkv` on the way in), and our
+`cls.predictions.decoder.bias` is HF's `cls.predictions.bias` (HF ties `decoder.bias` to it, and
+`decoder.weight` to the word embeddings, so neither tied tensor is written). What is not part of
+`BertForMaskedLM` is sorted as follows:
 
 * a generator inside an objective (COCO-LM): found by structure, not by name — an objective
   submodule that is a `BertLayerStack`, plus the module owning the objective's MLM head transform
@@ -29,7 +31,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from pipeline.model.encoder import BertLayerStack, EncoderConfig
+from pipeline.model.encoder import BertLayerStack, EncoderConfig, fuse_qkv, split_qkv
 from pipeline.model.heads import PredictionHeadTransform
 from pipeline.model.pretrainer import PretrainModel
 
@@ -71,14 +73,15 @@ class HFExport:
 def to_hf(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Our encoder + MLM head tensors (`bert.*`, `cls.*`) under `BertForMaskedLM`'s names.
 
-    A key copy plus one rename (`cls.predictions.decoder.bias` -> `cls.predictions.bias`); the tied
-    decoder weight is left out (HF re-ties it to the word embeddings). Other keys are ignored.
+    A key copy plus two renames (fused QKV -> query / key / value; `cls.predictions.decoder.bias` ->
+    `cls.predictions.bias`); the tied decoder weight is left out (HF re-ties it to the word
+    embeddings). Other keys are ignored.
     """
     out: dict[str, Tensor] = {}
     for key, value in state.items():
         if key.startswith("bert.") or (key.startswith("cls.") and key not in _HF_TIED):
             out[_HF_DECODER_BIAS if key == _OUR_DECODER_BIAS else key] = value
-    return out
+    return split_qkv(out)
 
 
 def from_hf(hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
@@ -86,10 +89,10 @@ def from_hf(hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str
 
     Accepts `BertForMaskedLM` / `BertForPreTraining` (`bert.*`, `cls.*`) and `BertModel`
     (`embeddings.*`, `encoder.*`, `pooler.*`, no head) state dicts, with the legacy LayerNorm names
-    `gamma`/`beta` read as `weight`/`bias`. The inverse of `to_hf`: `cls.predictions.bias` becomes
-    the decoder bias, the tied decoder weight is the word embeddings (so
-    `load_state_dict(strict=True)` works), and the position-id buffer, the pooler and the
-    next-sentence head (not part of pretraining here) are returned unused.
+    `gamma`/`beta` read as `weight`/`bias`. The inverse of `to_hf`: query / key / value become the
+    fused QKV projection, `cls.predictions.bias` becomes the decoder bias, the tied decoder weight is
+    the word embeddings (so `load_state_dict(strict=True)` works), and the position-id buffer, the
+    pooler and the next-sentence head (not part of pretraining here) are returned unused.
     """
     bare = not any(k.startswith(("bert.", "cls.")) for k in hf_state)  # BertModel: no "bert." prefix
     out: dict[str, Tensor] = {}
@@ -110,7 +113,7 @@ def from_hf(hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str
             unused.append(key)
     if _WORD_EMBEDDINGS in out:  # our decoder weight *is* the word-embedding Parameter: name it too
         out[_HF_TIED[0]] = out[_WORD_EMBEDDINGS]
-    return out, unused
+    return fuse_qkv(out), unused
 
 
 def check_state_dict(model: nn.Module, state: dict[str, Tensor], source: str) -> None:
@@ -215,7 +218,7 @@ def split_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
             if key.endswith(".decoder.weight") and not torch.equal(state[key], word_embeddings):
                 raise ExportError(f"{key}: the generator's output projection is not tied to the word embeddings")
         used.update(head_keys)
-        generator = GeneratorExport(obj_name, _generator_config(model.config, stack), gen_state)
+        generator = GeneratorExport(obj_name, _generator_config(model.config, stack), split_qkv(gen_state))
 
     heads = {k: state[k] for k in params if k not in used}
     unknown = sorted(k for k in heads if not k.startswith("objectives."))

@@ -20,6 +20,7 @@ KERNEL_MODES = ("auto", "triton", "torch")
 #: op name -> "module:function" of the Triton implementation (imported lazily).
 TRITON_OPS: dict[str, str] = {
     "linear_cross_entropy": "pipeline.kernels.linear_cross_entropy:linear_cross_entropy",
+    "linear_cross_entropy_with_accuracy": "pipeline.kernels.linear_cross_entropy:linear_cross_entropy_with_accuracy",
     "corrective_lm_loss": "pipeline.kernels.linear_cross_entropy:corrective_lm_loss",
     "sampled_softmax_cross_entropy": "pipeline.kernels.shared_negatives:sampled_softmax_cross_entropy",
     "token_contrastive_loss": "pipeline.kernels.token_contrastive:token_contrastive_loss",

@@ -1,7 +1,7 @@
 """Fused linear + cross-entropy for the MLM / generator heads, COCO-LM's corrective LM, and BERT-NCE.
 
 Same signatures and semantics as `pipeline.objectives.functional.{linear_cross_entropy,
-corrective_lm_loss, sampled_softmax_cross_entropy}`.
+linear_cross_entropy_with_accuracy, corrective_lm_loss, sampled_softmax_cross_entropy}`.
 
 Full-vocabulary losses (`linear_cross_entropy`, `corrective_lm_loss`):
 
@@ -10,6 +10,10 @@ Full-vocabulary losses (`linear_cross_entropy`, `corrective_lm_loss`):
         per row, one Triton program walks the vocabulary in BLOCK_V tiles with an online
         log-sum-exp, then writes dL/dZ = w_n * (softmax(Z + b) - onehot(t_n)) / count over Z
         dH_chunk  = dZ @ W ;  dW += dZ^T @ h_chunk ;  db += sum_rows dZ
+
+The same first pass also tracks each row's argmax (first index of the maximum, like
+`torch.argmax`), so MLM's accuracy metric costs no second vocabulary projection
+(`linear_cross_entropy_with_accuracy`).
 
 The gradients are computed in the forward pass (the loss is a scalar, so backward only scales them
 by the incoming gradient): the [chunk, V] buffer is reused chunk after chunk and no [N, V] tensor
@@ -50,9 +54,11 @@ def _softmax_xent_rows_kernel(
     targets_ptr,  # [R] int64
     copy_prob_ptr, corrupted_ptr,  # [R] copy probability and x^MLM (CORRECTIVE)
     loss_ptr,  # [R] fp32 per-row loss (0 for ignored rows)
+    correct_ptr,  # [R] fp32: 1 where the row's argmax is its target (ARGMAX)
     inv_count_ptr,  # [1] fp32: 1 / max(number of counted rows, 1)
     V, ignore_index, copy_prob_max,
-    HAS_BIAS: tl.constexpr, CORRECTIVE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr,
+    HAS_BIAS: tl.constexpr, CORRECTIVE: tl.constexpr, WRITE_GRAD: tl.constexpr, ARGMAX: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
@@ -62,19 +68,26 @@ def _softmax_xent_rows_kernel(
 
     # Pass 1: per-lane running max and rescaled sum of exponentials (online log-sum-exp).
     # -1e30 instead of -inf keeps exp(m_old - m_new) finite for lanes that saw nothing yet.
+    # With ARGMAX each lane also keeps the first column of its maximum (strict '>' keeps the first).
     m_lane = tl.full((BLOCK_V,), -1e30, tl.float32)
     l_lane = tl.zeros((BLOCK_V,), tl.float32)
+    i_lane = tl.zeros((BLOCK_V,), tl.int32) + V
     for v0 in range(0, V, BLOCK_V):
         cols = v0 + tl.arange(0, BLOCK_V)
         inside = cols < V
         z = tl.load(z_row + cols, mask=inside, other=float("-inf"))
         if HAS_BIAS:
             z += tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        if ARGMAX:
+            i_lane = tl.where(z > m_lane, cols, i_lane)
         m_new = tl.maximum(m_lane, z)
         l_lane = l_lane * tl.exp(m_lane - m_new) + tl.exp(z - m_new)
         m_lane = m_new
     m_row = tl.max(m_lane, axis=0)
     lse = m_row + tl.log(tl.sum(l_lane * tl.exp(m_lane - m_row), axis=0))
+    if ARGMAX:
+        best = tl.min(tl.where(m_lane == m_row, i_lane, V), axis=0)  # first column holding the row maximum
+        tl.store(correct_ptr + row, tl.where(valid & (best == target), 1.0, 0.0))
 
     z_target = tl.load(z_row + safe_target)
     if HAS_BIAS:
@@ -122,10 +135,12 @@ def softmax_xent_rows(
     ignore_index: int = -100,
     copy_prob: Optional[Tensor] = None,
     corrupted_ids: Optional[Tensor] = None,
+    correct_rows: Optional[Tensor] = None,
 ) -> None:
     """Launch the row kernel: per-row loss of scores `z` [R, V] (fp32, unit column stride) into
     `loss_rows` [R]; when `grad` is given, dL/dz scaled by `inv_count` ([1] fp32) written into it
-    (it may be `z` itself). Entries of `z` equal to -inf are excluded from the softmax."""
+    (it may be `z` itself); when `correct_rows` [R] is given, 1.0 where argmax(z + b) is the
+    target. Entries of `z` equal to -inf are excluded from the softmax."""
     rows, vocab = z.shape
     if rows == 0:
         return
@@ -137,10 +152,10 @@ def softmax_xent_rows(
         bias if bias is not None else z,
         targets,
         copy_prob if corrective else z, corrupted_ids if corrective else targets,
-        loss_rows, inv_count,
+        loss_rows, correct_rows if correct_rows is not None else loss_rows, inv_count,
         vocab, ignore_index, COPY_PROB_MAX,
         HAS_BIAS=bias is not None, CORRECTIVE=corrective, WRITE_GRAD=grad is not None,
-        BLOCK_V=block_v, num_warps=warps,
+        ARGMAX=correct_rows is not None, BLOCK_V=block_v, num_warps=warps,
     )
 
 
@@ -198,8 +213,10 @@ def _fused_forward(
     copy_prob: Optional[Tensor],
     corrupted_ids: Optional[Tensor],
     want: tuple[bool, bool, bool],
-) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """Loss and fp32 gradients (dH, dW, db; None where not wanted), chunk by chunk."""
+    with_accuracy: bool = False,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Loss, fp32 gradients (dH, dW, db; None where not wanted) and, with `with_accuracy`, the
+    fraction of counted rows whose argmax is the target — chunk by chunk."""
     rows, hid = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
@@ -224,6 +241,7 @@ def _fused_forward(
     grad_dtype = w_mat.dtype
 
     loss_rows = torch.empty(rows, device=device, dtype=torch.float32)
+    correct_rows = torch.zeros(rows, device=device, dtype=torch.float32) if with_accuracy else None
     d_hidden = torch.empty(rows, hid, device=device, dtype=torch.float32) if want_h else None
     d_weight = torch.zeros(vocab, hid, device=device, dtype=torch.float32) if want_w else None
     d_bias = torch.zeros(vocab, device=device, dtype=torch.float32) if want_b else None
@@ -240,6 +258,7 @@ def _fused_forward(
             z, targets[start:stop], loss_rows[start:stop], inv_count, grad, bias32, ignore_index,
             None if copy_prob is None else copy_prob[start:stop],
             None if corrupted_ids is None else corrupted_ids[start:stop],
+            None if correct_rows is None else correct_rows[start:stop],
         )
         if want_h:
             d_hidden[start:stop] = _mm(grad, w_mat, low_precision)
@@ -252,33 +271,39 @@ def _fused_forward(
             d_bias += grad.sum(0, dtype=torch.float32)
         del z, grad
     loss = (loss_rows.sum() * inv_count).reshape(())
-    return loss, d_hidden, d_weight, d_bias
+    accuracy = None if correct_rows is None else (correct_rows.sum() * inv_count).reshape(())
+    return loss, d_hidden, d_weight, d_bias, accuracy
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
-    """Loss forward; the gradients come from the forward pass and are scaled by grad_output."""
+    """(loss, accuracy) forward; the gradients come from the forward pass and are scaled by
+    grad_output. The accuracy (a metric: 0-d, no gradient) is NaN unless asked for."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, ignore_index, copy_prob, corrupted_ids, grad_enabled):
+    def forward(ctx, hidden, weight, bias, targets, ignore_index, copy_prob, corrupted_ids, grad_enabled,
+                with_accuracy):
         # needs_input_grad stays True under torch.no_grad(); grad_enabled (taken by the caller) does not.
         needs = [grad_enabled and n for n in ctx.needs_input_grad]
         want = (needs[0], needs[1], bias is not None and needs[2])
         with torch.autocast(device_type=hidden.device.type, enabled=False):
-            loss, dh, dw, db = _fused_forward(
+            loss, dh, dw, db, accuracy = _fused_forward(
                 hidden.contiguous(), weight.contiguous(), bias, targets.contiguous(), ignore_index,
-                copy_prob, corrupted_ids, want,
+                copy_prob, corrupted_ids, want, with_accuracy,
             )
+        if accuracy is None:
+            accuracy = torch.full((), float("nan"), device=hidden.device)
+        ctx.mark_non_differentiable(accuracy)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         ctx.save_for_backward(dh, dw, db)
-        return loss
+        return loss, accuracy
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_accuracy):
         dh, dw, db = ctx.saved_tensors
         grads = []
         for g, dtype in zip((dh, dw, db), ctx.dtypes):
             grads.append(None if g is None else (g * grad_loss).to(dtype))
-        return grads[0], grads[1], grads[2], None, None, None, None, None
+        return grads[0], grads[1], grads[2], None, None, None, None, None, None
 
 
 def _check_rows(name: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], **per_row: Tensor) -> None:
@@ -297,7 +322,19 @@ def linear_cross_entropy(
     """Fused `functional.linear_cross_entropy`: mean over non-ignored rows of
     -log softmax(W h_n + b)_{t_n}, 0 when every row is ignored. Targets must lie in [0, V)."""
     _check_rows("linear_cross_entropy", hidden, weight, bias, targets=targets)
-    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, None, None, torch.is_grad_enabled())
+    return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, None, None,
+                                          torch.is_grad_enabled(), False)[0]
+
+
+def linear_cross_entropy_with_accuracy(
+    hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, ignore_index: int = -100
+) -> tuple[Tensor, Tensor]:
+    """Fused `functional.linear_cross_entropy_with_accuracy`: the loss above and, from the same
+    pass over the scores, the fraction of non-ignored rows whose argmax is the target."""
+    _check_rows("linear_cross_entropy_with_accuracy", hidden, weight, bias, targets=targets)
+    loss, accuracy = _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, None, None,
+                                                    torch.is_grad_enabled(), True)
+    return loss, accuracy
 
 
 def corrective_lm_loss(
@@ -309,8 +346,8 @@ def corrective_lm_loss(
     _check_rows("corrective_lm_loss", hidden, weight, bias, copy_prob=copy_prob, corrupted_ids=corrupted_ids, targets=targets)
     return _FusedLinearCrossEntropy.apply(
         hidden, weight, bias, targets.contiguous(), -1, copy_prob.detach().contiguous(), corrupted_ids.contiguous(),
-        torch.is_grad_enabled(),
-    )
+        torch.is_grad_enabled(), False,
+    )[0]
 
 
 def sampled_softmax_cross_entropy(

@@ -18,12 +18,15 @@ from pipeline.seeding import seed_init
 
 def build_pretrain_model(encoder_config: EncoderConfig, objectives: Mapping[str, float],
                          special_tokens: Mapping[str, int], objective_options: Mapping[str, Mapping[str, Any]],
-                         seed: int = 0, kernels: str = "auto", init_from: Optional[str] = None) -> PretrainModel:
+                         seed: int = 0, kernels: str = "auto", init_from: Optional[str] = None,
+                         attention: str = "auto", compile_layers: bool = False) -> PretrainModel:
     """A freshly initialised `PretrainModel` (initial weights from the `init` stream of `seed`); with
     `init_from`, its `bert.*` (and MLM head, when the checkpoint has one) then come from that Hugging
-    Face BERT directory."""
+    Face BERT directory. `attention` / `compile_layers` are `model.attention` / `model.compile` (they
+    change how the layers run, never the weights)."""
     seed_init(seed)
-    model = PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels)
+    model = PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels,
+                          attention=attention, compile_layers=compile_layers)
     if init_from:
         from pipeline.model.warm_start import load_base_weights
 

@@ -6,6 +6,7 @@ from typing import Any, Mapping, Optional
 
 from pipeline.config.checks import ConfigError, check_choice, did_you_mean
 from pipeline.kernels import KERNEL_MODES
+from pipeline.model.attention import ATTENTION_MODES
 from pipeline.model.encoder import SIZE_PRESETS, EncoderConfig
 
 LAYERNORM_IMPLS = ("torch", "apex")
@@ -38,6 +39,14 @@ class ModelConfig:
     """Warm start: a local Hugging Face BERT directory (config.json, weights, tokenizer). Its config.json
     gives the shape (`size` is ignored), its weights initialise `bert.*` and the MLM head at a fresh start
     (never on resume); the shards must be built with its tokenizer (`pipeline.model.warm_start`)."""
+    attention: str = "auto"
+    """Attention path (`pipeline.model.attention`): `auto` (no mask when the collator says nothing is padded,
+    so SDPA can use flash; padded views unpadded to variable-length flash attention on a GPU, masked SDPA
+    elsewhere), `varlen` (unpadded whenever padded, also on the CPU), `masked` (the reference: always an
+    additive mask)."""
+    compile: bool = False
+    """`torch.compile` each encoder layer (regional, static shapes): fuses the elementwise work. Compiles once
+    per layer shape at start-up (seconds to minutes); the weights and the state dict are unchanged."""
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""
@@ -46,6 +55,9 @@ class ModelConfig:
                               f"choose one of {sorted(SIZE_PRESETS)}")
         check_choice(self.kernels, KERNEL_MODES, "model.kernels")
         check_choice(self.layernorm, LAYERNORM_IMPLS, "model.layernorm")
+        check_choice(self.attention, ATTENTION_MODES, "model.attention")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"model.compile={self.compile!r}: must be true or false")
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name}={getattr(self, name)}: must be in [0, 1)")

@@ -1,20 +1,34 @@
 """BERT-style encoder with Hugging Face BERT parameter names (the heads are in `pipeline.model.heads`).
 
-Parameter names follow `transformers.BertForMaskedLM` exactly (`bert.embeddings.*`,
-`bert.encoder.layer.N.*`, `cls.predictions.*`) so conversion is a key copy, not a rewrite.
-Attention uses `torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient
-kernels on GPU). The encoder returns both the last hidden state and the embedding-layer output,
-because TACO's global bias `g = h - e` needs the latter and keeping it costs nothing extra (it is
-saved for backward anyway).
+Parameter names follow `transformers.BertForMaskedLM` (`bert.embeddings.*`, `bert.encoder.layer.N.*`,
+`cls.predictions.*`) with one exception: Q, K and V are one fused projection
+`attention.self.qkv` ([3H, H] weight: the query rows, then key, then value), so the three
+projections are one GEMM. Every boundary speaks Hugging Face names: `split_qkv` / `fuse_qkv` here
+are the one home of that mapping (used by `pipeline.export.hf_adapter.to_hf` / `from_hf`, hence by
+conversion, the COCO-LM generator export and warm starts).
+
+Attention uses `torch.nn.functional.scaled_dot_product_attention`; which path a pass takes (no
+mask, so SDPA can pick the flash kernel; unpadded variable-length attention; or the masked
+reference) is decided on the host by `pipeline.model.attention`. `BertLayerStack.compile_layers`
+wraps each layer in `torch.compile` (`model.compile=true`): regional compilation, one graph per
+layer, which fuses the elementwise work (bias + GELU, dropout + residual + LayerNorm).
+The encoder returns both the last hidden state and the embedding-layer output, because TACO's
+global bias `g = h - e` needs the latter and keeping it costs nothing extra (it is saved for
+backward anyway).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from pipeline.model.attention import ATTENTION_MODES, VarlenLayout, plan_attention, varlen_attention
+
+#: What a layer receives about attention: nothing (dense), an additive bias (masked) or a layout (varlen).
+LayerAttention = Optional[Union[Tensor, VarlenLayout]]
 
 
 @dataclass(frozen=True)
@@ -88,24 +102,26 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
+    """Multi-head self-attention with one fused QKV projection (`qkv`: query, key, value rows)."""
+
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
         self.num_heads = cfg.num_heads
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.attention_dropout = cfg.attention_dropout
-        self.query = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.key = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.value = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
 
-    def forward(self, x: Tensor, attn_bias: Optional[Tensor]) -> Tensor:
-        b, l, h = x.shape
-
-        def heads(t: Tensor) -> Tensor:
-            return t.view(b, l, self.num_heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+    def forward(self, x: Tensor, attn: LayerAttention) -> Tensor:
+        """x [B, L, H] with `attn` None or a [B, 1, 1, L] bias; or x [T, H] with a `VarlenLayout`."""
         p = self.attention_dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=p)
+        qkv = self.qkv(x)
+        if isinstance(attn, VarlenLayout):
+            tokens = x.shape[0]
+            q, k, v = qkv.view(tokens, 3, self.num_heads, self.head_dim).unbind(1)
+            return varlen_attention(q, k, v, attn, p).reshape(tokens, -1)
+        b, l, h = x.shape
+        q, k, v = qkv.view(b, l, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn, dropout_p=p)
         return out.transpose(1, 2).reshape(b, l, h)
 
 
@@ -128,8 +144,8 @@ class BertAttention(nn.Module):
         self.self = BertSelfAttention(cfg)
         self.output = BertSelfOutput(cfg, cfg.hidden_size)
 
-    def forward(self, x: Tensor, attn_bias: Optional[Tensor]) -> Tensor:
-        return self.output(self.self(x, attn_bias), x)
+    def forward(self, x: Tensor, attn: LayerAttention) -> Tensor:
+        return self.output(self.self(x, attn), x)
 
 
 class BertIntermediate(nn.Module):
@@ -148,35 +164,65 @@ class BertLayer(nn.Module):
         self.intermediate = BertIntermediate(cfg)
         self.output = BertSelfOutput(cfg, cfg.ffn_size)
 
-    def forward(self, x: Tensor, attn_bias: Optional[Tensor]) -> Tensor:
-        a = self.attention(x, attn_bias)
+    def forward(self, x: Tensor, attn: LayerAttention) -> Tensor:
+        a = self.attention(x, attn)
         return self.output(self.intermediate(a), a)
 
 
 class BertLayerStack(nn.Module):
-    """`encoder.layer.N`: a stack of transformer layers (shared by the main model and COCO-LM's generator)."""
+    """`encoder.layer.N`: a stack of transformer layers (shared by the main model and COCO-LM's generator).
+
+    `attention` is the `model.attention` mode (`pipeline.model.attention`); `last_work` holds the
+    (tokens, sum of squared sequence lengths) the last pass really processed, for FLOP counting.
+    """
 
     def __init__(self, cfg: EncoderConfig, num_layers: Optional[int] = None) -> None:
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(cfg) for _ in range(num_layers or cfg.num_layers))
+        self.head_dim = cfg.hidden_size // cfg.num_heads
+        self.attention = "auto"
+        self.last_work: tuple[int, int] = (0, 0)
+        self._compiled: Optional[list[nn.Module]] = None  # a plain list: the state dict keeps its names
 
-    def forward(self, x: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
-        bias = attention_bias(attention_mask, x.dtype)
-        for layer in self.layer:
-            x = layer(x, bias)
+    def compile_layers(self) -> None:
+        """Wrap every layer in `torch.compile` (static shapes). The compiled layers run the passes
+        whose shape the collator fixes; the others (an n-gram view built per batch, unpadded
+        tokens) run the same layers eagerly, so a shape that changes per batch never recompiles."""
+        self._compiled = [torch.compile(layer, dynamic=False) for layer in self.layer]
+
+    def forward(self, x: Tensor, attention_mask: Optional[Tensor], seqlens: Optional[Tensor] = None) -> Tensor:
+        """x [B, L, H]; attention_mask [B, L] 1/0 or None; seqlens [B] host-side real-token counts."""
+        plan = plan_attention(x, attention_mask, seqlens, self.attention, self.head_dim)
+        self.last_work = (plan.tokens, plan.sum_sq)
+        if plan.kind == "varlen":
+            layout = plan.layout
+            assert layout is not None
+            hidden = x.reshape(-1, x.shape[-1]).index_select(0, layout.indices)  # [T, H]: real tokens only
+            for layer in self.layer:
+                hidden = layer(hidden, layout)
+            out = hidden.new_zeros(x.shape[0] * x.shape[1], hidden.shape[-1]).index_copy(0, layout.indices, hidden)
+            return out.view(x.shape[0], x.shape[1], -1)  # padding positions hold zeros
+        layers = self._compiled if self._compiled is not None and plan.static else self.layer
+        for layer in layers:
+            x = layer(x, plan.bias)
         return x
 
 
-def attention_bias(attention_mask: Optional[Tensor], dtype: torch.dtype) -> Optional[Tensor]:
-    """[B, L] 1/0 mask -> additive [B, 1, 1, L] bias for SDPA (None when nothing is padded)."""
-    if attention_mask is None:
-        return None
-    keep = attention_mask[:, None, None, :].to(torch.bool)
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, torch.finfo(dtype).min)
+def configure_layer_stacks(model: nn.Module, attention: str = "auto", compile_layers: bool = False) -> int:
+    """Set the attention mode of every `BertLayerStack` in `model` (main encoder, generators) and
+    optionally compile their layers; returns how many stacks were configured."""
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"model.attention={attention!r}: choose one of {ATTENTION_MODES}")
+    stacks = [m for m in model.modules() if isinstance(m, BertLayerStack)]
+    for stack in stacks:
+        stack.attention = attention
+        if compile_layers:
+            stack.compile_layers()
+    return len(stacks)
 
 
 class BertEncoder(nn.Module):
-    """`BertModel` without pooler: embeddings + layer stack. Keys match HF `bert.*`."""
+    """`BertModel` without pooler: embeddings + layer stack. Keys match HF `bert.*` (fused QKV aside)."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
@@ -189,9 +235,62 @@ class BertEncoder(nn.Module):
         input_ids: Tensor,
         attention_mask: Optional[Tensor] = None,
         token_type_ids: Optional[Tensor] = None,
+        seqlens: Optional[Tensor] = None,
     ) -> EncoderOutput:
+        """`seqlens`: the host-side real-token count of every row (`pipeline.batch.seqlens_key`); it
+        lets the attention path be chosen without a device sync. Without it, a mask means the
+        masked reference path."""
         e = self.embeddings(input_ids, token_type_ids)
-        return EncoderOutput(self.encoder(e, attention_mask), e)
+        return EncoderOutput(self.encoder(e, attention_mask, seqlens), e)
+
+
+_QKV = "attention.self.qkv."
+_SEPARATE = ("query", "key", "value")
+
+
+def split_qkv(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Fused `...attention.self.qkv.{weight,bias}` -> Hugging Face's `...attention.self.{query,key,value}.*`
+    (any prefix: the main encoder or a generator); other keys are copied. Row order: q, k, v."""
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        head, found, param = key.rpartition(_QKV)
+        if found and param in ("weight", "bias"):
+            for name, part in zip(_SEPARATE, value.chunk(3, dim=0)):
+                out[f"{head}attention.self.{name}.{param}"] = part
+        else:
+            out[key] = value
+    return out
+
+
+def _separate_name(key: str) -> Optional[tuple[str, str, str]]:
+    """`(prefix, query|key|value, weight|bias)` of a Hugging Face Q/K/V projection key, else None."""
+    head, found, rest = key.rpartition("attention.self.")
+    name, _, param = rest.partition(".")
+    if found and name in _SEPARATE and param in ("weight", "bias"):
+        return head, name, param
+    return None
+
+
+def fuse_qkv(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Inverse of `split_qkv`: each `...attention.self.{query,key,value}.*` triple becomes one
+    `qkv` tensor (a dict that is already fused passes through unchanged). A triple with a member
+    missing is an error naming it."""
+    out: dict[str, Tensor] = {}
+    for key, value in state.items():
+        parts = _separate_name(key)
+        if parts is None:
+            out[key] = value
+            continue
+        head, _, param = parts
+        fused = f"{head}{_QKV}{param}"
+        if fused in out:
+            continue
+        names = [f"{head}attention.self.{n}.{param}" for n in _SEPARATE]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise KeyError(f"{key}: the fused QKV projection also needs {missing}")
+        out[fused] = torch.cat([state[n] for n in names], dim=0)
+    return out
 
 
 def init_bert_weights(module: nn.Module, initializer_range: float) -> None:

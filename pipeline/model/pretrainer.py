@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import seeding
-from pipeline.model.encoder import BertEncoder, EncoderConfig, init_bert_weights
+from pipeline.model.encoder import BertEncoder, EncoderConfig, configure_layer_stacks, init_bert_weights
 from pipeline.model.heads import MLMHead
 from pipeline.objectives.base import StepContext, StepProgress
 from pipeline.objectives.registry import build_objective
@@ -28,12 +28,16 @@ class PretrainModel(nn.Module):
         objective_options: Mapping[str, Mapping[str, Any]] | None = None,
         seed: int = 0,
         kernels: str = "auto",
+        attention: str = "auto",
+        compile_layers: bool = False,
     ) -> None:
         """
         objectives: name -> loss weight (e.g. {"mlm": 1.0, "taco": 1.0}).
         special_tokens: {"pad", "cls", "sep", "mask", "unk"} -> token id (from the shard manifest).
         objective_options: name -> keyword arguments of that objective's constructor.
         seed: the run seed (objective sampling streams derive from it, `pipeline.seeding`).
+        attention / compile_layers: `model.attention` and `model.compile` for every layer stack
+        (the encoder's and any objective's generator), `pipeline.model.encoder.configure_layer_stacks`.
         """
         super().__init__()
         if not objectives:
@@ -54,6 +58,7 @@ class PretrainModel(nn.Module):
             reset = getattr(obj, "reset_parameters", None)
             if reset is not None:
                 reset()
+        configure_layer_stacks(self, attention, compile_layers)
 
     @property
     def views(self) -> set[str]:

@@ -22,7 +22,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 from torch import Tensor, nn
 
-from pipeline.batch import VIEW_INPUTS, VIEWS
+from pipeline.batch import VIEW_INPUTS, VIEWS, seqlens_key
 from pipeline.model.encoder import BertEncoder, EncoderOutput
 from pipeline.model.heads import MLMHead
 
@@ -54,8 +54,12 @@ class StepContext:
         """Encoder output for `batch[ids_key]`, computed once per step and shared."""
         key = (ids_key, mask_key)
         if key not in self._cache:
-            self._cache[key] = self.encoder(self.batch[ids_key], self.batch[mask_key])
+            self._cache[key] = self.encoder(self.batch[ids_key], self.batch[mask_key], seqlens=self.seqlens(mask_key))
         return self._cache[key]
+
+    def seqlens(self, mask_key: str = "attention_mask") -> Optional[Tensor]:
+        """Host-side real-token counts of the view masked by `mask_key`, if the collator provided them."""
+        return self.batch.get(seqlens_key(mask_key))
 
     def encode_view(self, view: str) -> EncoderOutput:
         """Encoder output of a batch view (`pipeline.batch.VIEW_INPUTS`), shared like `encode`."""
@@ -66,6 +70,12 @@ class StepContext:
         from pipeline.kernels import get_op
 
         return get_op(name, self.kernels)
+
+
+def scalar_metric(value: float, device: torch.device) -> Tensor:
+    """A host number as a float32 metric scalar on `device`, written by a fill kernel: unlike
+    `torch.tensor(value, device=...)` (a blocking copy) it does not make the host wait."""
+    return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
 class Objective(nn.Module):

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from pipeline.batch import VIEW_INPUTS, choose_view
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
 from pipeline.objectives.functional import REDUCTIONS, adaptive_temperature
 from pipeline.objectives.memory_queue import MemoryQueue
 
@@ -140,12 +140,11 @@ class ContrastivePretraining(Objective):
             rows = torch.cat(gathered) if gathered is not None and self.gather_queue else views
             self.queue.enqueue(rows, gather=False)
         metrics = {
-            "tau": torch.tensor(tau, device=s.device),
+            "tau": scalar_metric(tau, s.device),
             "positive_cosine": (s * s_hat).sum(-1).mean().detach(),
-            "queue_rows": torch.tensor(float(len(self.queue) if self.queue else 0), device=s.device),
+            "queue_rows": scalar_metric(len(self.queue) if self.queue else 0, s.device),
             # per anchor: the other 2b - 2 views of the batch, the positive excluded, and the extra rows
-            "negatives": torch.tensor(float(2 * s.shape[0] - 2 + (0 if negatives is None else negatives.shape[0])),
-                                      device=s.device),
+            "negatives": scalar_metric(2 * s.shape[0] - 2 + (0 if negatives is None else negatives.shape[0]), s.device),
         }
         return loss, metrics
 

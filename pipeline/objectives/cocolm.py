@@ -7,9 +7,12 @@
    `ctx.encoder.embeddings` inside forward so ZeRO-3 gathers it). Its own MLM head (transform +
    bias) projects with the tied word embeddings through `ctx.head.predictions.decoder`.
    Trained with MLM on the 15%-masked input X^mask: L_gen.
-2. X^MLM: X^mask with every selected position replaced by a sample from the generator's softmax
-   (fp32, `torch.multinomial` with `ctx.generator`), computed without gradient and without
-   dropout. `sample_mode="eval"` (the public code's default) runs an extra no-grad pass with the
+2. X^MLM: X^mask with every selected position replaced by a sample from the generator's softmax,
+   computed without gradient and without dropout: `gumbel_max_sample` walks the vocabulary in
+   chunks of `SAMPLE_CHUNK` columns (fp32 logits of one chunk at a time, never [N, V]) and keeps
+   argmax_v (z_v + G_v), G_v ~ Gumbel(0, 1) drawn from `ctx.generator` — an exact sample of
+   softmax(z) (the Gumbel-max trick), reproducible from the micro-batch's stream.
+   `sample_mode="eval"` (the public code's default) runs an extra no-grad pass with the
    generator and shared embeddings in eval mode; `"zero_dropout"` runs the generator without
    dropout always and samples from its (detached) training pass — one generator pass instead of two.
 3. Corrective LM on the main model's states h_i of X^MLM:
@@ -36,13 +39,49 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.batch import masked_view_keys, selected_positions
+from pipeline.batch import batch_selected, masked_view_keys
 from pipeline.model.encoder import BertLayerStack, EncoderConfig
 from pipeline.model.heads import PredictionHeadTransform
-from pipeline.objectives.functional import fp32_logits
 from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.functional import fp32_logits
 
 SAMPLE_MODES = ("eval", "zero_dropout")
+#: Vocabulary columns per chunk of the generator's sampling pass (fixed: the draws depend on it).
+SAMPLE_CHUNK = 8192
+
+
+@torch.no_grad()
+def gumbel_max_sample(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], generator: torch.Generator,
+                      chunk: Optional[int] = None) -> tuple[Tensor, Tensor]:
+    """One token per row from softmax(W h + b), and the rows' argmax, in vocabulary chunks.
+
+        sample_n = argmax_v (z_nv + G_nv),  G = -log(-log U),  U ~ Uniform(0, 1) from `generator`
+
+    is distributed exactly as softmax(z_n) (the Gumbel-max trick: Gumbel 1954; Maddison, Tarlow and
+    Minka 2014, "A* Sampling", Sec. 2); the maximum over the whole
+    vocabulary is the maximum of the chunk maxima, so only [N, chunk] fp32 logits (and noise)
+    exist at a time. hidden [N, H], weight [V, H], bias [V]. Returns (samples [N], argmax [N]);
+    ties keep the first column, like `torch.argmax`. The logits are fp32 (`fp32_logits`).
+    """
+    rows, vocab = hidden.shape[0], weight.shape[0]
+    chunk = chunk or SAMPLE_CHUNK
+    device = hidden.device
+    tiny = torch.finfo(torch.float32).tiny
+    best_noisy = torch.full((rows,), float("-inf"), device=device)
+    best_plain = torch.full((rows,), float("-inf"), device=device)
+    sample = torch.zeros(rows, dtype=torch.long, device=device)
+    top = torch.zeros(rows, dtype=torch.long, device=device)
+    for start in range(0, vocab, chunk):
+        stop = min(vocab, start + chunk)
+        z = fp32_logits(hidden, weight[start:stop], None if bias is None else bias[start:stop])
+        value, index = z.max(dim=1)
+        better = value > best_plain
+        best_plain, top = torch.where(better, value, best_plain), torch.where(better, index + start, top)
+        u = torch.rand(z.shape, generator=generator, device=device).clamp_(min=tiny)
+        value, index = (z - torch.log(-torch.log(u))).max(dim=1)
+        better = value > best_noisy
+        best_noisy, sample = torch.where(better, value, best_noisy), torch.where(better, index + start, sample)
+    return sample, top
 
 
 @contextlib.contextmanager
@@ -132,16 +171,13 @@ class CorrectingContrasting(Objective):
     def _generator_states(self, ctx: StepContext, ids: Tensor, flat: Tensor) -> Tensor:
         """Generator hidden states [N, H] at the selected positions (flat indices)."""
         e = ctx.encoder.embeddings(ids)
-        h = self.generator(e, ctx.batch["attention_mask"])
+        h = self.generator(e, ctx.batch["attention_mask"], ctx.seqlens())
         return h.reshape(-1, h.shape[-1])[flat]
-
-    def _generator_logits(self, ctx: StepContext, h_sel: Tensor) -> Tensor:
-        return self.generator_head(h_sel, ctx.head.predictions.decoder, fp32_logits)
 
     def generate(self, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
         """Generator MLM loss and X^MLM. Returns (gen_loss, replaced_ids [B, L], flat, metrics)."""
-        masked_ids, labels = ctx.batch[self.ids_key], ctx.batch[self.labels_key]
-        targets, flat = selected_positions(labels)
+        masked_ids = ctx.batch[self.ids_key]
+        targets, flat = batch_selected(ctx.batch, self.labels_key)
         decoder = ctx.head.predictions.decoder
         embeddings = ctx.encoder.embeddings
         if self.sample_mode == "zero_dropout":
@@ -154,15 +190,14 @@ class CorrectingContrasting(Objective):
                 h_sample = self._generator_states(ctx, masked_ids, flat)
         gen_loss = self.generator_head(h_sel, decoder, ctx.op("linear_cross_entropy"), targets)
         with torch.no_grad():
-            logits = self._generator_logits(ctx, h_sample)  # [N, V] for selected rows only
-            probs = torch.softmax(logits.float(), dim=-1)
-            sampled = torch.multinomial(probs, 1, generator=ctx.generator).squeeze(1) if flat.numel() else targets
+            sampled, top = self.generator_head(h_sample, decoder, gumbel_max_sample, ctx.generator)
         replaced = masked_ids.clone().reshape(-1)
         replaced[flat] = sampled
+        count = max(int(flat.numel()), 1)  # a shape: known on the host
         metrics = {
             "gen_loss": gen_loss.detach(),
-            "gen_accuracy": (logits.argmax(-1) == targets).float().mean() if flat.numel() else logits.sum() * 0,
-            "replaced_fraction": (sampled != targets).float().mean() if flat.numel() else logits.sum() * 0,
+            "gen_accuracy": (top == targets).float().sum() / count,
+            "replaced_fraction": (sampled != targets).float().sum() / count,
         }
         return gen_loss, replaced.view_as(masked_ids), flat, metrics
 
@@ -171,14 +206,13 @@ class CorrectingContrasting(Objective):
         gen_loss, replaced_ids, flat, metrics = self.generate(ctx)
         original = ctx.batch["input_ids"]
         attention_mask = ctx.batch["attention_mask"]
-        h = ctx.encoder(replaced_ids, attention_mask).last_hidden  # X^MLM is objective-private
+        h = ctx.encoder(replaced_ids, attention_mask, seqlens=ctx.seqlens()).last_hidden  # X^MLM is objective-private
 
         flat_h = h.reshape(-1, h.shape[-1])
         copy_all = self.copy_head(flat_h).squeeze(-1)  # [B*L]; a Linear(H, 1) is cheap even on padding
-        non_pad = torch.nonzero(attention_mask.reshape(-1).bool()).squeeze(1)
-        copy_logits = copy_all[non_pad]
-        is_original = replaced_ids.reshape(-1)[non_pad] == original.reshape(-1)[non_pad]
-        copy_loss = ctx.op("copy_loss")(copy_logits, is_original)
+        non_pad = attention_mask.reshape(-1).bool()  # a mask, not a gather: no host sync
+        is_original = replaced_ids.reshape(-1) == original.reshape(-1)
+        copy_loss = ctx.op("copy_loss")(copy_all, is_original, non_pad)
 
         copy_prob = torch.sigmoid(copy_all[flat].float())  # stop-gradient is applied inside the loss
         lm_loss = ctx.head(
@@ -193,7 +227,8 @@ class CorrectingContrasting(Objective):
         loss = self.lambda_gen * gen_loss + self.lambda_copy * copy_loss + lm_loss + self.lambda_scl * scl_loss
         metrics.update(
             copy_loss=copy_loss.detach(),
-            copy_accuracy=((copy_logits > 0) == is_original).float().mean().detach(),
+            copy_accuracy=(((copy_all > 0) == is_original) & non_pad).float().sum().detach()
+            / non_pad.float().sum().clamp(min=1),
             clm_lm_loss=lm_loss.detach(),
             scl_loss=scl_loss.detach(),
         )

@@ -24,6 +24,7 @@ from torch import Tensor
 
 __all__ = [
     "linear_cross_entropy",
+    "linear_cross_entropy_with_accuracy",
     "sampled_softmax_cross_entropy",
     "corrective_lm_loss",
     "copy_loss",
@@ -91,10 +92,37 @@ def linear_cross_entropy(
     the tied word embeddings, bias [V], targets [N] int64. Logits are fp32 [N, V] for these N rows
     only. Returns 0 (graph-connected) when every row is ignored.
     """
+    return _cross_entropy_and_logits(hidden, weight, bias, targets, ignore_index)[0]
+
+
+def _cross_entropy_and_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor,
+                              ignore_index: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(mean cross-entropy over counted rows, fp32 logits [N, V], counted-row mask [N])."""
     logits = _logits(hidden, weight, bias)
     keep = targets != ignore_index
     losses = F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
-    return _mean_or_zero(losses, keep.sum())
+    return _mean_or_zero(losses, keep.sum()), logits, keep
+
+
+@_fp32_math
+def linear_cross_entropy_with_accuracy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    targets: Tensor,
+    ignore_index: int = -100,
+) -> tuple[Tensor, Tensor]:
+    """`linear_cross_entropy` plus, from the same logits, MLM accuracy (a metric, no gradient):
+
+        acc = |{n counted : argmax_v (W h_n + b)_v = t_n}| / max(#counted, 1)
+
+    argmax takes the first maximum, as `torch.argmax`. No second vocabulary projection is made.
+    """
+    loss, logits, keep = _cross_entropy_and_logits(hidden, weight, bias, targets, ignore_index)
+    with torch.no_grad():
+        correct = ((logits.argmax(-1) == targets) & keep).sum()
+        accuracy = correct.float() / keep.sum().clamp(min=1).float()
+    return loss, accuracy
 
 
 @_fp32_math
@@ -202,16 +230,21 @@ def corrective_lm_loss(
 
 
 @_fp32_math
-def copy_loss(copy_logits: Tensor, is_original: Tensor) -> Tensor:
+def copy_loss(copy_logits: Tensor, is_original: Tensor, keep: Optional[Tensor] = None) -> Tensor:
     """COCO-LM copy mechanism loss (Meng et al. 2021, Sec. 3.1):
 
-        L_copy = mean_n BCE( sigmoid(w . h_n), 1[x^MLM_n == x^orig_n] )
+        L_copy = mean_{n : keep_n} BCE( sigmoid(w . h_n), 1[x^MLM_n == x^orig_n] )
 
-    copy_logits [N] = w . h_n for the positions that take part (COCO-LM: all non-pad tokens),
-    is_original [N] bool. Computed from logits (`binary_cross_entropy_with_logits`) for stability.
+    copy_logits [N] = w . h_n, is_original [N] bool; keep [N] (bool or 1/0) marks the positions
+    that take part (COCO-LM: the non-pad tokens), all of them when None — a mask rather than a
+    gather, so the count never has to be known on the host. Computed from logits
+    (`binary_cross_entropy_with_logits`) for stability.
     """
     losses = F.binary_cross_entropy_with_logits(copy_logits.float(), is_original.float(), reduction="none")
-    return _mean_or_zero(losses, copy_logits.shape[0])
+    if keep is None:
+        return _mean_or_zero(losses, copy_logits.shape[0])
+    weight = keep.float()
+    return _mean_or_zero(losses * weight, weight.sum())
 
 
 @_fp32_math

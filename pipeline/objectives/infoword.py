@@ -38,7 +38,7 @@ from torch import Tensor
 
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
 from pipeline.objectives.mlm_nce import NegativeTokenSampler, nce_loss
 from pipeline.objectives.sampling import sample_per_row
 
@@ -156,8 +156,8 @@ class InfoWord(Objective):
         )
         device = sentence.device
         metrics = {
-            "dim_sentences": torch.tensor(float(owner.unique().numel()), device=device),
-            "dim_pairs": torch.tensor(float(owner.numel()), device=device),
+            "dim_sentences": scalar_metric(owner.unique().numel(), device),
+            "dim_pairs": scalar_metric(owner.numel(), device),
             "dim_negatives": negatives,
         }
         return loss, metrics

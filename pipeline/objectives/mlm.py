@@ -4,26 +4,29 @@
 
 with T the `cls.predictions.transform` (dense -> GELU -> LayerNorm) and E the tied word
 embeddings. Only the selected positions M (`mlm_labels != -100`, 15% with 80/10/10 corruption,
-re-drawn by the collator every time a sequence is seen) are gathered before the head, so no
-[tokens, vocab] logits tensor exists for unselected positions; with the Triton op none exists at
-all. The projection runs inside `model.cls` so ZeRO-3 has gathered the tied weight.
+re-drawn by the collator every time a sequence is seen; their flat positions come from the
+collator, `mlm_positions`) are gathered before the head, so no [tokens, vocab] logits tensor
+exists for unselected positions; with the Triton op none exists at all. The accuracy metric is
+the argmax of the logits the loss computes anyway (`linear_cross_entropy_with_accuracy`), not a
+second projection. The projection runs inside `model.cls` so ZeRO-3 has gathered the tied weight.
 """
 from __future__ import annotations
 
 from typing import Callable, Mapping, Optional
 
-import torch
 from torch import Tensor
 
-from pipeline.batch import gather_selected, masked_view_keys
+from pipeline.batch import gather_selected, masked_view_keys, positions_key
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives import functional
-from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
 
 
 def with_accuracy(op: Callable[..., Tensor], track_accuracy: bool) -> Callable[..., tuple[Tensor, Optional[Tensor]]]:
-    """Wrap a vocabulary loss op so that it also returns the full-vocabulary argmax accuracy
-    (computed inside the head's forward, where the tied weight is available under ZeRO-3)."""
+    """Wrap a loss op that does not score the whole vocabulary (BERT-NCE's sampled softmax) so that
+    it also returns the full-vocabulary argmax accuracy — one extra no-grad projection of the
+    selected rows, inside the head's forward, where the tied weight is available under ZeRO-3.
+    MLM does not need it: its loss op returns the accuracy of its own logits."""
 
     def loss_and_accuracy(hidden, weight, bias, targets, *args):
         loss = op(hidden, weight, bias, targets, *args)
@@ -37,8 +40,8 @@ def with_accuracy(op: Callable[..., Tensor], track_accuracy: bool) -> Callable[.
 class MaskedLanguageModeling(Objective):
     """BERT MLM on the `masked` (or `wwm_masked`) view.
 
-    Options: view ("masked" | "wwm_masked"), track_accuracy (log `mlm/accuracy`, one extra
-    no-grad projection of the selected rows).
+    Options: view ("masked" | "wwm_masked"), track_accuracy (log `mlm/accuracy`, the argmax of
+    the loss's own logits).
     """
 
     name = "mlm"
@@ -58,10 +61,14 @@ class MaskedLanguageModeling(Objective):
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
         hidden = ctx.encode(self.ids_key).last_hidden
-        h_sel, targets, _ = gather_selected(hidden, ctx.batch[self.labels_key])
-        op = with_accuracy(ctx.op("linear_cross_entropy"), self.track_accuracy)
-        loss, acc = ctx.head(h_sel, op, targets)
-        metrics = {"selected_tokens": torch.tensor(float(targets.numel()), device=hidden.device)}
+        labels = ctx.batch[self.labels_key]
+        h_sel, targets, _ = gather_selected(hidden, labels, ctx.batch.get(positions_key(self.labels_key)))
+        acc: Optional[Tensor] = None
+        if self.track_accuracy:
+            loss, acc = ctx.head(h_sel, ctx.op("linear_cross_entropy_with_accuracy"), targets)
+        else:
+            loss = ctx.head(h_sel, ctx.op("linear_cross_entropy"), targets)
+        metrics = {"selected_tokens": scalar_metric(targets.numel(), hidden.device)}
         if acc is not None:
             metrics["accuracy"] = acc
         return loss, metrics

@@ -35,11 +35,12 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import Tensor
 
-from pipeline.batch import IGNORE_INDEX, content_tokens, gather_selected, masked_view_keys, special_ids
+from pipeline.batch import (IGNORE_INDEX, content_tokens, gather_selected, masked_view_keys, positions_key,
+                            special_ids)
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
 from pipeline.objectives.mlm import with_accuracy
 from pipeline.objectives.sampling import sample_from_other_groups
 
@@ -160,12 +161,12 @@ def nce_loss(
     """BERT-NCE on the selected positions of `ids_key` (shared by `mlm-nce` and `infoword`)."""
     hidden = ctx.encode(ids_key).last_hidden
     labels = ctx.batch[labels_key]
-    h_sel, targets, flat = gather_selected(hidden, labels)
+    h_sel, targets, flat = gather_selected(hidden, labels, ctx.batch.get(positions_key(labels_key)))
     negatives = sampler(ctx.batch, labels, flat, ctx.generator)
     op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy)
     loss, acc = ctx.head(h_sel, op, targets, *negatives.op_args())
     metrics = {
-        "selected_tokens": torch.tensor(float(targets.numel()), device=hidden.device),
+        "selected_tokens": scalar_metric(targets.numel(), hidden.device),
         "negatives": negatives.per_anchor(targets),
     }
     if acc is not None:

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from pipeline.batch import IGNORE_INDEX, VIEW_INPUTS, choose_view, content_tokens
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
 from pipeline.objectives.sampling import document_groups, sample_from_other_groups, sample_window_positives
 
 TACO_VIEWS = ("masked", "wwm_masked", "original")
@@ -149,4 +149,4 @@ class TokenAlignmentContrastive(Objective):
         loss = ctx.op("token_contrastive_loss")(
             g, anchor_idx, positive_idx, negative_idx, self.tau, self.detach_candidates
         )
-        return loss, {"anchors": torch.tensor(float(anchor_idx.numel()), device=g.device)}
+        return loss, {"anchors": scalar_metric(anchor_idx.numel(), g.device)}

@@ -17,6 +17,13 @@ after that marker exists, so a crash mid-save leaves the previous checkpoint in 
 tag directory is deleted and rewritten when that step is saved again; a complete one is never
 overwritten. The last `keep_last` complete checkpoints are kept.
 
+Off the critical path: once every rank's files are written (the barrier), the last stage — fsync,
+the sha256 of every file, `COMPLETE.json`, `latest`, pruning — only reads what is already on disk,
+so the training loop hands it to a `CheckpointFinisher` thread (rank 0) and goes on with the next
+step. The order inside the thread is the same as inline, so `latest` still moves only after the
+complete record with hashes exists; the next save, and the end of the run (also after a
+preemption), wait for it, so a run never exits with its last checkpoint unfinished.
+
 RNG: no generator state needs saving: every random number comes from a named stream of
 `pipeline.seeding`, keyed by the run seed and the position in the run (sample index, step, rank),
 so a resumed step draws exactly the numbers the uninterrupted run drew.
@@ -38,6 +45,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -184,11 +192,61 @@ def list_tags(root: Path) -> list[tuple[int, Path]]:
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
-def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, keep_last: int, is_main: bool) -> Path:
-    """Save tag `step_<state.step>` (collective: every rank calls it). Returns the tag directory."""
+class CheckpointFinisher:
+    """Runs rank 0's completion stage of a save on a background thread, one at a time.
+
+    `wait()` joins the running one and re-raises its failure as a `CheckpointError` (the tag then
+    stays partial and `latest` still names the previous checkpoint).
+    """
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._tag: Optional[Path] = None
+
+    def start(self, tag_dir: Path, work: Any) -> None:
+        self.wait()
+        self._tag = tag_dir
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()
+                self._error = err
+
+        self._thread = threading.Thread(target=run, name=f"checkpoint-complete-{tag_dir.name}", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"{self._tag}: completing the checkpoint failed ({type(error).__name__}: {error}); "
+                                  "it stays partial and 'latest' still names the previous one") from error
+
+
+def _complete(root: Path, tag_dir: Path, step: int, keep_last: int) -> None:
+    """Rank 0's last stage of a save: flush, record sizes and hashes, then move `latest`, then prune."""
+    _fsync_tree(tag_dir)
+    record = {"tag": tag_dir.name, "step": step, "files": _listing(tag_dir)}
+    _write_text_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
+    _write_text_atomic(root / LATEST_FILE, tag_dir.name)
+    prune_checkpoints(root, keep_last)
+
+
+def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, keep_last: int, is_main: bool,
+                    finisher: Optional[CheckpointFinisher] = None) -> Path:
+    """Save tag `step_<state.step>` (collective: every rank calls it). Returns the tag directory.
+
+    With a `finisher`, rank 0 completes the tag (hashes, `COMPLETE.json`, `latest`) on its thread
+    and this returns as soon as every rank's files are written; without, before returning."""
     tag = tag_for_step(state.step)
     tag_dir = root / tag
     skip = False
+    if finisher is not None and is_main:
+        finisher.wait()  # the previous tag's completion owns `latest` and pruning until it is done
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
         if tag_dir.exists():
@@ -208,12 +266,13 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
         os.replace(tmp, tag_dir / TRAIN_STATE_FILE)
         meta.write(tag_dir)
     barrier()  # every rank's DeepSpeed files are written
+    if finisher is not None:
+        if is_main:
+            step = state.step  # the loop moves on while the thread runs: bind the value now
+            finisher.start(tag_dir, lambda: _complete(root, tag_dir, step, keep_last))
+        return tag_dir
     if is_main:
-        _fsync_tree(tag_dir)
-        record = {"tag": tag, "step": state.step, "files": _listing(tag_dir)}
-        _write_text_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
-        _write_text_atomic(root / LATEST_FILE, tag)
-        prune_checkpoints(root, keep_last)
+        _complete(root, tag_dir, state.step, keep_last)
     barrier()
     return tag_dir
 

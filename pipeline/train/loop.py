@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -30,6 +30,7 @@ import torch
 import yaml
 
 from pipeline import seeding
+from pipeline.batch import move_batch
 from pipeline.config.checks import ConfigError
 from pipeline.config.run import (
     RunConfig,
@@ -47,6 +48,7 @@ from pipeline.objectives.base import StepProgress
 from pipeline.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
+    CheckpointFinisher,
     ResumeTarget,
     TrainState,
     find_resume_checkpoint,
@@ -125,7 +127,8 @@ def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> P
     encoder_config = cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)
     return build_pretrain_model(encoder_config, cfg.objectives, manifest.special_tokens, cfg.objective_options,
                                 seed=cfg.train.seed, kernels=cfg.model.kernels,
-                                init_from=cfg.model.init_from if warm_start else None)
+                                init_from=cfg.model.init_from if warm_start else None,
+                                attention=cfg.model.attention, compile_layers=cfg.model.compile)
 
 
 def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = None) -> int:
@@ -221,7 +224,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     collator = CorruptionCollator(model.views, dataset.special_tokens, dataset.vocab_size, cfg.train.seed,
                                   **cfg.data.corruption)
     batches = PretrainBatches(dataset, collator, plan.batch, info.rank, cfg.train.seed,
-                              consumed_samples=state.consumed_samples, num_workers=cfg.data.num_workers)
+                              consumed_samples=state.consumed_samples, num_workers=cfg.data.num_workers,
+                              pin_memory=cuda)
     meta = RunMeta(
         encoder_config=model.config.to_dict(), objectives=dict(cfg.objectives),
         objective_options=dict(cfg.objective_options), special_tokens=dict(dataset.special_tokens),
@@ -257,6 +261,7 @@ class Run:
     writer: MetricsWriter
     meter: ThroughputMeter
     guard: NonFiniteGuard
+    finisher: CheckpointFinisher = field(default_factory=CheckpointFinisher)  # hashes saved tags off the step
 
     def loop(self, preemption: PreemptionHandler) -> int:
         """Phase 3: steps until `train.total_steps`, a preemption, or the guard stops the run."""
@@ -302,6 +307,7 @@ class Run:
             bar.close()
             self.writer.close()
             self.flop_counter.remove()
+            self.finisher.wait()  # the last checkpoint is complete (hashes, `latest`) before the run ends
         return 0
 
     def forward_backward(self, progress: StepProgress, accum: int) -> tuple[dict, torch.Tensor, int]:
@@ -317,7 +323,7 @@ class Run:
             # Host-side values first (no device sync): the token count and the sampling stream.
             tokens += int(batch["attention_mask"].sum())
             sampling_seed = seeding.sampling_seed(self.cfg.train.seed, int(batch["sample_index"][0]))
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            batch = move_batch(batch, self.device)  # asynchronous from pinned memory; host keys stay
             loss, parts = self.engine(batch, progress, sampling_seed)
             nonfinite += (~torch.isfinite(loss.detach())).double()
             self.engine.backward(loss)
@@ -350,7 +356,7 @@ class Run:
         meta.step, meta.consumed_samples, meta.tokens_seen = state.step, state.consumed_samples, state.tokens_seen
         meta.last_metrics = {k: v for k, v in last_metrics.items() if isinstance(v, (int, float))}
         save_checkpoint(self.engine, Path(self.cfg.train.output_dir) / CHECKPOINT_DIR, state, meta,
-                        self.cfg.train.keep_last, self.info.is_main)
+                        self.cfg.train.keep_last, self.info.is_main, self.finisher)
 
 
 def mean_over_ranks(sums: dict[str, torch.Tensor], count: int, device: torch.device) -> dict[str, float]:

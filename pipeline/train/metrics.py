@@ -7,6 +7,10 @@ to an FFN of size f instead of 4h. One transformer layer on a [B, s] input, forw
     2 B s (4 h^2 + 2 h f)      Q, K, V, output projections and the two FFN matmuls
   + 4 B s^2 h                  attention scores Q K^T and the weighted sum with V
 
+counted on what the layers really process: a padded batch unpadded for variable-length attention
+(`pipeline.model.attention`) processes T = sum_b s_b tokens, so it counts 2 T (4 h^2 + 2 h f) +
+4 h sum_b s_b^2 (`layer_work_flops`); dense and masked passes count the full B x s.
+
 The MLM head is counted only on the rows it is applied to (the predicted positions):
 `2 N h^2` for the transform and `2 N h C` for the tied projection, where C is the vocabulary size,
 or K + 1 for a sampled softmax that scores K negatives (BERT-NCE). Training costs 3x the forward
@@ -39,9 +43,28 @@ from pipeline.model.encoder import BertLayerStack
 from pipeline.model.heads import PredictionHeadTransform, TiedVocabProjection
 
 
+def layer_work_flops(tokens: int, sum_sq_len: int, hidden: int, ffn: int) -> float:
+    """Forward FLOPs of one post-LN transformer layer over `tokens` tokens in sequences whose squared
+    lengths sum to `sum_sq_len`: 2 T (4 h^2 + 2 h f) + 4 h sum_b s_b^2."""
+    return 2.0 * tokens * (4 * hidden * hidden + 2 * hidden * ffn) + 4.0 * sum_sq_len * hidden
+
+
 def layer_forward_flops(batch: int, seq: int, hidden: int, ffn: int) -> float:
     """Forward FLOPs of one post-LN transformer layer on a [batch, seq] input (formula above)."""
-    return 2.0 * batch * seq * (4 * hidden * hidden + 2 * hidden * ffn) + 4.0 * batch * seq * seq * hidden
+    return layer_work_flops(batch * seq, batch * seq * seq, hidden, ffn)
+
+
+def mlm_step_flops(batch: int, seq: int, hidden: int, ffn: int, layers: int, predicted: int, vocab: int) -> float:
+    """Training FLOPs of one BERT MLM micro-batch, Megatron-style with the head on the predicted rows only:
+
+        3 [ layers (2 B s (4 h^2 + 2 h f) + 4 B s^2 h) + 2 N h^2 + 2 N h V ]
+
+    (N predicted rows, V vocabulary; backward = 2x forward). What `FlopCounter` counts for an MLM
+    step of our model; applied to any implementation of the same model (the Hugging Face baseline
+    of `benchmarks/bench_throughput.py`), it gives MFU on the same useful work.
+    """
+    return 3.0 * (layers * layer_forward_flops(batch, seq, hidden, ffn) + 2.0 * predicted * hidden * hidden
+                  + 2.0 * predicted * hidden * vocab)
 
 
 def _needs_backward(module: nn.Module, inputs: tuple) -> bool:
@@ -66,9 +89,9 @@ class FlopCounter:
         factor = 3.0 if _needs_backward(module, inputs) else 1.0
         x = inputs[0]
         if isinstance(module, BertLayerStack):
-            batch, seq, hidden = x.shape
+            tokens, sum_sq = module.last_work  # what the pass processed (unpadded passes: fewer tokens)
             ffn = module.layer[0].intermediate.dense.out_features
-            self.flops += factor * len(module.layer) * layer_forward_flops(batch, seq, hidden, ffn)
+            self.flops += factor * len(module.layer) * layer_work_flops(tokens, sum_sq, x.shape[-1], ffn)
         elif isinstance(module, PredictionHeadTransform):
             rows, hidden = x.reshape(-1, x.shape[-1]).shape
             self.flops += factor * 2.0 * rows * hidden * hidden

@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bench_throughput import (
+    MFU_FORMULA,
     BenchCase,
+    add_hf_ratios,
     add_overhead_ratios,
     last_error_line,
     main,
@@ -108,3 +110,38 @@ def test_cpu_run_writes_a_well_formed_report(tmp_path: Path, tiny_shards_dir: Pa
     assert code == 1  # nothing measured
     failed = json.loads((tmp_path / "bad" / "throughput.json").read_text())["rows"][0]
     assert "model.bogus" in failed["error"] and failed.get("step_time_s") is None
+
+
+def test_hf_ratio_is_against_the_baseline_of_the_same_shape() -> None:
+    base = dict(preset="large", seq_len=128, precision="bf16", micro_batch=256)
+    rows = [{**base, "objective": "hf-bert", "zero": 0, "tokens_per_s": 100.0},
+            {**base, "objective": "mlm", "zero": 1, "tokens_per_s": 150.0},
+            {**base, "objective": "mlm", "zero": 1, "seq_len": 512, "tokens_per_s": 90.0},
+            {**base, "objective": "taco", "zero": 1, "tokens_per_s": None, "error": "exit 1"}]
+    lines = add_hf_ratios(rows)
+    assert [r["vs_hf_bert"] for r in rows] == [None, 1.5, None, None]
+    assert lines == ["mlm large L128 bf16 mb256 z1: 150 / 100 tokens/s = 1.50x hf-bert"]
+
+
+@pytest.mark.timeout(180)
+def test_cpu_run_with_the_hugging_face_baseline(tmp_path: Path, tiny_shards_dir: Path, monkeypatch, capsys) -> None:
+    """`--hf-baseline` end to end on the CPU: an `hf-bert` row from a real BertForMaskedLM loop on the
+    same shards, the ratio and the MFU formula next to the table."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    out = tmp_path / "bench"
+    code = main(["--objectives", "mlm", "--seq-lens", "64", "--micro-batch", "4", "--steps", "2", "--warmup", "1",
+                 "--shards", str(tiny_shards_dir), "--hf-baseline", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    rows = {r["objective"]: r for r in json.loads((out / "throughput.json").read_text())["rows"]}
+    assert set(rows) == {"mlm", "hf-bert"}
+    hf, mlm = rows["hf-bert"], rows["mlm"]
+    assert hf["error"] is None and hf["measured_steps"] == 2 and hf["tokens_per_s"] > 0 and hf["tflops_per_device"] > 0
+    assert mlm["vs_hf_bert"] == pytest.approx(mlm["tokens_per_s"] / hf["tokens_per_s"])
+    assert MFU_FORMULA in printed and "x hf-bert" in printed
+    md = (out / "throughput.md").read_text()
+    assert "hf-bert/tiny/L64/z0/fp32" in md and "2 N h V" in md and "vs_hf_bert" in md
+    with pytest.raises(SystemExit):
+        parse_args(["--hf-baseline", "--world-size", "2", "--out", str(tmp_path)])
+    assert "--hf-baseline compares one device" in capsys.readouterr().err

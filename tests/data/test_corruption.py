@@ -78,7 +78,34 @@ def test_masking_is_dynamic_deterministic_and_independent_of_the_batch() -> None
     # Sample 105 alone gets exactly what it got inside the batch of 16.
     alone = CorruptionCollator(views, SPECIALS, VOCAB, 1).collate(ids[5:6], starts[5:6], np.array([105]))
     for key in alone:
-        assert torch.equal(alone[key][0], a[key][5]), key
+        if key.endswith("_positions"):  # flat indices into the batch: checked in the next test
+            continue
+        width = alone[key].shape[1] if alone[key].dim() > 1 else None  # a crop view is as wide as its longest crop
+        row = a[key][5] if width is None else a[key][5, :width]
+        assert torch.equal(alone[key][0], row), key
+        if width is not None:
+            assert (a[key][5, width:] == (SPECIALS["pad"] if key == "crop_ids" else 0)).all(), key
+
+
+def test_positions_and_seqlens_describe_the_batch_computed_on_the_host() -> None:
+    """`*_positions` are the flat selected positions and `*seqlens` the real-token counts of
+    right-padded rows (`pipeline.batch`): what the objectives and the encoder read instead of a sync."""
+    ids, starts = synthetic_rows(batch=24)
+    batch = collate(("masked", "span_masked", "crop"), (ids, starts), seed=3)
+    for labels, positions in (("mlm_labels", "mlm_positions"), ("span_labels", "span_positions")):
+        expected = torch.nonzero(batch[labels].reshape(-1) != IGNORE_INDEX).squeeze(1)
+        assert torch.equal(batch[positions], expected), positions
+    assert torch.equal(batch["seqlens"], batch["attention_mask"].sum(1))
+    assert torch.equal(batch["crop_seqlens"], batch["crop_attention_mask"].sum(1))
+    assert batch["crop_ids"].shape[1] == int(batch["crop_seqlens"].max()) < ids.shape[1]  # no all-padding column
+    full = synthetic_rows(batch=6, seed=4)[0]
+    full[:, -1] = SPECIALS["sep"]
+    full[full == SPECIALS["pad"]] = 7  # every row packed to the end: nothing is padded
+    packed = collate(("crop",), (full, synthetic_rows(batch=6, seed=4)[1]))
+    assert (packed["seqlens"] == full.shape[1]).all() and (packed["crop_seqlens"] == packed["crop_ids"].shape[1]).all()
+    holes = ids.copy()
+    holes[0, 5] = SPECIALS["pad"]  # a pad inside a row: not right-padded, so no layout is vouched for
+    assert "seqlens" not in collate(("masked",), (holes, starts))
 
 
 def test_hash_uniform_is_uniform_and_decorrelated() -> None:

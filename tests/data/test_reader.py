@@ -129,8 +129,22 @@ def test_worker_processes_produce_the_same_batches(tiny_shards_dir: Path) -> Non
 def test_make_batch_helper_has_the_batch_contract(tiny_shards_dir: Path) -> None:
     batch = make_batch(tiny_shards_dir, ("masked", "span_masked", "crop", "shuffled"), batch_size=3, first_sample=5)
     assert batch["sample_index"].tolist() == [5, 6, 7]
-    for key in ("input_ids", "masked_ids", "mlm_labels", "span_masked_ids", "span_labels", "span_index", "crop_ids", "shuffled_ids"):
+    for key in ("input_ids", "masked_ids", "mlm_labels", "span_masked_ids", "span_labels", "span_index", "shuffled_ids"):
         assert batch[key].dtype == torch.int64 and batch[key].shape == (3, 64), key
+    crop_width = int(batch["crop_seqlens"].max())  # as wide as the longest crop
+    assert batch["crop_ids"].dtype == torch.int64 and batch["crop_ids"].shape == (3, crop_width) and crop_width < 64
+    for key in ("mlm_positions", "span_positions", "seqlens", "crop_seqlens"):
+        assert batch[key].dtype == torch.int64 and batch[key].dim() == 1, key
+    assert batch["seqlens"].tolist() == batch["attention_mask"].sum(1).tolist()
     for key in ("special_mask", "word_starts"):
         assert batch[key].dtype == torch.bool
     assert batch["attention_mask"].dtype == batch["crop_attention_mask"].dtype == torch.int64
+
+
+@pytest.mark.gpu
+def test_batches_are_pinned_for_asynchronous_copies(tiny_shards_dir: Path) -> None:
+    for workers in (0, 1):
+        reader = _reader(tiny_shards_dir, 4, 1, 0, 1, workers=workers)
+        reader.pin_memory = True
+        batch = next(reader)
+        assert all(v.is_pinned() for v in batch.values()), workers

@@ -57,12 +57,14 @@ def compile_variant(fn, variant: str, pointers: dict, floats: tuple, constexprs:
 def variants():
     block_v, warps = lce.rows_launch_config(VOCAB)
     rows_ptrs = dict(z_ptr="*fp32", bias_ptr="*fp32", targets_ptr="*i64", copy_prob_ptr="*fp32",
-                     corrupted_ptr="*i64", loss_ptr="*fp32", inv_count_ptr="*fp32")
-    for grad, bias, corrective, write in (("*fp32", True, False, True), ("*bf16", True, True, True),
-                                          ("*fp16", False, False, True), ("*fp32", False, False, False)):
-        yield (lce._softmax_xent_rows_kernel, f"grad={grad[1:]} bias={bias} corrective={corrective} write={write}",
+                     corrupted_ptr="*i64", loss_ptr="*fp32", correct_ptr="*fp32", inv_count_ptr="*fp32")
+    for grad, bias, corrective, write, argmax in (
+            ("*fp32", True, False, True, False), ("*bf16", True, True, True, False), ("*fp16", False, False, True, False),
+            ("*fp32", False, False, False, False), ("*bf16", True, False, True, True), ("*fp32", True, False, True, True)):
+        yield (lce._softmax_xent_rows_kernel,
+               f"grad={grad[1:]} bias={bias} corrective={corrective} write={write} argmax={argmax}",
                {**rows_ptrs, "grad_ptr": grad}, ("copy_prob_max",),
-               dict(HAS_BIAS=bias, CORRECTIVE=corrective, WRITE_GRAD=write, BLOCK_V=block_v), warps)
+               dict(HAS_BIAS=bias, CORRECTIVE=corrective, WRITE_GRAD=write, ARGMAX=argmax, BLOCK_V=block_v), warps)
 
     block_k, block_h, warps = tok._blocks(HIDDEN, CANDIDATES)
     for dt in ("*bf16", "*fp32"):

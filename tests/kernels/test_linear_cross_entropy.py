@@ -30,6 +30,29 @@ def test_cross_entropy_matches_reference_with_ignored_rows(device, with_bias):
     assert grads[0][::4].abs().max() == 0 and grads[0][1::4].abs().max() > 0  # ignored rows get nothing
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_accuracy_output_equals_the_reference_argmax(device, monkeypatch, chunked):
+    """The kernel's argmax / correct count (first maximum, ignored rows left out) against the
+    reference's argmax of the same logits; loss and gradients unchanged by asking for it."""
+    if chunked:
+        monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * VOCAB * 20)  # 16-row chunks
+    h, w, b, t = make(device, seed=4)
+    t[::5] = -100
+    best = (h @ w.t() + b).argmax(-1)
+    t[1::3] = best[1::3]  # a third of the rows predicted right
+    w[7] = w[best[2]]  # row 2's maximum tied by an earlier (or later) column: argmax takes the first
+    b[7] = b[best[2]]
+    t[2] = max(7, int(best[2]))  # the later of the tied columns: wrong under first-maximum argmax
+    _, ref_acc = ref.linear_cross_entropy_with_accuracy(h, w, b, t)
+    loss, acc = fused.linear_cross_entropy_with_accuracy(h, w, b, t)
+    assert acc.shape == () and acc.dtype == torch.float32
+    assert acc.item() == pytest.approx(ref_acc.item(), abs=1e-7) and 0.3 < acc.item() < 0.6
+    assert_matches(lambda *a: ref.linear_cross_entropy_with_accuracy(*a)[0],
+                   lambda *a: fused.linear_cross_entropy_with_accuracy(*a)[0], [h, w, b, t], [0, 1, 2])
+    _, none = fused.linear_cross_entropy_with_accuracy(h, w, b, torch.full_like(t, -100))
+    assert none.item() == 0.0
+
+
 def test_cross_entropy_custom_ignore_index_and_multiple_chunks(device, monkeypatch):
     monkeypatch.setattr(fused, "CHUNK_BYTES", 4 * VOCAB * 20)  # 16-row chunks: 7 chunks, the last partial
     assert fused.chunk_rows_for(VOCAB, TOKENS) == 16

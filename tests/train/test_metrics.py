@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from pipeline.train.metrics import FlopCounter, MetricsWriter, layer_forward_flops, peak_flops, read_jsonl
+from pipeline.train.metrics import (FlopCounter, MetricsWriter, layer_forward_flops, mlm_step_flops, peak_flops,
+                                    read_jsonl)
 from pipeline.model.encoder import build_encoder_config
 from pipeline.model.pretrainer import PretrainModel
 from tests.fixtures_data import make_batch
@@ -28,11 +29,13 @@ def test_layer_formula():
 
 @pytest.mark.parametrize("objectives, options, views", [
     ({"mlm": 1.0}, {"mlm": {"track_accuracy": False}}, ("masked",)),
+    ({"mlm": 1.0}, {"mlm": {"track_accuracy": True}}, ("masked",)),  # accuracy costs no extra projection
     ({"mlm-nce": 1.0}, {"mlm-nce": {"track_accuracy": False, "num_negatives": 16}}, ("masked",)),
 ])
 def test_counted_forward_flops_match_torch(tiny_shards_dir, objectives, options, views):
     """No-grad forward: the hooks' formula equals torch's count of every matmul that ran (MLM head
-    on the selected rows only; a sampled softmax scores K+1 rows of the vocabulary)."""
+    on the selected rows only, its accuracy from the same logits; a sampled softmax scores K+1 rows
+    of the vocabulary)."""
     model = tiny_model(tiny_shards_dir, objectives, options)
     batch = make_batch(tiny_shards_dir, views=views, batch_size=4)
     counter = FlopCounter(model)
@@ -44,6 +47,19 @@ def test_counted_forward_flops_match_torch(tiny_shards_dir, objectives, options,
         model(batch)
     assert counter.pop() == pytest.approx(4 * reference.get_total_flops(), rel=1e-9)
     counter.remove()
+
+
+def test_mlm_step_formula_is_what_the_counter_counts(tiny_shards_dir):
+    """`mlm_step_flops` (the formula printed next to the benchmark table, applied to the Hugging
+    Face baseline) equals the counter's training count of one MLM micro-batch of our model."""
+    model = tiny_model(tiny_shards_dir, {"mlm": 1.0})
+    batch = make_batch(tiny_shards_dir, views=("masked",), batch_size=4)
+    counter = FlopCounter(model)
+    model(batch)[0].backward()
+    b, s = batch["input_ids"].shape
+    predicted = int((batch["mlm_labels"] != -100).sum())
+    vocab = model.config.vocab_size
+    assert counter.pop() == pytest.approx(mlm_step_flops(b, s, 64, 128, 2, predicted, vocab), rel=1e-12)
 
 
 def test_extra_passes_are_counted(tiny_shards_dir):

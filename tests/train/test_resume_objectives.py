@@ -30,19 +30,29 @@ SCALE_OPTIONS = {
 @pytest.mark.parametrize("preset, options", [(p, []) for p in ("tiny-mlm", "tiny-taco", "tiny-capt", "tiny-cocolm", "tiny-infoword")]
                          + [(p, o) for p, o in SCALE_OPTIONS.items()])
 def test_resume_is_bitwise_exact(preset, options, tiny_shards_dir, tmp_path):
+    check_resume(preset, tiny_shards_dir, tmp_path, *options)
+
+
+def test_resume_is_bitwise_exact_with_compiled_layers(tiny_shards_dir, tmp_path):
+    """`model.compile=true` (dropout on, `train.deterministic=true`): the compiled layers are built
+    at step 1 in one run and at step 3 in the other, and still draw the same dropout masks."""
+    check_resume("tiny-mlm", tiny_shards_dir, tmp_path, "model.compile=true")
+
+
+def check_resume(preset, tiny_shards_dir, tmp_path, *extra):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    assert run_inprocess(preset, tiny_shards_dir, full, *STEPS, *options) == 0
-    assert run_inprocess(preset, tiny_shards_dir, resumed, *STEPS, *options, f"train.resume={tag_dir(full, 2)}") == 0
+    assert run_inprocess(preset, tiny_shards_dir, full, *STEPS, *extra) == 0
+    assert run_inprocess(preset, tiny_shards_dir, resumed, *STEPS, *extra, f"train.resume={tag_dir(full, 2)}") == 0
 
     expected, got = metric_rows(full), metric_rows(resumed)
     assert sorted(got) == [3, 4]  # a fresh directory: only the resumed steps are logged...
     for step in (3, 4):
         assert got[step] == expected[step], f"{preset}: step {step} differs after resume"
     assert expected[3]["loss"] != expected[4]["loss"]  # ...and the compared values really move
-    if preset == "tiny-infoword" and options:  # the options are in effect
+    if preset == "tiny-infoword" and extra:  # the options are in effect
         assert expected[3]["infoword/dim_pairs"] > expected[3]["infoword/dim_sentences"]
         assert expected[3]["infoword/negatives"] > 16  # more than the preset's per-position draws
-    if preset == "tiny-capt" and options:  # a sum over 2b terms: far above the per-term log(negatives + 1)
+    if preset == "tiny-capt" and extra:  # a sum over 2b terms: far above the per-term log(negatives + 1)
         assert expected[3]["capt/loss"] > 4 * math.log(expected[3]["capt/negatives"] + 1)
 
     final_full, final_resumed = module_state(tag_dir(full, 4)), module_state(tag_dir(resumed, 4))

@@ -1,0 +1,89 @@
+"""Checkpoint hashing off the critical path: `save_checkpoint` returns once the files are written,
+a `CheckpointFinisher` thread records the hashes, and `latest` still moves only after the complete
+record exists; a failure there leaves the previous checkpoint in charge and surfaces on `wait()`."""
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+
+import pipeline.train.checkpoint as ckpt
+from pipeline.data.shards import sha256_file
+from pipeline.train.run_meta import RunMeta
+
+
+class FakeEngine:
+    """Writes one file per tag, as DeepSpeed's `save_checkpoint` writes its states."""
+
+    def save_checkpoint(self, root: str, tag: str, client_state: dict, save_latest: bool) -> None:
+        (Path(root) / tag).mkdir(parents=True, exist_ok=True)
+        (Path(root) / tag / "mp_rank_00_model_states.pt").write_bytes(tag.encode() * 1000)
+
+
+def meta() -> RunMeta:
+    return RunMeta(encoder_config={}, objectives={"mlm": 1.0}, objective_options={}, special_tokens={},
+                   tokenizer_dir="", data_dir="", manifest_hash="m", config_hash="c", config={})
+
+
+def save(root: Path, step: int, finisher: ckpt.CheckpointFinisher) -> Path:
+    return ckpt.save_checkpoint(FakeEngine(), root, ckpt.TrainState(step=step), meta(), keep_last=2, is_main=True,
+                                finisher=finisher)
+
+
+def test_latest_moves_only_after_the_hashed_record_exists(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    finisher = ckpt.CheckpointFinisher()
+    save(root, 1, finisher)
+    finisher.wait()
+    assert ckpt.read_latest(root) == root / "step_00000001"
+
+    hashing, release = threading.Event(), threading.Event()
+    real_listing = ckpt._listing
+
+    def slow_listing(tag_dir):
+        hashing.set()
+        assert release.wait(10)
+        return real_listing(tag_dir)
+
+    monkeypatch.setattr(ckpt, "_listing", slow_listing)
+    tag = save(root, 2, finisher)  # returns while the hashes are still being computed
+    assert hashing.wait(10)
+    assert not (tag / ckpt.COMPLETE_FILE).exists() and ckpt.read_latest(root) == root / "step_00000001"
+    assert (tag / ckpt.TRAIN_STATE_FILE).is_file()  # the step's own files are already written
+    release.set()
+    finisher.wait()
+    record = json.loads((tag / ckpt.COMPLETE_FILE).read_text())
+    assert record["step"] == 2 and ckpt.read_latest(root) == tag
+    for name, entry in record["files"].items():
+        assert entry["sha256"] == sha256_file(tag / name)
+    ckpt.verify_checkpoint(tag, check_hashes=True)
+
+
+def test_the_next_save_waits_for_the_previous_completion_and_keeps_the_order(tmp_path):
+    root = tmp_path / "checkpoints"
+    finisher = ckpt.CheckpointFinisher()
+    for step in (1, 2, 3):
+        save(root, step, finisher)
+    finisher.wait()
+    assert ckpt.read_latest(root) == root / "step_00000003"
+    assert [s for s, _ in ckpt.list_tags(root)] == [2, 3]  # pruned to keep_last=2 in the thread
+    assert all(ckpt.is_complete(p) for _, p in ckpt.list_tags(root))
+
+
+def test_a_failed_completion_keeps_the_previous_checkpoint_and_is_reported(tmp_path, monkeypatch):
+    root = tmp_path / "checkpoints"
+    finisher = ckpt.CheckpointFinisher()
+    save(root, 1, finisher)
+    finisher.wait()
+
+    def full_disk(tag_dir):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "_listing", full_disk)
+    tag = save(root, 2, finisher)
+    with pytest.raises(ckpt.CheckpointError, match="step_00000002: completing the checkpoint failed .*No space"):
+        finisher.wait()
+    assert ckpt.read_latest(root) == root / "step_00000001" and not ckpt.is_complete(tag)
+    finisher.wait()  # reported once
