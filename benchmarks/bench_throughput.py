@@ -19,9 +19,9 @@ Data: `--shards DIR` (repeatable; one directory per sequence length, e.g. built 
 vocabulary `--vocab-size`) written under `<out>/data/` - speed does not depend on token values.
 
 Objective options: `--options tiny` keeps the tiny presets' small settings (TACO 8 negatives,
-CAPT queue 64, ...: quick CPU runs); `--options paper` uses each objective's defaults, which are
-the papers' (TACO K=50, CAPT queue 8192, COCO-LM generator depth, ...). `--set key=value` adds any
-training override to every run.
+CAPT queue 64, ...: quick CPU runs); `--options paper` uses the objective options of each
+objective's paper preset (`taco-small`, `capt-small`, `cocolm-base`/`-large`, `infoword-base`).
+`--set key=value` adds any training override to every run.
 
 Multi-rank / multi-node (the SLURM sweep, `slurm/bench.sbatch`): `--launcher` replaces `python`
 in the training command, e.g. `--launcher "torchrun --nproc_per_node 2"` or
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
 import shlex
 import shutil
@@ -106,8 +107,28 @@ def train_overrides(case: BenchCase, shards_dir: Path, run_dir: Path, steps: int
         f"train.output_dir={run_dir}", f"data.num_workers={num_workers}",
     ]
     if options == "paper":
-        overrides.append("objective_options={}")
+        overrides.append(f"objective_options={json.dumps(paper_objective_options(case.objective, case.preset))}")
     return overrides + list(extra)
+
+
+#: The paper recipe whose objective options `--options paper` uses (one home: the paper presets).
+PAPER_PRESETS = {"mlm": None, "mlm-nce": None, "taco": "taco-small", "capt": "capt-small",
+                 "cocolm": "cocolm-base", "infoword": "infoword-base"}
+
+
+def paper_objective_options(objective: str, size: str) -> dict:
+    """`objective_options` of the objective's paper preset (`pipeline/config/presets/`); COCO-LM's
+    generator depth follows the model size (`cocolm-large` for `large`). Objectives without a paper
+    preset run with their constructor defaults."""
+    from pipeline.config.loader import available_presets, load_raw
+    from pipeline.config.run import RunConfig
+
+    preset = PAPER_PRESETS.get(objective)
+    if preset is None:
+        return {}
+    if objective == "cocolm" and size == "large" and "cocolm-large" in available_presets():
+        preset = "cocolm-large"
+    return dict(load_raw(preset, RunConfig).get("objective_options") or {})
 
 
 def summarize_records(records: Sequence[dict], warmup: int) -> dict:

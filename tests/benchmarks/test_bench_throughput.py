@@ -13,11 +13,13 @@ from benchmarks.bench_throughput import (
     add_overhead_ratios,
     last_error_line,
     main,
+    paper_objective_options,
     parse_args,
     summarize_records,
     train_overrides,
 )
 from benchmarks.synthetic_shards import SPECIAL_TOKENS, write_synthetic_shards
+from pipeline.config.run import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -53,8 +55,15 @@ def test_overrides_and_argument_errors(tmp_path: Path, capsys) -> None:
     case = BenchCase("taco", "large", 512, 3, "bf16", 16)
     ov = train_overrides(case, tmp_path / "s", tmp_path / "r", 13, world_size=4, options="paper", extra=["a.b=1"])
     assert "deepspeed.config=zero3" in ov and "data.global_batch_size=64" in ov and "model.size=large" in ov
-    assert "train.total_steps=13" in ov and ov[-2:] == ["objective_options={}", "a.b=1"]
-    assert "objective_options={}" not in train_overrides(case, tmp_path, tmp_path, 1, 1, "tiny", [])
+    assert "train.total_steps=13" in ov and ov[-1] == "a.b=1"
+    assert ov[-2] == 'objective_options={"taco": {"window": 5, "num_negatives": 50, "tau": 0.07}}'  # taco-small's
+    assert not any(o.startswith("objective_options=") for o in train_overrides(case, tmp_path, tmp_path, 1, 1, "tiny", []))
+    large_cocolm = BenchCase("cocolm", "large", 512, 1, "bf16", 16)
+    assert paper_objective_options("cocolm", "large")["cocolm"]["generator_layers"] == 6  # cocolm-large's
+    assert paper_objective_options("infoword", "base")["infoword"]["num_negatives"] == "all"
+    assert paper_objective_options("mlm", "large") == {}
+    load_config("tiny-cocolm", [o for o in train_overrides(large_cocolm, tmp_path, tmp_path, 1, 1, "paper", [])
+                                if o.startswith("objective_options=")])  # a valid override
     for argv, message in ((["--objectives", "mlm,nope"], "nope"), (["--zero", "0"], "--zero"),
                           (["--seq-lens", "128,x"], "128,x"), (["--sizes", "huge"], "huge")):
         with pytest.raises(SystemExit):
