@@ -101,6 +101,9 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
 
     backend: "nccl" | "gloo" | None (nccl with CUDA, gloo otherwise). Single-process runs also get
     a (world size 1) process group, because DeepSpeed's engine expects one.
+    timeout_s: how long any collective may wait for the other ranks (`train.dist_timeout_s`): a
+    dead or hung rank makes the others fail after this long instead of hanging (gloo raises;
+    NCCL's watchdog aborts the process, `TORCH_NCCL_ASYNC_ERROR_HANDLING`, set here unless given).
     """
     import datetime
 
@@ -120,6 +123,7 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # abort a rank whose collective timed out
     timeout = datetime.timedelta(seconds=timeout_s)
     if info.world_size == 1 and not torch.distributed.is_initialized():
         # One process needs no rendezvous: an in-memory store instead of a TCP port, so concurrent
@@ -174,6 +178,16 @@ def broadcast_object(value: Any) -> Any:
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def first_problem(problem: str) -> str:
+    """The first non-empty `problem` of any rank (in rank order), on every rank; "" when none.
+    Lets every rank fail with the same message when one rank found something wrong."""
+    if not multi_rank():
+        return problem
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, problem)
+    return next((p for p in gathered if p), "")
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:

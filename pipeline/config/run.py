@@ -131,6 +131,7 @@ RESUME_IGNORED_FIELDS = (
     "data.micro_batch_size",
     "data.grad_accum",
     "data.num_workers",
+    "data.verify_shards",
     "train.output_dir",
     "train.log_every",
     "train.checkpoint_every",
@@ -139,6 +140,7 @@ RESUME_IGNORED_FIELDS = (
     "train.allow_config_change",
     "train.max_nonfinite_steps",
     "train.deterministic",
+    "train.dist_timeout_s",
     "train.progress_bar",
     "train.tensorboard",
 )

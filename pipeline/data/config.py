@@ -9,12 +9,18 @@ settings (`pipeline.train.engine`).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from pipeline.config.checks import ConfigError, check_keywords, check_positive
-from pipeline.data.shards import Manifest, manifest_hash, read_manifest
+from pipeline.data.shards import Manifest, ShardError, check_layout, manifest_hash, read_manifest
+
+if TYPE_CHECKING:
+    from pipeline.data.reader import ShardDataset
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -33,6 +39,11 @@ class DataConfig:
     """Data-loader worker processes per rank (0: collate in the training process)."""
     corruption: dict = field(default_factory=dict)
     """Keyword options of `pipeline.data.corruption.CorruptionCollator` (mask probability, crop ratio, ...)."""
+    verify_shards: bool = True
+    """Check every shard's bytes against the manifest's hash (xxh3-64; sha256 for format-1 manifests)
+    on every rank when the shards are first opened, before the first step. `false` skips only that
+    full read (sizes, footers, row counts and the manifest are always checked); for data checked
+    separately with `python -m data_prep.verify`."""
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""
@@ -60,6 +71,11 @@ class DataConfig:
         missing = [s.name for s in manifest.shards if not (shards / s.name).is_file()]
         if missing:
             raise ConfigError(f"data.shards_dir={shards}: shards listed in manifest.json are missing: {missing[:5]}")
+        problems = check_layout(shards, manifest)
+        if problems:
+            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            raise ConfigError(f"data.shards_dir={shards}: {problems[0]}{more}; check the directory with "
+                              f"`python -m data_prep.verify {shards}` and rebuild it")
         if self.seq_len is not None and self.seq_len != manifest.seq_len:
             raise ConfigError(f"data.seq_len={self.seq_len} but the shards in {shards} have seq_len="
                               f"{manifest.seq_len}; rebuild the shards or set data.seq_len={manifest.seq_len}")
@@ -67,6 +83,30 @@ class DataConfig:
             raise ConfigError(f"data.global_batch_size={batch.global_batch_size} exceeds the "
                               f"{manifest.total_sequences} sequences in {shards}")
         return manifest, manifest_hash(shards)
+
+    def open_dataset(self) -> "ShardDataset":
+        """Stage 3 (every rank, once the process group is up): the opened dataset, every shard's bytes
+        checked against its manifest hash unless `data.verify_shards=false`. A damaged shard found
+        by any rank is a `ConfigError` on every rank, before any compute."""
+        from pipeline.data.reader import ShardDataset
+        from pipeline.distributed import first_problem
+
+        dataset = ShardDataset(self.shards_dir, verify=self.verify_shards)
+        if self.verify_shards and not all(info.xxh3_64 for info in dataset.manifest.shards):
+            log.warning("%s: manifest format %d has no xxh3 shard hashes; checking each shard's sha256 instead "
+                        "(slower; rebuild with this version, or data.verify_shards=false if you verify separately)",
+                        self.shards_dir, dataset.manifest.format_version)
+        problem = ""
+        try:
+            dataset.open()
+        except (ShardError, FileNotFoundError) as err:
+            problem = f"data.shards_dir={self.shards_dir}: {err}"
+        problem = first_problem(problem)
+        if problem:
+            raise ConfigError(f"{problem}; nothing was computed. Check the directory with `python -m data_prep.verify "
+                              f"{self.shards_dir}` and rebuild the damaged shards (data.verify_shards=false skips this "
+                              "check)")
+        return dataset
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,15 @@ from pipeline.data.shards import TOKENIZER_SUBDIR, Manifest, ShardArrays, iter_s
 
 
 class ShardDataset:
-    """Random access to the packed sequences of a shard directory (memory-mapped)."""
+    """Random access to the packed sequences of a shard directory (memory-mapped).
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    With `verify` (default), each shard's size, hash and row count are checked against the
+    manifest when the shards are first opened in this process (`pipeline.data.shards.open_shard`);
+    copies made after that (DataLoader workers) do not hash again."""
+
+    def __init__(self, directory: str | os.PathLike, verify: bool = True) -> None:
         self.directory = Path(directory)
+        self.verify = verify
         self.manifest: Manifest = read_manifest(self.directory)
         self.seq_len = self.manifest.seq_len
         self.special_tokens = dict(self.manifest.special_tokens)
@@ -47,17 +52,19 @@ class ShardDataset:
     def tokenizer_dir(self) -> Path:
         return self.directory / TOKENIZER_SUBDIR
 
+    def open(self) -> None:
+        """Map (and, with `verify`, check) every shard now rather than at the first read."""
+        self._open()
+
     def _open(self) -> list[ShardArrays]:
         if self._shards is None:
             shards = []
             for info, path in iter_shard_paths(self.directory, self.manifest):
                 if not path.is_file():
                     raise FileNotFoundError(f"{path}: listed in the manifest but missing")
-                shard = open_shard(path, self.seq_len, self.manifest.id_dtype)
-                if len(shard.length) != info.rows:
-                    raise ValueError(f"{path}: {len(shard.length)} rows, manifest says {info.rows}")
-                shards.append(shard)
+                shards.append(open_shard(path, self.seq_len, self.manifest.id_dtype, info, check_hash=self.verify))
             self._shards = shards
+            self.verify = False  # verified once in this process; copies for workers need not hash again
         return self._shards
 
     def __getstate__(self) -> dict[str, Any]:  # memory maps are re-opened in the receiving process

@@ -30,6 +30,14 @@ not a trajectory-preserving optimizer state (measured: losses drift by 1e-4 with
 
 Preemption (`pipeline.train.preemption`) checkpoints through `save_checkpoint` and exits with
 `REQUEUE_EXIT_CODE` (75), which job scripts read as "requeue".
+
+A save that fails (disk full, quota, I/O error) raises `CheckpointWriteError` on every rank with
+the failing file ("no space left on device: PATH"), after removing the partial tag: `latest`
+still names the previous checkpoint (`pipeline.train.checkpoint_writes`).
+
+`train.resume=<older tag of this run>` resumes from it in the same output directory: the newer
+tags are moved (not deleted) to `checkpoints/superseded/` once the older one has loaded, and
+`latest` points at it, so the run goes on from there without colliding with them.
 """
 from __future__ import annotations
 
@@ -46,7 +54,8 @@ import torch
 
 from pipeline.config.checks import ConfigError
 from pipeline.config.run import config_differences, config_hash
-from pipeline.distributed import barrier, broadcast_object
+from pipeline.distributed import barrier, broadcast_object, first_problem
+from pipeline.train.checkpoint_writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
 from pipeline.train.run_meta import META_FILE, RunMeta
 
 log = logging.getLogger(__name__)
@@ -56,6 +65,9 @@ LATEST_FILE = "latest"
 COMPLETE_FILE = "COMPLETE.json"
 TRAIN_STATE_FILE = "train_state.pt"
 UNIVERSAL_TAG = "universal"
+SUPERSEDED_DIR = "superseded"
+MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
+__all__ = ["CheckpointError", "CheckpointWriteError"]  # (and the public functions below)
 
 
 class CheckpointError(RuntimeError):
@@ -201,21 +213,56 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
         log.info("checkpoint %s already complete; not rewritten", tag_dir)
         return tag_dir
     barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state={}, save_latest=False)
+    with recording_writes(engine) as writes:  # a failed write is recorded, so every rank reaches the end
+        engine.save_checkpoint(str(root), tag=tag, client_state={}, save_latest=False)
+    problem = writes.problem
+    if is_main and not problem:
+        problem = _write_run_files(tag_dir, state, meta)
+    _fail_together(problem, root, tag_dir, is_main)  # also waits until every rank's files are written
     if is_main:
-        tmp = tag_dir / (TRAIN_STATE_FILE + ".tmp")
-        torch.save(asdict(state), tmp)
-        os.replace(tmp, tag_dir / TRAIN_STATE_FILE)
-        meta.write(tag_dir)
-    barrier()  # every rank's DeepSpeed files are written
+        problem = write_or_describe(tag_dir / COMPLETE_FILE, lambda: _complete(root, tag_dir, state.step))
+    _fail_together(problem, root, tag_dir, is_main)
     if is_main:
-        _fsync_tree(tag_dir)
-        record = {"tag": tag, "step": state.step, "files": _listing(tag_dir)}
-        _write_text_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
-        _write_text_atomic(root / LATEST_FILE, tag)
         prune_checkpoints(root, keep_last)
     barrier()
     return tag_dir
+
+
+def _write_run_files(tag_dir: Path, state: TrainState, meta: RunMeta) -> str:
+    """Rank 0's own files of a tag (train state, meta); "" or what went wrong."""
+    tmp, raw = tag_dir / (TRAIN_STATE_FILE + ".tmp"), asdict(state)
+
+    def write_state() -> None:
+        torch.save(raw, tmp)
+        os.replace(tmp, tag_dir / TRAIN_STATE_FILE)
+
+    return (write_or_describe(tag_dir / TRAIN_STATE_FILE, write_state, object_bytes(raw))
+            or write_or_describe(tag_dir / META_FILE, lambda: meta.write(tag_dir)))
+
+
+def _complete(root: Path, tag_dir: Path, step: int) -> None:
+    """Flush the tag, write its completeness record, then move `latest` to it."""
+    _fsync_tree(tag_dir)
+    record = {"tag": tag_dir.name, "step": step, "files": _listing(tag_dir)}
+    _write_text_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
+    _write_text_atomic(root / LATEST_FILE, tag_dir.name)
+
+
+def _fail_together(problem: str, root: Path, tag_dir: Path, is_main: bool) -> None:
+    """Collective: when any rank's write failed, every rank raises the same `CheckpointWriteError`,
+    after rank 0 removed the partial tag (its space is freed; `latest` never pointed at it)."""
+    problem = first_problem(problem)
+    if not problem:
+        return
+    if is_main:
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        (root / (LATEST_FILE + ".tmp")).unlink(missing_ok=True)  # `latest` is replaced last: never the failed tag
+    barrier()
+    latest = read_latest(root)
+    raise CheckpointWriteError(
+        f"{problem}. Checkpoint {tag_dir.name} was not written (its partial files were removed); checkpoints/latest "
+        f"{'still names ' + latest.name if latest else 'does not exist yet (nothing was saved before)'}. Free space "
+        f"in {root} (or choose another train.output_dir) and resume")
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
@@ -239,6 +286,8 @@ class ResumeTarget:
     tag_dir: Path
     meta: RunMeta
     universal: bool  # rank count or ZeRO stage changed: load through the universal format
+    changed: bool = False  # config or data differ (allowed by train.allow_config_change)
+    set_aside: list[Path] = field(default_factory=list)  # newer tags of this run, moved away once loaded
 
 
 def find_resume_checkpoint(resume: str, root: Path) -> Optional[Path]:
@@ -259,11 +308,35 @@ def find_resume_checkpoint(resume: str, root: Path) -> Optional[Path]:
             tag_dir = read_latest(tag_dir)  # type: ignore[assignment]
         elif (tag_dir / CHECKPOINT_DIR / LATEST_FILE).is_file():  # a run directory
             tag_dir = read_latest(tag_dir / CHECKPOINT_DIR)  # type: ignore[assignment]
-        if latest is not None and latest.resolve() != tag_dir.resolve():
-            raise ConfigError(f"train.resume={resume}: {root} already holds other checkpoints (latest: {latest.name}); "
-                              "resume into a new train.output_dir so that no good checkpoint is overwritten")
+        own_tag = tag_dir.resolve().parent == root.resolve()
+        if latest is not None and latest.resolve() != tag_dir.resolve() and not own_tag:
+            raise ConfigError(f"train.resume={resume}: {root} already holds checkpoints of another run (latest: "
+                              f"{latest.name}); resume into a new train.output_dir, or name one of {root}'s own tags")
     verify_checkpoint(tag_dir)
     return tag_dir
+
+
+def newer_tags(root: Path, tag_dir: Path) -> list[Path]:
+    """Tags of `root` after `tag_dir` when `tag_dir` is one of `root`'s own (an explicit
+    `train.resume=<older tag>`): they are set aside when that tag is resumed."""
+    step = step_of_tag(tag_dir.name)
+    if step is None or tag_dir.resolve().parent != root.resolve():
+        return []
+    return [p for s, p in list_tags(root) if s > step]
+
+
+def set_aside(root: Path, tags: list[Path], resumed: Path) -> None:
+    """Move `tags` to `root/superseded/` (kept, never deleted) and point `latest` at `resumed`."""
+    target = root / SUPERSEDED_DIR
+    target.mkdir(exist_ok=True)
+    for tag in tags:
+        dest, n = target / tag.name, 0
+        while dest.exists():
+            n += 1
+            dest = target / f"{tag.name}.{n}"
+        os.replace(tag, dest)
+        log.warning("train.resume=%s: newer checkpoint %s moved to %s", resumed, tag.name, dest)
+    _write_text_atomic(root / LATEST_FILE, resumed.name)
 
 
 def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int, zero_stage: int,
@@ -291,7 +364,31 @@ def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int
             f"{world_size} rank(s) under ZeRO {zero_stage} is supported for ZeRO 1 and 2 only (DeepSpeed's universal "
             "loading of ZeRO-3 optimizer states does not continue the same trajectory). Resume with "
             f"{meta.world_size} rank(s), or warm-start from the converted weights")
-    return ResumeTarget(tag_dir, meta, universal)
+    return ResumeTarget(tag_dir, meta, universal, changed=bool(problems))
+
+
+def check_resume_shapes(target: ResumeTarget, model: torch.nn.Module) -> None:
+    """With a changed config (`train.allow_config_change=true`), refuse a checkpoint whose tensors
+    have other shapes than `model`'s, naming them (before any engine is built)."""
+    if not target.changed:
+        return  # same config and data: same shapes
+    try:
+        saved = torch.load(target.tag_dir / MODEL_STATES_FILE, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"{target.tag_dir / MODEL_STATES_FILE}: unreadable ({type(err).__name__}: {err})") from err
+    shapes: dict[str, tuple] = {}
+    for group in saved.get("param_shapes") or []:
+        shapes.update({name: tuple(shape) for name, shape in group.items()})
+    if not shapes and isinstance(saved.get("module"), dict):
+        shapes = {name: tuple(t.shape) for name, t in saved["module"].items()}
+    current = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    differ = [f"{n} {list(shapes[n])} -> {list(current[n])}" for n in current if n in shapes and shapes[n] != current[n]]
+    differ += [f"{n} (new)" for n in current if n not in shapes] + [f"{n} (gone)" for n in shapes if n not in current]
+    if differ:
+        raise CheckpointError(
+            f"{target.tag_dir}: this run's model has other tensors than the checkpoint ({len(differ)}: "
+            f"{'; '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}); train.allow_config_change=true resumes "
+            "changed settings, not a changed model shape. Start a new run (train.output_dir) for a new shape")
 
 
 def ensure_universal(tag_dir: Path, is_main: bool) -> Path:
@@ -343,4 +440,8 @@ def load_checkpoint(engine: Any, target: ResumeTarget, is_main: bool) -> TrainSt
                               "corrupt — resume from an older tag with train.resume=<tag dir>") from err
     if path is None:
         raise CheckpointError(f"{target.tag_dir}: DeepSpeed found no checkpoint to load")
+    if target.set_aside:
+        if is_main:
+            set_aside(target.tag_dir.parent, target.set_aside, target.tag_dir)
+        barrier()
     return TrainState.from_dict(raw)

@@ -12,8 +12,11 @@ learning rate is set from the step number before every step (`pipeline.train.opt
 every random number comes from a stream of `pipeline.seeding`, so a resumed run repeats the
 uninterrupted one bit for bit.
 
-Exit codes: 0 done; 2 bad config or unusable checkpoint (message on stderr, before compute);
-3 stopped by the non-finite loss guard; 75 (`REQUEUE_EXIT_CODE`) checkpointed after SIGTERM/SIGUSR1.
+Exit codes: 0 done; 2 bad config, data or unusable checkpoint (message on stderr, before compute);
+3 stopped by the non-finite loss guard (no checkpoint of non-finite weights is written); 4 a
+checkpoint could not be written (disk full, I/O error: the previous one stays `latest`);
+75 (`REQUEUE_EXIT_CODE`) SIGTERM/SIGUSR1: checkpointed for requeue (or, during start-up, nothing
+new to save). Signals: `pipeline.train.preemption`.
 """
 from __future__ import annotations
 
@@ -39,23 +42,27 @@ from pipeline.objectives.base import StepProgress
 from pipeline.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
+    CheckpointWriteError,
     ResumeTarget,
+    check_resume_shapes,
     TrainState,
     find_resume_checkpoint,
     load_checkpoint,
+    newer_tags,
     plan_resume,
     save_checkpoint,
 )
 from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded
-from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError
+from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, count_nonfinite_weights
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
 from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
-from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
+from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, preemption_scope
 from pipeline.train.run_meta import RunMeta
 
 log = logging.getLogger("pipeline.train")
 EXIT_CONFIG_ERROR = 2
 EXIT_NONFINITE = 3
+EXIT_SAVE_FAILED = 4
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -92,6 +99,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_NONFINITE
+    except CheckpointWriteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
 
 
 def export_mpi4py_ranks() -> None:
@@ -120,9 +130,16 @@ def build_run_model(cfg: RunConfig, plan: RunPlan) -> PretrainModel:
 
 def train(cfg: RunConfig, check_only: bool = False) -> int:
     """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code."""
+    with preemption_scope() as preemption:  # a signal from here on is a flag (pipeline.train.preemption)
+        return _train(cfg, check_only, preemption)
+
+
+def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler) -> int:
+    from pipeline.capabilities import use_private_extensions_dir
     from pipeline.distributed import discover
 
     # ---- 1. everything that can be checked before compute ------------------------------------
+    use_private_extensions_dir()
     world = discover()
     plan = check_run(cfg, world.world_size, torch.cuda.is_available())
     cfg.train.output_dir = cfg.train.output_dir or str(Path("runs") / cfg.name)
@@ -133,14 +150,17 @@ def train(cfg: RunConfig, check_only: bool = False) -> int:
     if resume_dir is not None:
         target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world.world_size, plan.zero_stage,
                              cfg.train.allow_config_change)
+        if cfg.train.resume not in ("auto", "never"):  # an explicit tag: this run's newer ones are set aside
+            target.set_aside = newer_tags(ckpt_root, resume_dir)
     model = build_run_model(cfg, plan)  # identical initial weights on every rank, for any world size
+    if target is not None:
+        check_resume_shapes(target, model)
     if check_only:
+        newer = f" (newer tags to set aside: {[p.name for p in target.set_aside]})" if target and target.set_aside else ""
         print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
-              f"{'resume from ' + str(resume_dir) if resume_dir else 'fresh start'}")
+              f"{'resume from ' + str(resume_dir) if resume_dir else 'fresh start'}{newer}")
         return 0
-    # The signal handler goes in before any slow start-up work, so a preemption signal that arrives
-    # while ranks rendezvous or the engine builds still ends in a checkpoint and the requeue code.
-    with torch_process_state(cfg.train.deterministic), PreemptionHandler() as preemption:
+    with torch_process_state(cfg.train.deterministic):
         run = start(cfg, plan, model, target, config_dict)
         return run.loop(preemption)
 
@@ -176,16 +196,16 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     import deepspeed
 
     from pipeline.data.corruption import CorruptionCollator
-    from pipeline.data.reader import PretrainBatches, ShardDataset
+    from pipeline.data.reader import PretrainBatches
     from pipeline.distributed import init_distributed
 
-    info = init_distributed()
+    info = init_distributed(timeout_s=cfg.train.dist_timeout_s)
     if not info.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dataset = ShardDataset(cfg.data.shards_dir)
+    dataset = cfg.data.open_dataset()  # every rank checks the shards' bytes before any compute
 
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))
@@ -251,6 +271,8 @@ class Run:
                    desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
         last_metrics: dict = {}
         try:
+            if state.step < total and self.preempted_during_startup(preemption):
+                return REQUEUE_EXIT_CODE
             while state.step < total:
                 step = state.step + 1
                 seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
@@ -274,9 +296,14 @@ class Run:
                     bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}", lr=f"{lr:.2e}")
                 self.guard.check(state, step)
                 if step % cfg.train.checkpoint_every == 0 or step == total or preempted:
+                    nonfinite_weights = all_reduce_sum(count_nonfinite_weights(self.model, self.device)).item()
+                    self.guard.check_savable(state, step, step == total, nonfinite_weights)
                     self.checkpoint(last_metrics)
                     self.meter.reset()  # keep the save time out of the throughput numbers
-                if preempted:
+                if preempted and step == total:
+                    log.info("%s after the last step: the run is complete (final checkpoint written); exiting 0",
+                             preemption.signal_name or "preemption signal on another rank")
+                elif preempted:
                     log.info("preempted (%s): checkpoint at step %d written; exiting with %d",
                              preemption.signal_name or "signal on another rank", step, REQUEUE_EXIT_CODE)
                     return REQUEUE_EXIT_CODE
@@ -285,6 +312,17 @@ class Run:
             self.writer.close()
             self.flop_counter.remove()
         return 0
+
+    def preempted_during_startup(self, preemption: PreemptionHandler) -> bool:
+        """Did any rank get SIGTERM/SIGUSR1 before the first step (imports, checks, engine, resume)?
+        One all-reduce, so every rank decides alike; nothing new was computed, `latest` stays valid."""
+        flag = torch.tensor([float(preemption.requested)], dtype=torch.float64, device=self.device)
+        if not all_reduce_sum(flag).item():
+            return False
+        log.info("preempted (%s) during start-up, before step %d: nothing new to save (the resume point stays "
+                 "%s); exiting with %d", preemption.signal_name or "signal on another rank", self.state.step + 1,
+                 f"step {self.state.step}" if self.state.step else "a fresh start", REQUEUE_EXIT_CODE)
+        return True
 
     def forward_backward(self, progress: StepProgress, accum: int) -> tuple[dict, torch.Tensor, int]:
         """One optimizer step: `accum` micro-batches of forward, backward and `engine.step()` (DeepSpeed
