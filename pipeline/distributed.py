@@ -125,6 +125,12 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # abort a rank whose collective timed out
     timeout = datetime.timedelta(seconds=timeout_s)
+    # Process groups created later without a timeout (DeepSpeed's data-parallel groups, through
+    # `new_group`) take torch's module default (30 min gloo / 10 min NCCL), not the default group's:
+    # make that default ours, so every collective of the run is bounded by `timeout_s`.
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     if info.world_size == 1 and not torch.distributed.is_initialized():
         # One process needs no rendezvous: an in-memory store instead of a TCP port, so concurrent
         # single-process runs on one machine can never race for the same free port.

@@ -111,7 +111,7 @@ def check_run(cfg: RunConfig, world_size: int, cuda_available: bool) -> RunPlan:
     cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)  # shape fits the data
     engine = cfg.deepspeed.load_engine(cuda_available)
     stage = zero_stage_of(engine)
-    check_objectives_under_stage(cfg.objectives, stage, cfg.deepspeed.config)
+    check_objectives_under_stage(cfg.objectives, stage, cfg.deepspeed.stage_source())
     cfg.model.check_device(cuda_available)
     cfg.optim.check_device(cuda_available)
     return RunPlan(batch, engine, stage, manifest, data_hash)

@@ -9,18 +9,12 @@ settings (`pipeline.train.engine`).
 """
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from pipeline.config.checks import ConfigError, check_keywords, check_positive
-from pipeline.data.shards import Manifest, ShardError, check_layout, manifest_hash, read_manifest
-
-if TYPE_CHECKING:
-    from pipeline.data.reader import ShardDataset
-
-log = logging.getLogger(__name__)
+from pipeline.data.shards import Manifest, check_layout, manifest_hash, read_manifest
 
 
 @dataclass
@@ -83,30 +77,6 @@ class DataConfig:
             raise ConfigError(f"data.global_batch_size={batch.global_batch_size} exceeds the "
                               f"{manifest.total_sequences} sequences in {shards}")
         return manifest, manifest_hash(shards)
-
-    def open_dataset(self) -> "ShardDataset":
-        """Stage 3 (every rank, once the process group is up): the opened dataset, every shard's bytes
-        checked against its manifest hash unless `data.verify_shards=false`. A damaged shard found
-        by any rank is a `ConfigError` on every rank, before any compute."""
-        from pipeline.data.reader import ShardDataset
-        from pipeline.distributed import first_problem
-
-        dataset = ShardDataset(self.shards_dir, verify=self.verify_shards)
-        if self.verify_shards and not all(info.xxh3_64 for info in dataset.manifest.shards):
-            log.warning("%s: manifest format %d has no xxh3 shard hashes; checking each shard's sha256 instead "
-                        "(slower; rebuild with this version, or data.verify_shards=false if you verify separately)",
-                        self.shards_dir, dataset.manifest.format_version)
-        problem = ""
-        try:
-            dataset.open()
-        except (ShardError, FileNotFoundError) as err:
-            problem = f"data.shards_dir={self.shards_dir}: {err}"
-        problem = first_problem(problem)
-        if problem:
-            raise ConfigError(f"{problem}; nothing was computed. Check the directory with `python -m data_prep.verify "
-                              f"{self.shards_dir}` and rebuild the damaged shards (data.verify_shards=false skips this "
-                              "check)")
-        return dataset
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ G = micro x accum x world is a `pipeline.data.config.BatchPlan`.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -27,7 +28,17 @@ import torch
 
 from pipeline.seeding import epoch_permutation
 from pipeline.data.config import BatchPlan
-from pipeline.data.shards import TOKENIZER_SUBDIR, Manifest, ShardArrays, iter_shard_paths, open_shard, read_manifest
+from pipeline.data.shards import (
+    TOKENIZER_SUBDIR,
+    Manifest,
+    ShardArrays,
+    ShardError,
+    iter_shard_paths,
+    open_shard,
+    read_manifest,
+)
+
+log = logging.getLogger(__name__)
 
 
 class ShardDataset:
@@ -214,3 +225,27 @@ class PretrainBatches:
         self.consumed_samples = int(state["consumed_samples"])
         self._micro_step = 0
         self._loader_iter = None
+
+
+def open_dataset(directory: str | os.PathLike, verify: bool) -> ShardDataset:
+    """The training run's dataset, opened on every rank once the process group is up, each shard's
+    bytes checked against its manifest hash unless `verify` is off (`data.verify_shards`). A damaged
+    shard found by any rank is a `ConfigError` on every rank, before any compute."""
+    from pipeline.config.checks import ConfigError
+    from pipeline.distributed import first_problem
+
+    dataset = ShardDataset(directory, verify=verify)
+    if verify and not all(info.xxh3_64 for info in dataset.manifest.shards):
+        log.warning("%s: manifest format %d has no xxh3 shard hashes; checking each shard's sha256 instead (slower; "
+                    "rebuild with this version, or data.verify_shards=false if you verify separately)",
+                    directory, dataset.manifest.format_version)
+    problem = ""
+    try:
+        dataset.open()
+    except (ShardError, FileNotFoundError) as err:
+        problem = f"data.shards_dir={directory}: {err}"
+    problem = first_problem(problem)
+    if problem:
+        raise ConfigError(f"{problem}; nothing was computed. Check the directory with `python -m data_prep.verify "
+                          f"{directory}` and rebuild the damaged shards (data.verify_shards=false skips this check)")
+    return dataset

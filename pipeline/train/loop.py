@@ -73,9 +73,17 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument("--help-config", action="store_true", help="list every config field with its documentation")
     parser.add_argument("--mpi", action="store_true", help="take rank / world size from mpi4py")
+    parser.add_argument("--world-size", type=int, metavar="N",
+                        help="with --check: validate for N ranks instead of this launch's (slurm/submit.sh passes the job's)")
+    parser.add_argument("--gpus", action="store_true",
+                        help="with --check: validate as on a GPU node (bf16/fp16, triton, offload) from a machine without one")
     args = parser.parse_args(argv)
     if not args.config and not args.help_config:
         parser.error("--config is required")
+    if (args.world_size is not None or args.gpus) and not args.check:
+        parser.error("--world-size and --gpus only go with --check")
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"--world-size {args.world_size}: must be >= 1")
     return args
 
 
@@ -92,7 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if args.mpi:
             export_mpi4py_ranks()
-        return train(cfg, check_only=args.check)
+        return train(cfg, check_only=args.check, check_world_size=args.world_size, check_gpus=args.gpus)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
@@ -128,27 +136,31 @@ def build_run_model(cfg: RunConfig, plan: RunPlan) -> PretrainModel:
                                 seed=cfg.train.seed, kernels=cfg.model.kernels)
 
 
-def train(cfg: RunConfig, check_only: bool = False) -> int:
-    """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code."""
+def train(cfg: RunConfig, check_only: bool = False, check_world_size: Optional[int] = None,
+          check_gpus: bool = False) -> int:
+    """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code.
+    `check_world_size` / `check_gpus`: validate for that many ranks / as on a GPU node (`--check` only)."""
     with preemption_scope() as preemption:  # a signal from here on is a flag (pipeline.train.preemption)
-        return _train(cfg, check_only, preemption)
+        return _train(cfg, check_only, preemption, check_world_size, check_gpus)
 
 
-def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler) -> int:
+def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, check_world_size: Optional[int] = None,
+           check_gpus: bool = False) -> int:
     from pipeline.capabilities import use_private_extensions_dir
     from pipeline.distributed import discover
 
     # ---- 1. everything that can be checked before compute ------------------------------------
     use_private_extensions_dir()
     world = discover()
-    plan = check_run(cfg, world.world_size, torch.cuda.is_available())
+    world_size = check_world_size or world.world_size
+    plan = check_run(cfg, world_size, torch.cuda.is_available() or check_gpus)
     cfg.train.output_dir = cfg.train.output_dir or str(Path("runs") / cfg.name)
     config_dict = cfg.to_dict()
     ckpt_root = Path(cfg.train.output_dir) / CHECKPOINT_DIR
     resume_dir = find_resume_checkpoint(cfg.train.resume, ckpt_root)
     target = None
     if resume_dir is not None:
-        target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world.world_size, plan.zero_stage,
+        target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world_size, plan.zero_stage,
                              cfg.train.allow_config_change)
         if cfg.train.resume not in ("auto", "never"):  # an explicit tag: this run's newer ones are set aside
             target.set_aside = newer_tags(ckpt_root, resume_dir)
@@ -196,7 +208,7 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     import deepspeed
 
     from pipeline.data.corruption import CorruptionCollator
-    from pipeline.data.reader import PretrainBatches
+    from pipeline.data.reader import PretrainBatches, open_dataset
     from pipeline.distributed import init_distributed
 
     info = init_distributed(timeout_s=cfg.train.dist_timeout_s)
@@ -205,7 +217,7 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dataset = cfg.data.open_dataset()  # every rank checks the shards' bytes before any compute
+    dataset = open_dataset(cfg.data.shards_dir, cfg.data.verify_shards)  # every rank checks the shards' bytes
 
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))

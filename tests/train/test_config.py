@@ -215,3 +215,14 @@ def test_cli_reports_config_errors_before_compute(tiny_shards_dir, tmp_path, cap
     assert main(["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", f"train.output_dir={out}",
                  "--check"]) == 0
     assert "ok: tiny-mlm" in capsys.readouterr().out and not out.exists()
+
+
+def test_zero_stage_set_through_deepspeed_extra_is_named_in_the_error(tiny_shards_dir, monkeypatch):
+    from pipeline.objectives.registry import OBJECTIVES
+
+    monkeypatch.setattr(OBJECTIVES["taco"], "max_zero_stage", 2, raising=False)
+    cfg = load_config("tiny-taco", [f"data.shards_dir={tiny_shards_dir}", "deepspeed.config=zero1",
+                                    "deepspeed.extra={zero_optimization: {stage: 3}}"])
+    with pytest.raises(ConfigError, match=r"^deepspeed.extra.zero_optimization.stage=3 \(over deepspeed.config=zero1\) "
+                                          "uses ZeRO stage 3, but objective 'taco' supports stages up to 2"):
+        check_run(cfg, 1, False)
