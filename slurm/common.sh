@@ -190,10 +190,11 @@ explain_exit() {
 }
 
 # The first error line of the latest run in a rank log: `error: ...` (pipeline's own messages) or
-# the first exception line of a traceback (`SomethingError: ...`, at the start of a line).
+# the first exception line of a traceback (`SomethingError: ...`, at the start of a line, after
+# the `[rankN]: ` prefix torch.distributed puts on uncaught tracebacks).
 first_error_line() {
     awk '/^=== .* rank [0-9]+ host /{found = ""}
-         found == "" && /^(error: |([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception|Interrupt)(: |$))/{found = $0}
+         found == "" && /^(\[rank[0-9]+\]: )?(error: |([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception|Interrupt)(: |$))/{found = $0}
          END {print found}' "$1" 2>/dev/null | cut -c1-400
 }
 

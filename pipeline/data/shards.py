@@ -16,7 +16,7 @@ vocabulary, so a 30k vocabulary costs 2 bytes per token. Word starts are stored 
 because whole-word and InfoWord span masking need them and the tokenizer is not run at train time.
 
 Integrity: the manifest records per shard its size, sha256 (what `data_prep.verify` checks) and,
-since format 2, an xxh3-64 hash (`xxhash`), about 10x faster to compute than sha256 (measured in
+since format 2, an xxh3-64 hash (`xxhash`), about 12x faster to compute than sha256 (measured in
 docs/data.md), which training checks on every rank when it first opens a shard
 (`open_shard(..., expected=info)`). A format-1 manifest has no xxh3 hash; its shards are then
 checked against their sha256 (correct, slower). `check_layout` is the cheap part that needs no

@@ -44,9 +44,9 @@ def test_two_node_zero2_job_finishes_with_a_valid_checkpoint(reference_run: Run)
         f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (0, 1)
     ]
     # Per-job and per-rank logs in the documented places; the job says where outputs go.
-    job_log = (run.dir / "logs" / f"cpt-pretrain-{run.job}.out").read_text()
-    assert f"checkpoints {run.dir}/checkpoints/" in job_log and f"metrics     {run.dir}/metrics.jsonl" in job_log
-    assert "ranks 2, CPU (gloo)" in job_log
+    job_out = (run.dir / "logs" / f"cpt-pretrain-{run.job}.out").read_text()
+    assert f"checkpoints {run.dir}/checkpoints/" in job_out and f"metrics     {run.dir}/metrics.jsonl" in job_out
+    assert "ranks 2, CPU (gloo)" in job_out
     for rank in (0, 1):
         rank_log = (run.dir / "logs" / run.job / f"rank{rank}.log").read_text()
         assert f"rank {rank} exit 0" in rank_log
@@ -72,9 +72,9 @@ def test_preempted_job_requeues_and_ends_like_the_uninterrupted_one(
     result = slurm_cluster.wait_job(job)
     log = job_log(run_dir, job)
     assert (result.state, result.exit_code, result.restarts) == ("COMPLETED", 0, 1), log
-    job_log = (run_dir / "logs" / f"cpt-pretrain-{job}.out").read_text()
-    assert f"received USR1: sending {'USR1' if launcher == 'srun' else 'TERM'} to the ranks" in job_log
-    assert "requeueing job" in job_log and "restart 1" in job_log and f"launcher {launcher}" in job_log
+    job_out = (run_dir / "logs" / f"cpt-pretrain-{job}.out").read_text()
+    assert f"received USR1: sending {'USR1' if launcher == 'srun' else 'TERM'} to the ranks" in job_out
+    assert "requeueing job" in job_out and "restart 1" in job_out and f"launcher {launcher}" in job_out
     for rank in (0, 1):  # both ranks exited with the requeue code in the first run, 0 in the second
         rank_log = (run_dir / "logs" / job / f"rank{rank}.log").read_text()
         assert f"rank {rank} exit {REQUEUE_EXIT_CODE}" in rank_log and f"rank {rank} exit 0" in rank_log
@@ -118,7 +118,7 @@ def test_a_real_error_fails_the_job_without_requeue(slurm_cluster: SlurmCluster,
     assert "not requeued" in job_out
     for rank in (0, 1):
         assert (f"rank {rank}: exit 2 (bad config, data or checkpoint: nothing was computed): "
-                "error: optim.lr=-1: must be > 0") in job_out, job_out
+                "error: optim.lr=-1.0: must be > 0") in job_out, job_out
 
 
 def test_preemption_past_max_requeues_ends_the_job_with_a_resumable_checkpoint(

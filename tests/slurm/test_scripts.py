@@ -78,7 +78,7 @@ def test_the_job_log_explains_each_failing_rank(tmp_path):
         "=== 2026-01-01 00:00:00 job 7 restart 0 rank 0 host node1 ===\nerror: from an earlier run\n"
         "=== 2026-01-01 01:00:00 job 7 restart 1 rank 0 host node1 ===\n2026-01-01 INFO pipeline.train: step 1\n"
         "Traceback (most recent call last):\n  File \"loop.py\", line 3\n"
-        "torch.distributed.DistBackendError: Timed out waiting 20000ms for recv operation\n"
+        "[rank0]: torch.distributed.DistBackendError: Timed out waiting 20000ms for recv operation\n"
         "During handling of the above exception, another exception occurred:\nValueError: later\n")
     (logs / "rank0.exit").write_text("1\n")
     (logs / "rank1.log").write_text("=== 2026-01-01 01:00:00 job 7 restart 1 rank 1 host node2 ===\n")
@@ -88,7 +88,7 @@ def test_the_job_log_explains_each_failing_rank(tmp_path):
     out = _bash(f"report_ranks {logs} 4\nfor c in 3 4 75 137 138 143; do echo \"$c: $(explain_exit $c)\"; done")
     assert out.stdout.splitlines() == [
         "   rank 0: exit 1 (Python error: see the traceback in the rank log): "
-        "torch.distributed.DistBackendError: Timed out waiting 20000ms for recv operation",
+        "[rank0]: torch.distributed.DistBackendError: Timed out waiting 20000ms for recv operation",
         "   rank 1: exit none (no exit status: the rank's shell was killed, or never started)",
         "   rank 2: exit 2 (bad config, data or checkpoint: nothing was computed): "
         "error: data.shards_dir=/d: shard_00001.arrow: damaged",
