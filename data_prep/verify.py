@@ -48,11 +48,10 @@ def verify_directory(directory: str | Path) -> list[str]:
     problems = check_layout(directory, manifest)
     if not (directory / "tokenizer").is_dir():
         problems.append(f"{directory / 'tokenizer'}: missing")
-    damaged = {p.split(":")[0] for p in problems}
     total_rows = total_tokens = 0
     for info, path in iter_shard_paths(directory, manifest):
-        if str(path) in damaged or not path.is_file():
-            continue
+        if not path.is_file() or any(p.startswith(f"{path}:") for p in problems):
+            continue  # missing or structurally damaged: already reported
         if sha256_file(path) != info.sha256:
             problems.append(f"{path}: sha256 mismatch (file changed or corrupt)")
             continue

@@ -83,16 +83,18 @@ check_pretrain() {
     [ "${SKIP_CHECK:-0}" = 1 ] && return 0
     # shellcheck disable=SC2206  # OVERRIDES is a space-separated list of key=value words
     local cmd=("$PYTHON" -m pipeline.train --config "$CONFIG" "train.output_dir=$OUTPUT_DIR" ${OVERRIDES:-})
+    local shown=/dev/stderr # `--check` prints one "ok: ..." line; --print-config the whole config
     if [ "$mode" = config_only ]; then
         echo "# checking the config (the shards do not exist yet; the job checks them) ..." >&2
         cmd+=(--print-config)
+        shown=/dev/null
     else
         world=$(job_world_size "$@")
         job_uses_gpus "$@" && gpu=(--gpus)
         echo "# checking config, data and checkpoint for $world rank(s) (SKIP_CHECK=1 skips this) ..." >&2
         cmd+=(--check --world-size "$world" "${gpu[@]}")
     fi
-    if ! (cd "$CPT_ROOT" && env -u RANK -u WORLD_SIZE -u LOCAL_RANK "${cmd[@]}" >/dev/null); then
+    if ! (cd "$CPT_ROOT" && env -u RANK -u WORLD_SIZE -u LOCAL_RANK "${cmd[@]}" >"$shown"); then
         echo "error: the pre-submission check failed (above); nothing was submitted" >&2
         exit 2
     fi

@@ -267,6 +267,7 @@ def convert(
 ) -> Path:
     """Convert one checkpoint; returns OUT_DIR. Nothing is written to OUT_DIR on any error."""
     out_dir = Path(out_dir)
+    clean_stale_siblings(out_dir)  # first: a previous export a killed conversion had set aside comes back
     _check_out_dir(out_dir, overwrite)
     tag_dir = resolve_tag_dir(checkpoint_dir)
     meta = RunMeta.read(tag_dir)
@@ -281,7 +282,6 @@ def convert(
         raise ExportError(f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_siblings(out_dir)
     tmp = _sibling(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -67,7 +67,6 @@ TRAIN_STATE_FILE = "train_state.pt"
 UNIVERSAL_TAG = "universal"
 SUPERSEDED_DIR = "superseded"
 MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
-__all__ = ["CheckpointError", "CheckpointWriteError"]  # (and the public functions below)
 
 
 class CheckpointError(RuntimeError):
