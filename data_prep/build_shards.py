@@ -49,6 +49,7 @@ from pipeline.data.shards import (
     shard_name,
     write_atomic,
     write_shard,
+    xxh3_file,
 )
 
 STATE_FILE = "build_state.json"
@@ -101,6 +102,8 @@ def _describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
 
 def _check_out_dir(out: Path, fingerprint: str, inputs: dict[str, Any]) -> dict[str, Any] | None:
     """Return the saved build state to resume from (None for a fresh build); refuse foreign content."""
+    if out.exists() and not out.is_dir():
+        raise BuildRefused(f"--out {out}: exists and is not a directory; --out names the shard directory to create")
     manifest_path, state_path = out / MANIFEST_FILE, out / STATE_FILE
     previous: dict[str, Any] | None = None
     if manifest_path.is_file():
@@ -339,7 +342,8 @@ def build_shards(
         raise InputError(f"--input {' '.join(map(str, inputs))}: no non-empty documents ({stats.skipped_empty} empty skipped)")
     for record, raw, docs in zip(records, stats.per_source_raw, stats.per_source_documents):
         record.update(raw_documents=raw, documents=docs)
-    shards = [ShardInfo(**{k: e[k] for k in ("name", "rows", "sha256", "bytes")}) for e in state["shards"]]
+    shards = [ShardInfo(e["name"], e["rows"], e["sha256"], e["bytes"], e.get("xxh3_64") or xxh3_file(out / e["name"]))
+              for e in state["shards"]]
     manifest = Manifest(
         format_version=FORMAT_VERSION,
         seq_len=seq_len,

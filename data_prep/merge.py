@@ -38,6 +38,7 @@ from pipeline.data.shards import (
     read_manifest,
     shard_name,
     write_atomic,
+    xxh3_file,
 )
 
 #: Manifest fields every part must share for its shards to be read as one dataset.
@@ -75,7 +76,9 @@ def _merged_manifest(parts: list[Path], manifests: list[Manifest]) -> Manifest:
     stats: dict[str, int] = {}
     for part_index, (part, manifest) in enumerate(zip(parts, manifests)):
         for info in manifest.shards:
-            shards.append(ShardInfo(shard_name(len(shards)), info.rows, info.sha256, info.bytes))
+            # Format-1 parts have no xxh3 hash: computed here, so the merged manifest has one for every shard.
+            fast = info.xxh3_64 or xxh3_file(part / info.name)
+            shards.append(ShardInfo(shard_name(len(shards)), info.rows, info.sha256, info.bytes, fast))
         sources += [dict(source, part=part_index) for source in manifest.sources]
         for key, value in manifest.stats.items():
             stats[key] = stats.get(key, 0) + int(value)
@@ -117,6 +120,8 @@ def merge_parts(parts: Sequence[str | os.PathLike], out: str | os.PathLike) -> M
     """Merge complete shard directories `parts` (in this order) into `out`; returns its manifest."""
     parts = [Path(p) for p in parts]
     out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise MergeRefused(f"--out {out}: exists and is not a directory; --out names the shard directory to create")
     manifests = _check_parts(parts)
     merged = _merged_manifest(parts, manifests)
     if (out / MANIFEST_FILE).is_file():

@@ -2,9 +2,11 @@
 
     python -m data_prep.verify shards/
 
-Checks: every shard's size and sha256, its Arrow schema, row count, that `length` is within
-[2, seq_len], that each row is `[CLS] ... [SEP]` followed only by `[PAD]`, that every id is below
-the vocabulary size, the manifest's totals, and the tokenizer directory's hash.
+Checks: the manifest against itself and the directory (`pipeline.data.shards.check_layout`:
+sizes, Arrow schemas, row counts, totals, `vocab_size` against the id type and the tokenizer,
+the tokenizer directory's hash), then every shard's full bytes against its sha256 and xxh3-64
+hash, that `length` is within [2, seq_len], that each row is `[CLS] ... [SEP]` followed only by
+`[PAD]`, that every id is below the vocabulary size, and the token total.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.data.shards import TOKENIZER_SUBDIR, hash_directory, iter_shard_paths, open_shard, read_manifest, sha256_file
+from pipeline.data.shards import check_layout, iter_shard_paths, open_shard, read_manifest, sha256_file, xxh3_file
 
 
 def _check_rows(name: str, ids: np.ndarray, length: np.ndarray, seq_len: int, vocab_size: int, specials: dict[str, int]) -> list[str]:
@@ -43,30 +45,25 @@ def verify_directory(directory: str | Path) -> list[str]:
         manifest = read_manifest(directory)
     except (FileNotFoundError, ValueError) as err:
         return [str(err)]
-    problems: list[str] = []
-    tokenizer_dir = directory / TOKENIZER_SUBDIR
-    if not tokenizer_dir.is_dir():
-        problems.append(f"{tokenizer_dir}: missing")
-    elif hash_directory(tokenizer_dir) != manifest.tokenizer_hash:
-        problems.append(f"{tokenizer_dir}: hash differs from the manifest's tokenizer_hash")
+    problems = check_layout(directory, manifest)
+    if not (directory / "tokenizer").is_dir():
+        problems.append(f"{directory / 'tokenizer'}: missing")
     total_rows = total_tokens = 0
     for info, path in iter_shard_paths(directory, manifest):
-        if not path.is_file():
-            problems.append(f"{path}: missing")
-            continue
-        if path.stat().st_size != info.bytes:
-            problems.append(f"{path}: {path.stat().st_size} bytes, manifest says {info.bytes}")
+        if not path.is_file() or any(p.startswith(f"{path}:") for p in problems):
+            continue  # missing or structurally damaged: already reported
         if sha256_file(path) != info.sha256:
             problems.append(f"{path}: sha256 mismatch (file changed or corrupt)")
             continue
+        if info.xxh3_64 and xxh3_file(path) != info.xxh3_64:
+            problems.append(f"{path}: xxh3-64 mismatch (file changed, or its manifest entry edited)")
+            continue
         try:
-            shard = open_shard(path, manifest.seq_len, manifest.id_dtype)
+            shard = open_shard(path, manifest.seq_len, manifest.id_dtype, info, check_hash=False)
         except ValueError as err:
             problems.append(str(err))
             continue
         try:
-            if len(shard.length) != info.rows:
-                problems.append(f"{path}: {len(shard.length)} rows, manifest says {info.rows}")
             problems += _check_rows(str(path), shard.input_ids, shard.length, manifest.seq_len, manifest.vocab_size, manifest.special_tokens)
             total_rows += len(shard.length)
             total_tokens += int(shard.length.sum())

@@ -6,8 +6,11 @@ disagree. Every probe is cheap and side-effect free.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import os
+import sys
+from pathlib import Path
 
 
 def cuda_available() -> bool:
@@ -37,3 +40,22 @@ def apex_available() -> bool:
     except Exception:  # ImportError, or apex's own import-time CUDA errors
         return False
     return True
+
+
+def private_extensions_dir() -> Path:
+    """Where torch / DeepSpeed JIT-compile their C++/CUDA ops for *this* Python environment:
+    `~/.cache/torch_extensions/<env>-<hash of sys.prefix>-torch<version>`. torch's default
+    (`~/.cache/torch_extensions/py311_cu124`) is shared by every environment of a user, so one
+    environment's build holds the lock another waits on, and builds for other torch/DeepSpeed
+    versions collide."""
+    import torch
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    prefix = os.path.realpath(sys.prefix)
+    tag = hashlib.sha256(prefix.encode()).hexdigest()[:12]
+    return cache / "torch_extensions" / f"{Path(prefix).name}-{tag}-torch{torch.__version__}"
+
+
+def use_private_extensions_dir() -> str:
+    """Point `TORCH_EXTENSIONS_DIR` at `private_extensions_dir()` unless it is set; returns the value."""
+    return os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(private_extensions_dir()))

@@ -101,6 +101,9 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
 
     backend: "nccl" | "gloo" | None (nccl with CUDA, gloo otherwise). Single-process runs also get
     a (world size 1) process group, because DeepSpeed's engine expects one.
+    timeout_s: how long any collective may wait for the other ranks (`train.dist_timeout_s`): a
+    dead or hung rank makes the others fail after this long instead of hanging (gloo raises;
+    NCCL's watchdog aborts the process, `TORCH_NCCL_ASYNC_ERROR_HANDLING`, set here unless given).
     """
     import datetime
 
@@ -120,7 +123,14 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank % torch.cuda.device_count())
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")  # abort a rank whose collective timed out
     timeout = datetime.timedelta(seconds=timeout_s)
+    # Process groups created later without a timeout (DeepSpeed's data-parallel groups, through
+    # `new_group`) take torch's module default (30 min gloo / 10 min NCCL), not the default group's:
+    # make that default ours, so every collective of the run is bounded by `timeout_s`.
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = timeout
     if info.world_size == 1 and not torch.distributed.is_initialized():
         # One process needs no rendezvous: an in-memory store instead of a TCP port, so concurrent
         # single-process runs on one machine can never race for the same free port.
@@ -174,6 +184,16 @@ def broadcast_object(value: Any) -> Any:
     box = [value]
     torch.distributed.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def first_problem(problem: str) -> str:
+    """The first non-empty `problem` of any rank (in rank order), on every rank; "" when none.
+    Lets every rank fail with the same message when one rank found something wrong."""
+    if not multi_rank():
+        return problem
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, problem)
+    return next((p for p in gathered if p), "")
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:

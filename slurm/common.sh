@@ -55,17 +55,62 @@ device_kind() {
     fi
 }
 
+# The mpirun for LAUNCHER=mpirun: $MPIRUN, else the one beside the interpreter (the PyPI package
+# `mpich` installs it into the environment's bin/, which need not be on PATH when the environment
+# is used through its interpreter), else the first on PATH; an error saying what to install if none.
+find_mpirun() {
+    local beside
+    if [ -n "${MPIRUN:-}" ]; then
+        printf '%s\n' "$MPIRUN"
+        return
+    fi
+    beside="$("$PYTHON" -c 'import os, sys; print(os.path.dirname(sys.executable))' 2>/dev/null)/mpirun"
+    if [ -x "$beside" ]; then
+        printf '%s\n' "$beside"
+    elif command -v mpirun >/dev/null 2>&1; then
+        command -v mpirun
+    else
+        echo "error: LAUNCHER=mpirun: no mpirun beside PYTHON=$PYTHON (${beside%/mpirun}/) nor on PATH;" \
+            "install MPICH into that environment ($PYTHON -m pip install mpich) or set MPIRUN=/path/to/mpirun" >&2
+        return 2
+    fi
+}
+
+# Container flags for srun on pyxis/enroot sites: CONTAINER_IMAGE, CONTAINER_MOUNTS (the repository
+# checkout, CPT_ROOT, and the data/output paths must be mounted at the same paths) and
+# CONTAINER_ARGS (any other --container-* flags, space-separated). Sets CONTAINER_FLAGS (an array).
+set_container_flags() {
+    CONTAINER_FLAGS=()
+    [ -n "${CONTAINER_IMAGE:-}" ] && CONTAINER_FLAGS+=("--container-image=$CONTAINER_IMAGE")
+    [ -n "${CONTAINER_MOUNTS:-}" ] && CONTAINER_FLAGS+=("--container-mounts=$CONTAINER_MOUNTS")
+    # shellcheck disable=SC2206  # CONTAINER_ARGS is a list of flags
+    [ -n "${CONTAINER_ARGS:-}" ] && CONTAINER_FLAGS+=(${CONTAINER_ARGS})
+    return 0
+}
+
 # LAUNCH_CMD=(launcher ... run_rank.sh LOG_DIR COMMAND...): COMMAND once per task of the
 # allocation, each rank logging to LOG_DIR/rank<R>.log through slurm/run_rank.sh.
 # LAUNCHER=srun (default) or mpirun (MPICH/Open MPI; inside an allocation they start their
 # per-node proxies with srun themselves). No --kill-on-bad-exit: it would kill ranks that are
-# still writing their part of a preemption checkpoint, and hide their exit codes.
+# still writing their part of a preemption checkpoint, and hide their exit codes. Instead
+# `srun --wait=EXIT_WAIT` (default 120 s) ends the remaining ranks that long after the first one
+# exited: all ranks of a healthy run leave within seconds of each other (they pass the same
+# final barrier), so only ranks stuck on a dead peer are ended (train.dist_timeout_s bounds the
+# wait of the others).
 set_launch_cmd() {
-    local log_dir=$1
+    local log_dir=$1 mpirun
     shift
+    set_container_flags
     case "${LAUNCHER:-srun}" in
-        srun) LAUNCH_CMD=(srun --kill-on-bad-exit=0) ;;
-        mpirun) LAUNCH_CMD=("${MPIRUN:-mpirun}" -np "${SLURM_NTASKS:-$SLURM_NNODES}") ;;
+        srun) LAUNCH_CMD=(srun --kill-on-bad-exit=0 --wait="${EXIT_WAIT:-120}" "${CONTAINER_FLAGS[@]}") ;;
+        mpirun)
+            if [ "${#CONTAINER_FLAGS[@]}" -gt 0 ]; then
+                echo "error: CONTAINER_IMAGE/CONTAINER_MOUNTS/CONTAINER_ARGS are srun (pyxis) flags; use LAUNCHER=srun" >&2
+                exit 2
+            fi
+            mpirun=$(find_mpirun) || exit 2
+            LAUNCH_CMD=("$mpirun" -np "${SLURM_NTASKS:-$SLURM_NNODES}")
+            ;;
         *)
             echo "error: LAUNCHER=${LAUNCHER}: expected srun or mpirun" >&2
             exit 2
@@ -74,18 +119,25 @@ set_launch_cmd() {
     LAUNCH_CMD+=(bash "$CPT_ROOT/slurm/run_rank.sh" "$log_dir" "$@")
 }
 
+# Preemption signals are recorded from a batch script's first line on (`trap_preemption`) and, while
+# the ranks run, passed on to them (`run_ranks_preemptible`): a signal at any moment is never fatal
+# to the script. PREEMPTED = the first signal received (USR1 or TERM), PREEMPT_TERMINATED=1 after TERM.
+trap_preemption() {
+    trap 'PREEMPTED=${PREEMPTED:-USR1}' USR1
+    trap 'PREEMPTED=${PREEMPTED:-TERM}; PREEMPT_TERMINATED=1' TERM
+}
+
 # The launcher in the background while this shell waits, so it can act on signals:
 #   USR1 (--signal=B:USR1@SECS before the time limit, or `scancel --batch --signal=USR1`):
 #        passed on to the ranks (srun forwards USR1 to every task; mpirun forwards only TERM),
 #        which checkpoint and exit with the requeue code;
 #   TERM (scancel, or SLURM preempting/requeueing the job itself): passed on the same way, and
 #        remembered in PREEMPT_TERMINATED=1 so the caller does not requeue a cancelled job.
-# Sets LAUNCH_RC to the launcher's exit status.
+# Sets LAUNCH_RC to the launcher's exit status. Afterwards signals are recorded only (trap_preemption).
 run_ranks_preemptible() {
-    PREEMPT_TERMINATED=0
     LAUNCHER_PID=
-    trap 'forward_signal USR1' USR1
-    trap 'PREEMPT_TERMINATED=1; forward_signal TERM' TERM
+    trap 'PREEMPTED=${PREEMPTED:-USR1}; forward_signal USR1' USR1
+    trap 'PREEMPTED=${PREEMPTED:-TERM}; PREEMPT_TERMINATED=1; forward_signal TERM' TERM
     set_launch_cmd "$@"
     "${LAUNCH_CMD[@]}" &
     LAUNCHER_PID=$!
@@ -96,7 +148,8 @@ run_ranks_preemptible() {
     done
     wait "$LAUNCHER_PID"
     LAUNCH_RC=$?
-    trap - USR1 TERM
+    LAUNCHER_PID=
+    trap_preemption
 }
 
 forward_signal() { # SIGNAL: tell the ranks started by the launcher LAUNCHER_PID
@@ -105,6 +158,55 @@ forward_signal() { # SIGNAL: tell the ranks started by the launcher LAUNCHER_PID
     echo "== $(date '+%F %T') received $1: sending $sig to the ranks (launcher pid ${LAUNCHER_PID:-not started})"
     [ -n "${LAUNCHER_PID:-}" ] && kill -s "$sig" "$LAUNCHER_PID" 2>/dev/null
     return 0
+}
+
+# What an exit status of pipeline.train (or of a rank killed by a signal) means.
+explain_exit() {
+    local code=$1 sig
+    case "$code" in
+        0) echo "success" ;;
+        1) echo "Python error: see the traceback in the rank log" ;;
+        2) echo "bad config, data or checkpoint: nothing was computed" ;;
+        3) echo "stopped by the non-finite loss guard: no checkpoint of non-finite weights was written" ;;
+        4) echo "a checkpoint could not be written (disk full?): the previous one is still latest" ;;
+        75) echo "checkpointed for requeue after SIGTERM/SIGUSR1" ;;
+        none) echo "no exit status: the rank's shell was killed, or never started" ;;
+        *)
+            if [ "$code" -gt 128 ] 2>/dev/null; then
+                sig=$(kill -l $((code - 128)) 2>/dev/null || echo "signal $((code - 128))")
+                case "$sig" in
+                    KILL) echo "killed by SIGKILL: out of memory (OOM killer), or ended by srun after another rank exited" ;;
+                    TERM) echo "killed by SIGTERM (scancel, or srun ending the ranks after another one exited)" ;;
+                    USR1) echo "killed by SIGUSR1 before its preemption handler was installed" ;;
+                    ABRT) echo "aborted (SIGABRT): e.g. NCCL's watchdog after a collective timed out" ;;
+                    SEGV | BUS | ILL) echo "crashed (SIG$sig)" ;;
+                    *) echo "killed by SIG$sig" ;;
+                esac
+            else
+                echo "failed"
+            fi
+            ;;
+    esac
+}
+
+# The first error line of the latest run in a rank log: `error: ...` (pipeline's own messages) or
+# the first exception line of a traceback (`SomethingError: ...`, at the start of a line, after
+# the `[rankN]: ` prefix torch.distributed puts on uncaught tracebacks).
+first_error_line() {
+    awk '/^=== .* rank [0-9]+ host /{found = ""}
+         found == "" && /^(\[rank[0-9]+\]: )?(error: |([A-Za-z_][A-Za-z0-9_]*\.)*[A-Za-z_][A-Za-z0-9_]*(Error|Exception|Interrupt)(: |$))/{found = $0}
+         END {print found}' "$1" 2>/dev/null | cut -c1-400
+}
+
+# One line per rank that did not exit 0: its exit status, what that means, and its first error line.
+report_ranks() {
+    local log_dir=$1 n=$2 r code line
+    for ((r = 0; r < n; r++)); do
+        code=$(cat "$log_dir/rank$r.exit" 2>/dev/null || echo none)
+        [ "$code" = 0 ] && continue
+        line=$(first_error_line "$log_dir/rank$r.log")
+        echo "   rank $r: exit $code ($(explain_exit "$code"))${line:+: $line}"
+    done
 }
 
 # "rank0=75 rank1=1 ..." from LOG_DIR/rank<R>.exit (ranks that wrote none are left out).
@@ -123,6 +225,24 @@ all_ranks_exited_with() {
         [ "$(cat "$log_dir/rank$r.exit" 2>/dev/null)" = "$code" ] || { echo no; return; }
     done
     echo yes
+}
+
+# "yes" if every one of N ranks exited with CODE or was killed by a signal (or left no status),
+# and at least one with CODE: after a preemption, ranks that were still starting (or waiting for a
+# peer that died of the signal before its handler was installed) may be ended by srun; nothing
+# they did can have damaged `latest`, which only ever names a complete checkpoint.
+all_ranks_stopped_with() {
+    local log_dir=$1 n=$2 code=$3 r status seen=no
+    for ((r = 0; r < n; r++)); do
+        status=$(cat "$log_dir/rank$r.exit" 2>/dev/null || echo none)
+        if [ "$status" = "$code" ]; then
+            seen=yes
+        elif [ "$status" != none ] && ! [ "$status" -gt 128 ] 2>/dev/null; then
+            echo no
+            return
+        fi
+    done
+    echo "$seen"
 }
 
 PYTHON=${PYTHON:-python3}

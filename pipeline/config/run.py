@@ -114,7 +114,7 @@ def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start
     cfg.model.check_init_from(manifest, cfg.data.shards_dir, fresh_start)
     engine = cfg.deepspeed.load_engine(cuda_available)
     stage = zero_stage_of(engine)
-    check_objectives_under_stage(cfg.objectives, stage, cfg.deepspeed.config)
+    check_objectives_under_stage(cfg.objectives, stage, cfg.deepspeed.stage_source())
     cfg.model.check_device(cuda_available)
     cfg.optim.check_device(cuda_available)
     return RunPlan(batch, engine, stage, manifest, data_hash)
@@ -134,6 +134,7 @@ RESUME_IGNORED_FIELDS = (
     "data.micro_batch_size",
     "data.grad_accum",
     "data.num_workers",
+    "data.verify_shards",
     "train.output_dir",
     "train.log_every",
     "train.checkpoint_every",
@@ -142,6 +143,7 @@ RESUME_IGNORED_FIELDS = (
     "train.allow_config_change",
     "train.max_nonfinite_steps",
     "train.deterministic",
+    "train.dist_timeout_s",
     "train.progress_bar",
     "train.tensorboard",
 )

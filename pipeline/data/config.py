@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from pipeline.config.checks import ConfigError, check_keywords, check_positive
-from pipeline.data.shards import Manifest, manifest_hash, read_manifest
+from pipeline.data.shards import Manifest, check_layout, manifest_hash, read_manifest
 
 
 @dataclass
@@ -34,6 +34,11 @@ class DataConfig:
     training process between steps (the tiny CPU presets: their batches take microseconds)."""
     corruption: dict = field(default_factory=dict)
     """Keyword options of `pipeline.data.corruption.CorruptionCollator` (mask probability, crop ratio, ...)."""
+    verify_shards: bool = True
+    """Check every shard's bytes against the manifest's hash (xxh3-64; sha256 for format-1 manifests)
+    on every rank when the shards are first opened, before the first step. `false` skips only that
+    full read (sizes, footers, row counts and the manifest are always checked); for data checked
+    separately with `python -m data_prep.verify`."""
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""
@@ -61,6 +66,11 @@ class DataConfig:
         missing = [s.name for s in manifest.shards if not (shards / s.name).is_file()]
         if missing:
             raise ConfigError(f"data.shards_dir={shards}: shards listed in manifest.json are missing: {missing[:5]}")
+        problems = check_layout(shards, manifest)
+        if problems:
+            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+            raise ConfigError(f"data.shards_dir={shards}: {problems[0]}{more}; check the directory with "
+                              f"`python -m data_prep.verify {shards}` and rebuild it")
         if self.seq_len is not None and self.seq_len != manifest.seq_len:
             raise ConfigError(f"data.seq_len={self.seq_len} but the shards in {shards} have seq_len="
                               f"{manifest.seq_len}; rebuild the shards or set data.seq_len={manifest.seq_len}")

@@ -23,6 +23,7 @@ function of (consumed samples, k), so workers change nothing in the stream.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterator, Protocol
@@ -32,14 +33,29 @@ import torch
 
 from pipeline.seeding import epoch_permutation
 from pipeline.data.config import BatchPlan
-from pipeline.data.shards import TOKENIZER_SUBDIR, Manifest, ShardArrays, iter_shard_paths, open_shard, read_manifest
+from pipeline.data.shards import (
+    TOKENIZER_SUBDIR,
+    Manifest,
+    ShardArrays,
+    ShardError,
+    iter_shard_paths,
+    open_shard,
+    read_manifest,
+)
+
+log = logging.getLogger(__name__)
 
 
 class ShardDataset:
-    """Random access to the packed sequences of a shard directory (memory-mapped)."""
+    """Random access to the packed sequences of a shard directory (memory-mapped).
 
-    def __init__(self, directory: str | os.PathLike) -> None:
+    With `verify` (default), each shard's size, hash and row count are checked against the
+    manifest when the shards are first opened in this process (`pipeline.data.shards.open_shard`);
+    copies made after that (DataLoader workers) do not hash again."""
+
+    def __init__(self, directory: str | os.PathLike, verify: bool = True) -> None:
         self.directory = Path(directory)
+        self.verify = verify
         self.manifest: Manifest = read_manifest(self.directory)
         self.seq_len = self.manifest.seq_len
         self.special_tokens = dict(self.manifest.special_tokens)
@@ -52,17 +68,19 @@ class ShardDataset:
     def tokenizer_dir(self) -> Path:
         return self.directory / TOKENIZER_SUBDIR
 
+    def open(self) -> None:
+        """Map (and, with `verify`, check) every shard now rather than at the first read."""
+        self._open()
+
     def _open(self) -> list[ShardArrays]:
         if self._shards is None:
             shards = []
             for info, path in iter_shard_paths(self.directory, self.manifest):
                 if not path.is_file():
                     raise FileNotFoundError(f"{path}: listed in the manifest but missing")
-                shard = open_shard(path, self.seq_len, self.manifest.id_dtype)
-                if len(shard.length) != info.rows:
-                    raise ValueError(f"{path}: {len(shard.length)} rows, manifest says {info.rows}")
-                shards.append(shard)
+                shards.append(open_shard(path, self.seq_len, self.manifest.id_dtype, info, check_hash=self.verify))
             self._shards = shards
+            self.verify = False  # verified once in this process; copies for workers need not hash again
         return self._shards
 
     def __getstate__(self) -> dict[str, Any]:  # memory maps are re-opened in the receiving process
@@ -218,3 +236,27 @@ class PretrainBatches:
         self.consumed_samples = int(state["consumed_samples"])
         self._micro_step = 0
         self._loader_iter = None
+
+
+def open_dataset(directory: str | os.PathLike, verify: bool) -> ShardDataset:
+    """The training run's dataset, opened on every rank once the process group is up, each shard's
+    bytes checked against its manifest hash unless `verify` is off (`data.verify_shards`). A damaged
+    shard found by any rank is a `ConfigError` on every rank, before any compute."""
+    from pipeline.config.checks import ConfigError
+    from pipeline.distributed import first_problem
+
+    dataset = ShardDataset(directory, verify=verify)
+    if verify and not all(info.xxh3_64 for info in dataset.manifest.shards):
+        log.warning("%s: manifest format %d has no xxh3 shard hashes; checking each shard's sha256 instead (slower; "
+                    "rebuild with this version, or data.verify_shards=false if you verify separately)",
+                    directory, dataset.manifest.format_version)
+    problem = ""
+    try:
+        dataset.open()
+    except (ShardError, FileNotFoundError) as err:
+        problem = f"data.shards_dir={directory}: {err}"
+    problem = first_problem(problem)
+    if problem:
+        raise ConfigError(f"{problem}; nothing was computed. Check the directory with `python -m data_prep.verify "
+                          f"{directory}` and rebuild the damaged shards (data.verify_shards=false skips this check)")
+    return dataset

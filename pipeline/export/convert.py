@@ -4,7 +4,8 @@ CHECKPOINT_DIR is a checkpoint tag directory (it holds `pipeline_meta.json`), a 
 directory with a `latest` pointer, or a run's output directory (`<run>/checkpoints/latest`).
 
 Steps, each failing with a message that names the file at fault and leaving OUT_DIR untouched:
-1. check the tag is complete (`pipeline.train.checkpoint.verify_checkpoint`), read `pipeline_meta.json`
+1. check the tag is complete and intact (`pipeline.train.checkpoint.verify_checkpoint`: every file
+   at the size and sha256 recorded in `COMPLETE.json` when it was saved), read `pipeline_meta.json`
    (encoder shape, objectives, special tokens, tokenizer dir) and the tokenizer before any heavy work;
 2. consolidate the fp32 master weights of every rank with DeepSpeed's own
    `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (ZeRO 1/2/3, any number of ranks,
@@ -15,8 +16,11 @@ Steps, each failing with a message that names the file at fault and leaving OUT_
    when the encoder looks collapsed;
 5. write config, safetensors, tokenizer (config cleaned of load-time keys), objective heads with
    their rebuild recipe (`pipeline.export.objective_heads`), `pipeline_meta.json` and the model card
-   (`pipeline.export.model_card`) into a temporary sibling directory and rename it to OUT_DIR only
-   when everything is written.
+   (`pipeline.export.model_card`) into a temporary sibling directory (`.OUT_DIR.tmp-HOST-PID`) and
+   rename it to OUT_DIR only when everything is written.
+A SIGTERM/SIGINT removes the temporary directory before exiting; what a killed (`kill -9`)
+conversion into the same OUT_DIR left behind on this host is removed (or, for a previous export
+set aside at the moment of the kill, restored) by the next one (`clean_stale_siblings`).
 """
 from __future__ import annotations
 
@@ -25,7 +29,10 @@ import contextlib
 import glob
 import json
 import os
+import re
 import shutil
+import signal
+import socket
 import sys
 import warnings
 from pathlib import Path
@@ -60,9 +67,9 @@ TOKENIZER_LOAD_KEYS = ("is_local", "local_files_only", "name_or_path", "cache_di
 def resolve_tag_dir(path: str | os.PathLike) -> Path:
     """The complete checkpoint tag directory that `path` designates (follows `latest` pointers).
 
-    Completeness is `pipeline.train.checkpoint.verify_checkpoint`'s: `COMPLETE.json` present and every
-    file every rank wrote at its recorded size, so a partial or truncated save is refused here,
-    before any weights are read.
+    Completeness is `pipeline.train.checkpoint.verify_checkpoint`'s with hashes: `COMPLETE.json`
+    present and every file every rank wrote at its recorded size and sha256, so a partial,
+    truncated or garbled (even at the same size) save is refused here, before any weights are read.
     """
     path = Path(path)
     if not path.is_dir():
@@ -79,7 +86,7 @@ def resolve_tag_dir(path: str | os.PathLike) -> Path:
         raise CheckpointError(
             f"{path}: neither a checkpoint tag directory (no {META_FILE}) nor a directory with a 'latest' pointer"
         )
-    verify_checkpoint(tag_dir)
+    verify_checkpoint(tag_dir, check_hashes=True)
     return tag_dir
 
 
@@ -208,16 +215,57 @@ def _check_out_dir(out_dir: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{out_dir}: not empty; pass --overwrite to replace it")
 
 
+def _sibling(out_dir: Path, kind: str) -> Path:
+    """`.OUT.tmp-HOST-PID` (being written) or `.OUT.old-HOST-PID` (the export being replaced)."""
+    return out_dir.with_name(f".{out_dir.name}.{kind}-{socket.gethostname()}-{os.getpid()}")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def clean_stale_siblings(out_dir: Path) -> list[Path]:
+    """Remove the temporary directories that killed conversions into `out_dir` left on this host
+    (their process is gone); a set-aside previous export is moved back when `out_dir` is missing.
+    Directories of live conversions, or of other hosts (their processes cannot be checked), stay."""
+    pattern = re.compile(rf"\.{re.escape(out_dir.name)}\.(tmp|old)-(?:(.+)-)?(\d+)")
+    removed = []
+    for path in sorted(out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*")):
+        match = pattern.fullmatch(path.name)
+        if match is None or not path.is_dir():
+            continue
+        kind, host, pid = match.group(1), match.group(2), int(match.group(3))
+        if (host is not None and host != socket.gethostname()) or pid == os.getpid() or _pid_alive(pid):
+            continue
+        if kind == "old" and not out_dir.exists():
+            os.replace(path, out_dir)  # killed between its two renames: the previous export comes back
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 def _publish(tmp: Path, out_dir: Path) -> None:
-    """Rename the finished temp dir to `out_dir` (replacing an old one only after it is complete)."""
+    """Rename the finished temp dir to `out_dir` (replacing an old one only after it is complete).
+    SIGTERM/SIGINT wait until both renames are done, so OUT_DIR is never left missing."""
     old: Optional[Path] = None
-    if out_dir.exists():
-        if any(out_dir.iterdir()):
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        else:
-            out_dir.rmdir()
-    os.replace(tmp, out_dir)
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        if out_dir.exists():
+            if any(out_dir.iterdir()):
+                old = _sibling(out_dir, "old")
+                os.replace(out_dir, old)
+            else:
+                out_dir.rmdir()
+        os.replace(tmp, out_dir)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 
@@ -239,6 +287,7 @@ def convert(
     license_id / base_model: the card's `license` and `base_model` metadata (defaults: the base
     model's license and directory name for a warm-started run, else `unknown` / none)."""
     out_dir = Path(out_dir)
+    clean_stale_siblings(out_dir)  # first: a previous export a killed conversion had set aside comes back
     _check_out_dir(out_dir, overwrite)
     tag_dir = resolve_tag_dir(checkpoint_dir)
     meta = RunMeta.read(tag_dir)
@@ -257,7 +306,7 @@ def convert(
     card = CardInputs(tag_dir.name, source, health, license_id, base_model)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp = _sibling(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         write_export(tmp, export, meta, tokenizer, tag_dir, model, with_generator, card)
@@ -287,8 +336,14 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    """SIGTERM as an exception, so `convert`'s cleanup runs before the process ends."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal)
     try:
         out = convert(
             args.checkpoint_dir,
@@ -303,6 +358,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
     print(json.dumps({"out_dir": str(out), "files": files}))
     return 0

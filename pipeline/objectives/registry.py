@@ -54,11 +54,12 @@ def check_objectives(objectives: dict, options: dict) -> None:
         check_keywords(registry[name], opts, f"objective_options.{name}", skip=2)
 
 
-def check_objectives_under_stage(objectives: dict, stage: int, engine_name: str) -> None:
-    """Stage 2: an objective with `max_zero_stage` below the engine's ZeRO stage is refused."""
+def check_objectives_under_stage(objectives: dict, stage: int, stage_source: str) -> None:
+    """Stage 2: an objective with `max_zero_stage` below the engine's ZeRO stage is refused.
+    `stage_source` names the setting the stage comes from (`DeepSpeedConfig.stage_source`)."""
     registry = OBJECTIVES
     for name in objectives:
         limit = registry[name].max_zero_stage
         if stage > limit:
-            raise ConfigError(f"deepspeed.config={engine_name} uses ZeRO stage {stage}, but objective {name!r} "
-                              f"supports stages up to {limit}; pick an engine file with stage <= {limit}")
+            raise ConfigError(f"{stage_source} uses ZeRO stage {stage}, but objective {name!r} supports stages up to "
+                              f"{limit}; choose a stage <= {limit} there")

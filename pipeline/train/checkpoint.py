@@ -37,6 +37,14 @@ not a trajectory-preserving optimizer state (measured: losses drift by 1e-4 with
 
 Preemption (`pipeline.train.preemption`) checkpoints through `save_checkpoint` and exits with
 `REQUEUE_EXIT_CODE` (75), which job scripts read as "requeue".
+
+A save that fails (disk full, quota, I/O error) raises `CheckpointWriteError` on every rank with
+the failing file ("no space left on device: PATH"), after removing the partial tag: `latest`
+still names the previous checkpoint (`pipeline.train.checkpoint_writes`).
+
+`train.resume=<older tag of this run>` resumes from it in the same output directory: the newer
+tags are moved (not deleted) to `checkpoints/superseded/` once the older one has loaded, and
+`latest` points at it, so the run goes on from there without colliding with them.
 """
 from __future__ import annotations
 
@@ -48,13 +56,14 @@ import shutil
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from pipeline.config.checks import ConfigError
 from pipeline.config.run import config_differences, config_hash
-from pipeline.distributed import barrier, broadcast_object
+from pipeline.distributed import barrier, broadcast_object, first_problem
+from pipeline.train.checkpoint_writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
 from pipeline.train.run_meta import META_FILE, RunMeta
 
 log = logging.getLogger(__name__)
@@ -64,6 +73,8 @@ LATEST_FILE = "latest"
 COMPLETE_FILE = "COMPLETE.json"
 TRAIN_STATE_FILE = "train_state.pt"
 UNIVERSAL_TAG = "universal"
+SUPERSEDED_DIR = "superseded"
+MODEL_STATES_FILE = "mp_rank_00_model_states.pt"
 
 
 class CheckpointError(RuntimeError):
@@ -193,47 +204,56 @@ def list_tags(root: Path) -> list[tuple[int, Path]]:
 # Saving
 # --------------------------------------------------------------------------------------------
 class CheckpointFinisher:
-    """Runs rank 0's completion stage of a save on a background thread, one at a time.
+    """Runs rank 0's completion stage of a save (hashes, `COMPLETE.json`, `latest`, pruning) on a
+    background thread, one at a time, so hashing a large checkpoint stays off the training step.
 
-    `wait()` joins the running one and re-raises its failure as a `CheckpointError` (the tag then
-    stays partial and `latest` still names the previous checkpoint).
+    The work reports a failed write as text, never as an exception (`checkpoint_writes`); `wait()`
+    joins the running completion and returns that text once ("" when it succeeded). The failure is
+    turned into the same `CheckpointWriteError` on every rank by `settle_pending_save`.
     """
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-        self._tag: Optional[Path] = None
+        self._problem = ""
 
-    def start(self, tag_dir: Path, work: Any) -> None:
-        self.wait()
-        self._tag = tag_dir
+    def start(self, tag_dir: Path, work: Callable[[], str]) -> None:
+        if self._thread is not None:
+            raise RuntimeError("CheckpointFinisher.start: the previous completion was not waited for")
 
         def run() -> None:
             try:
-                work()
+                self._problem = work()
             except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()
-                self._error = err
+                self._problem = f"{tag_dir}: completing the checkpoint failed ({type(err).__name__}: {err})"
 
         self._thread = threading.Thread(target=run, name=f"checkpoint-complete-{tag_dir.name}", daemon=False)
         self._thread.start()
 
-    def wait(self) -> None:
+    def wait(self) -> str:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise CheckpointError(f"{self._tag}: completing the checkpoint failed ({type(error).__name__}: {error}); "
-                                  "it stays partial and 'latest' still names the previous one") from error
+        problem, self._problem = self._problem, ""
+        return problem
 
 
-def _complete(root: Path, tag_dir: Path, step: int, keep_last: int) -> None:
-    """Rank 0's last stage of a save: flush, record sizes and hashes, then move `latest`, then prune."""
-    _fsync_tree(tag_dir)
-    record = {"tag": tag_dir.name, "step": step, "files": _listing(tag_dir)}
-    _write_text_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
-    _write_text_atomic(root / LATEST_FILE, tag_dir.name)
+def settle_pending_save(finisher: Optional[CheckpointFinisher], root: Path, is_main: bool) -> None:
+    """Collective: wait for rank 0's background completion of the last save; when it failed, every
+    rank raises the same `CheckpointWriteError` (the tag was removed; `latest` names the one before)."""
+    problem = finisher.wait() if finisher is not None and is_main else ""
+    _fail_together(problem, root, None, is_main)
+
+
+def _complete_or_describe(root: Path, tag_dir: Path, step: int, keep_last: int) -> str:
+    """Rank 0's last stage of a save: flush, record sizes and hashes, move `latest`, prune. Returns ""
+    or what went wrong, after removing the unfinished tag (`latest` still names the previous one)."""
+    problem = write_or_describe(tag_dir / COMPLETE_FILE, lambda: _complete(root, tag_dir, step))
+    if problem:
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        (root / (LATEST_FILE + ".tmp")).unlink(missing_ok=True)  # `latest` is replaced last: never this tag
+        return f"{problem}. Checkpoint {tag_dir.name} was not completed (its files were removed)"
     prune_checkpoints(root, keep_last)
+    return ""
 
 
 def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, keep_last: int, is_main: bool,
@@ -245,8 +265,7 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
     tag = tag_for_step(state.step)
     tag_dir = root / tag
     skip = False
-    if finisher is not None and is_main:
-        finisher.wait()  # the previous tag's completion owns `latest` and pruning until it is done
+    settle_pending_save(finisher, root, is_main)  # the previous completion owns `latest` and pruning until done
     if is_main:
         root.mkdir(parents=True, exist_ok=True)
         if tag_dir.exists():
@@ -259,22 +278,61 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
         log.info("checkpoint %s already complete; not rewritten", tag_dir)
         return tag_dir
     barrier()
-    engine.save_checkpoint(str(root), tag=tag, client_state={}, save_latest=False)
-    if is_main:
-        tmp = tag_dir / (TRAIN_STATE_FILE + ".tmp")
-        torch.save(asdict(state), tmp)
-        os.replace(tmp, tag_dir / TRAIN_STATE_FILE)
-        meta.write(tag_dir)
-    barrier()  # every rank's DeepSpeed files are written
+    with recording_writes(engine) as writes:  # a failed write is recorded, so every rank reaches the end
+        engine.save_checkpoint(str(root), tag=tag, client_state={}, save_latest=False)
+    problem = writes.problem
+    if is_main and not problem:
+        problem = _write_run_files(tag_dir, state, meta)
+    _fail_together(problem, root, tag_dir, is_main)  # also waits until every rank's files are written
     if finisher is not None:
         if is_main:
             step = state.step  # the loop moves on while the thread runs: bind the value now
-            finisher.start(tag_dir, lambda: _complete(root, tag_dir, step, keep_last))
+            finisher.start(tag_dir, lambda: _complete_or_describe(root, tag_dir, step, keep_last))
         return tag_dir
     if is_main:
-        _complete(root, tag_dir, state.step, keep_last)
+        problem = _complete_or_describe(root, tag_dir, state.step, keep_last)
+    _fail_together(problem, root, None, is_main)
     barrier()
     return tag_dir
+
+
+def _write_run_files(tag_dir: Path, state: TrainState, meta: RunMeta) -> str:
+    """Rank 0's own files of a tag (train state, meta); "" or what went wrong."""
+    tmp, raw = tag_dir / (TRAIN_STATE_FILE + ".tmp"), asdict(state)
+
+    def write_state() -> None:
+        torch.save(raw, tmp)
+        os.replace(tmp, tag_dir / TRAIN_STATE_FILE)
+
+    return (write_or_describe(tag_dir / TRAIN_STATE_FILE, write_state, object_bytes(raw))
+            or write_or_describe(tag_dir / META_FILE, lambda: meta.write(tag_dir)))
+
+
+def _complete(root: Path, tag_dir: Path, step: int) -> None:
+    """Flush the tag, write its completeness record, then move `latest` to it."""
+    _fsync_tree(tag_dir)
+    record = {"tag": tag_dir.name, "step": step, "files": _listing(tag_dir)}
+    _write_text_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
+    _write_text_atomic(root / LATEST_FILE, tag_dir.name)
+
+
+def _fail_together(problem: str, root: Path, tag_dir: Optional[Path], is_main: bool) -> None:
+    """Collective: when any rank's write failed, every rank raises the same `CheckpointWriteError`,
+    after rank 0 removed the partial tag (its space is freed; `latest` never pointed at it). With
+    `tag_dir` None the tag was already removed (a failed completion says so in `problem`)."""
+    problem = first_problem(problem)
+    if not problem:
+        return
+    if is_main and tag_dir is not None:
+        shutil.rmtree(tag_dir, ignore_errors=True)
+        (root / (LATEST_FILE + ".tmp")).unlink(missing_ok=True)  # `latest` is replaced last: never the failed tag
+    barrier()
+    latest = read_latest(root)
+    removed = f". Checkpoint {tag_dir.name} was not written (its partial files were removed)" if tag_dir else ""
+    raise CheckpointWriteError(
+        f"{problem}{removed}; checkpoints/latest "
+        f"{'still names ' + latest.name if latest else 'does not exist yet (nothing was saved before)'}. Free space "
+        f"in {root} (or choose another train.output_dir) and resume")
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
@@ -298,6 +356,8 @@ class ResumeTarget:
     tag_dir: Path
     meta: RunMeta
     universal: bool  # rank count or ZeRO stage changed: load through the universal format
+    changed: bool = False  # config or data differ (allowed by train.allow_config_change)
+    set_aside: list[Path] = field(default_factory=list)  # newer tags of this run, moved away once loaded
 
 
 def find_resume_checkpoint(resume: str, root: Path) -> Optional[Path]:
@@ -318,11 +378,35 @@ def find_resume_checkpoint(resume: str, root: Path) -> Optional[Path]:
             tag_dir = read_latest(tag_dir)  # type: ignore[assignment]
         elif (tag_dir / CHECKPOINT_DIR / LATEST_FILE).is_file():  # a run directory
             tag_dir = read_latest(tag_dir / CHECKPOINT_DIR)  # type: ignore[assignment]
-        if latest is not None and latest.resolve() != tag_dir.resolve():
-            raise ConfigError(f"train.resume={resume}: {root} already holds other checkpoints (latest: {latest.name}); "
-                              "resume into a new train.output_dir so that no good checkpoint is overwritten")
+        own_tag = tag_dir.resolve().parent == root.resolve()
+        if latest is not None and latest.resolve() != tag_dir.resolve() and not own_tag:
+            raise ConfigError(f"train.resume={resume}: {root} already holds checkpoints of another run (latest: "
+                              f"{latest.name}); resume into a new train.output_dir, or name one of {root}'s own tags")
     verify_checkpoint(tag_dir)
     return tag_dir
+
+
+def newer_tags(root: Path, tag_dir: Path) -> list[Path]:
+    """Tags of `root` after `tag_dir` when `tag_dir` is one of `root`'s own (an explicit
+    `train.resume=<older tag>`): they are set aside when that tag is resumed."""
+    step = step_of_tag(tag_dir.name)
+    if step is None or tag_dir.resolve().parent != root.resolve():
+        return []
+    return [p for s, p in list_tags(root) if s > step]
+
+
+def set_aside(root: Path, tags: list[Path], resumed: Path) -> None:
+    """Move `tags` to `root/superseded/` (kept, never deleted) and point `latest` at `resumed`."""
+    target = root / SUPERSEDED_DIR
+    target.mkdir(exist_ok=True)
+    for tag in tags:
+        dest, n = target / tag.name, 0
+        while dest.exists():
+            n += 1
+            dest = target / f"{tag.name}.{n}"
+        os.replace(tag, dest)
+        log.warning("train.resume=%s: newer checkpoint %s moved to %s", resumed, tag.name, dest)
+    _write_text_atomic(root / LATEST_FILE, resumed.name)
 
 
 def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int, zero_stage: int,
@@ -350,7 +434,31 @@ def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int
             f"{world_size} rank(s) under ZeRO {zero_stage} is supported for ZeRO 1 and 2 only (DeepSpeed's universal "
             "loading of ZeRO-3 optimizer states does not continue the same trajectory). Resume with "
             f"{meta.world_size} rank(s), or warm-start from the converted weights")
-    return ResumeTarget(tag_dir, meta, universal)
+    return ResumeTarget(tag_dir, meta, universal, changed=bool(problems))
+
+
+def check_resume_shapes(target: ResumeTarget, model: torch.nn.Module) -> None:
+    """With a changed config (`train.allow_config_change=true`), refuse a checkpoint whose tensors
+    have other shapes than `model`'s, naming them (before any engine is built)."""
+    if not target.changed:
+        return  # same config and data: same shapes
+    try:
+        saved = torch.load(target.tag_dir / MODEL_STATES_FILE, map_location="cpu", weights_only=False)
+    except Exception as err:
+        raise CheckpointError(f"{target.tag_dir / MODEL_STATES_FILE}: unreadable ({type(err).__name__}: {err})") from err
+    shapes: dict[str, tuple] = {}
+    for group in saved.get("param_shapes") or []:
+        shapes.update({name: tuple(shape) for name, shape in group.items()})
+    if not shapes and isinstance(saved.get("module"), dict):
+        shapes = {name: tuple(t.shape) for name, t in saved["module"].items()}
+    current = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    differ = [f"{n} {list(shapes[n])} -> {list(current[n])}" for n in current if n in shapes and shapes[n] != current[n]]
+    differ += [f"{n} (new)" for n in current if n not in shapes] + [f"{n} (gone)" for n in shapes if n not in current]
+    if differ:
+        raise CheckpointError(
+            f"{target.tag_dir}: this run's model has other tensors than the checkpoint ({len(differ)}: "
+            f"{'; '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}); train.allow_config_change=true resumes "
+            "changed settings, not a changed model shape. Start a new run (train.output_dir) for a new shape")
 
 
 def ensure_universal(tag_dir: Path, is_main: bool) -> Path:
@@ -402,4 +510,8 @@ def load_checkpoint(engine: Any, target: ResumeTarget, is_main: bool) -> TrainSt
                               "corrupt — resume from an older tag with train.resume=<tag dir>") from err
     if path is None:
         raise CheckpointError(f"{target.tag_dir}: DeepSpeed found no checkpoint to load")
+    if target.set_aside:
+        if is_main:
+            set_aside(target.tag_dir.parent, target.set_aside, target.tag_dir)
+        barrier()
     return TrainState.from_dict(raw)

@@ -26,6 +26,11 @@ class TrainConfig:
     """Resume even if the checkpoint's config or data manifest differs (the differences are logged)."""
     max_nonfinite_steps: int = 10
     """Stop with an error after this many consecutive steps with a non-finite loss (each one is skipped)."""
+    dist_timeout_s: int = 1800
+    """Seconds any collective (all-reduce, barrier, checkpoint agreement) waits for the other ranks
+    before failing (the gloo/NCCL process-group timeout): a dead or hung rank ends the run after
+    this long instead of hanging it. Must exceed the longest legitimate wait (rank 0 hashing a
+    checkpoint, a first universal-format conversion on resume)."""
     deterministic: bool = False
     """`torch.use_deterministic_algorithms` (e.g. scatter-add gradients in a fixed order): bitwise
     reproducible runs and resumes; costs little on CPU, can be slower on GPU."""
@@ -36,7 +41,8 @@ class TrainConfig:
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""
-        for name in ("total_steps", "log_every", "checkpoint_every", "keep_last", "max_nonfinite_steps"):
+        for name in ("total_steps", "log_every", "checkpoint_every", "keep_last", "max_nonfinite_steps",
+                     "dist_timeout_s"):
             check_positive(getattr(self, name), f"train.{name}")
         if not self.resume:
             raise ConfigError("train.resume: use 'auto', 'never' or a checkpoint directory")

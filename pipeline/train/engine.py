@@ -50,6 +50,14 @@ class DeepSpeedConfig:
         """Stage-1 checks (the config alone)."""
         check_choice(self.precision, PRECISIONS, "deepspeed.precision")
 
+    def stage_source(self) -> str:
+        """The setting the ZeRO stage comes from, for error messages: `deepspeed.extra` when it
+        overrides `zero_optimization.stage`, else the engine file."""
+        if "stage" in (self.extra.get("zero_optimization") or {}):
+            return (f"deepspeed.extra.zero_optimization.stage={self.extra['zero_optimization']['stage']!r} "
+                    f"(over deepspeed.config={self.config})")
+        return f"deepspeed.config={self.config}"
+
     def load_engine(self, cuda: bool) -> dict:
         """Stage 2: the engine file + `extra`, checked (valid JSON, no run-owned keys, ZeRO stage 0-3,
         precision and offload usable on this machine)."""
@@ -66,7 +74,8 @@ class DeepSpeedConfig:
                               "not to engine settings; remove them")
         stage = engine.get("zero_optimization", {}).get("stage", 0)
         if stage not in (0, 1, 2, 3):
-            raise ConfigError(f"{source}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are 0, 1, 2, 3")
+            raise ConfigError(f"{self.stage_source()}: zero_optimization.stage={stage!r}; DeepSpeed ZeRO stages are "
+                              "0, 1, 2, 3")
         if self.precision in ("bf16", "fp16") and not cuda:
             raise ConfigError(f"deepspeed.precision={self.precision} needs a GPU; use deepspeed.precision=fp32 on CPU")
         zero = engine.get("zero_optimization", {})

@@ -12,8 +12,11 @@ learning rate is set from the step number before every step (`pipeline.train.opt
 every random number comes from a stream of `pipeline.seeding`, so a resumed run repeats the
 uninterrupted one bit for bit.
 
-Exit codes: 0 done; 2 bad config or unusable checkpoint (message on stderr, before compute);
-3 stopped by the non-finite loss guard; 75 (`REQUEUE_EXIT_CODE`) checkpointed after SIGTERM/SIGUSR1.
+Exit codes: 0 done; 2 bad config, data or unusable checkpoint (message on stderr, before compute);
+3 stopped by the non-finite loss guard (no checkpoint of non-finite weights is written); 4 a
+checkpoint could not be written (disk full, I/O error: the previous one stays `latest`);
+75 (`REQUEUE_EXIT_CODE`) SIGTERM/SIGUSR1: checkpointed for requeue (or, during start-up, nothing
+new to save). Signals: `pipeline.train.preemption`.
 """
 from __future__ import annotations
 
@@ -49,23 +52,28 @@ from pipeline.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
     CheckpointFinisher,
+    CheckpointWriteError,
     ResumeTarget,
     TrainState,
+    check_resume_shapes,
     find_resume_checkpoint,
     load_checkpoint,
+    newer_tags,
     plan_resume,
     save_checkpoint,
+    settle_pending_save,
 )
 from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded
-from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError
+from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, count_nonfinite_weights
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
 from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
-from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
+from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, preemption_scope
 from pipeline.train.run_meta import RunMeta, corpus_summary
 
 log = logging.getLogger("pipeline.train")
 EXIT_CONFIG_ERROR = 2
 EXIT_NONFINITE = 3
+EXIT_SAVE_FAILED = 4
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -76,9 +84,17 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument("--help-config", action="store_true", help="list every config field with its documentation")
     parser.add_argument("--mpi", action="store_true", help="take rank / world size from mpi4py")
+    parser.add_argument("--world-size", type=int, metavar="N",
+                        help="with --check: validate for N ranks instead of this launch's (slurm/submit.sh passes the job's)")
+    parser.add_argument("--gpus", action="store_true",
+                        help="with --check: validate as on a GPU node (bf16/fp16, triton, offload) from a machine without one")
     args = parser.parse_args(argv)
     if not args.config and not args.help_config:
         parser.error("--config is required")
+    if (args.world_size is not None or args.gpus) and not args.check:
+        parser.error("--world-size and --gpus only go with --check")
+    if args.world_size is not None and args.world_size < 1:
+        parser.error(f"--world-size {args.world_size}: must be >= 1")
     return args
 
 
@@ -95,13 +111,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return 0
         if args.mpi:
             export_mpi4py_ranks()
-        return train(cfg, check_only=args.check, recipe=describe_recipe(args.config, cfg))
+        return train(cfg, check_only=args.check, recipe=describe_recipe(args.config, cfg),
+                     check_world_size=args.world_size, check_gpus=args.gpus)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_CONFIG_ERROR
     except NonFiniteLossError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_NONFINITE
+    except CheckpointWriteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
 
 
 def export_mpi4py_ranks() -> None:
@@ -131,34 +151,48 @@ def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> P
                                 attention=cfg.model.attention, compile_layers=cfg.model.compile)
 
 
-def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = None) -> int:
+def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = None,
+          check_world_size: Optional[int] = None, check_gpus: bool = False) -> int:
     """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code.
-    `recipe` (`describe_recipe`: preset and overrides) is recorded in the checkpoints for the model card."""
+    `recipe` (`describe_recipe`: preset and overrides) is recorded in the checkpoints for the model card;
+    `check_world_size` / `check_gpus`: validate for that many ranks / as on a GPU node (`--check` only)."""
+    with preemption_scope() as preemption:  # a signal from here on is a flag (pipeline.train.preemption)
+        return _train(cfg, check_only, preemption, recipe, check_world_size, check_gpus)
+
+
+def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, recipe: Optional[dict] = None,
+           check_world_size: Optional[int] = None, check_gpus: bool = False) -> int:
+    from pipeline.capabilities import use_private_extensions_dir
     from pipeline.distributed import discover
 
     # ---- 1. everything that can be checked before compute ------------------------------------
+    use_private_extensions_dir()
     world = discover()
+    world_size = check_world_size or world.world_size
     cfg.train.output_dir = cfg.train.output_dir or str(Path("runs") / cfg.name)
     ckpt_root = Path(cfg.train.output_dir) / CHECKPOINT_DIR
     resume_dir = find_resume_checkpoint(cfg.train.resume, ckpt_root)
     # A resumed run takes its weights from the checkpoint: model.init_from's weights are neither
     # checked nor read then (its config.json still gives the shape).
-    plan = check_run(cfg, world.world_size, torch.cuda.is_available(), fresh_start=resume_dir is None)
+    plan = check_run(cfg, world_size, torch.cuda.is_available() or check_gpus, fresh_start=resume_dir is None)
     config_dict = cfg.to_dict()
     target = None
     if resume_dir is not None:
-        target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world.world_size, plan.zero_stage,
+        target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world_size, plan.zero_stage,
                              cfg.train.allow_config_change)
+        if cfg.train.resume not in ("auto", "never"):  # an explicit tag: this run's newer ones are set aside
+            target.set_aside = newer_tags(ckpt_root, resume_dir)
     # identical initial weights on every rank, for any world size
     model = build_run_model(cfg, plan, warm_start=target is None)
+    if target is not None:
+        check_resume_shapes(target, model)
     if check_only:
         start_from = f"warm start from {cfg.model.init_from}" if cfg.model.init_from else "fresh start"
+        newer = f" (newer tags to set aside: {[p.name for p in target.set_aside]})" if target and target.set_aside else ""
         print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
-              f"{'resume from ' + str(resume_dir) if resume_dir else start_from}")
+              f"{'resume from ' + str(resume_dir) if resume_dir else start_from}{newer}")
         return 0
-    # The signal handler goes in before any slow start-up work, so a preemption signal that arrives
-    # while ranks rendezvous or the engine builds still ends in a checkpoint and the requeue code.
-    with torch_process_state(cfg.train.deterministic), PreemptionHandler() as preemption:
+    with torch_process_state(cfg.train.deterministic):
         run = start(cfg, plan, model, target, config_dict, recipe)
         return run.loop(preemption)
 
@@ -194,17 +228,17 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     import deepspeed
 
     from pipeline.data.corruption import CorruptionCollator
-    from pipeline.data.reader import PretrainBatches, ShardDataset
+    from pipeline.data.reader import PretrainBatches, open_dataset
     from pipeline.distributed import init_distributed
     from pipeline.model.warm_start import describe_base
 
-    info = init_distributed()
+    info = init_distributed(timeout_s=cfg.train.dist_timeout_s)
     if not info.is_main:
         logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dataset = ShardDataset(cfg.data.shards_dir)
+    dataset = open_dataset(cfg.data.shards_dir, cfg.data.verify_shards)  # every rank checks the shards' bytes
 
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))
@@ -273,6 +307,8 @@ class Run:
                    desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
         last_metrics: dict = {}
         try:
+            if state.step < total and self.preempted_during_startup(preemption):
+                return REQUEUE_EXIT_CODE
             while state.step < total:
                 step = state.step + 1
                 seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
@@ -297,18 +333,42 @@ class Run:
                     bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}", lr=f"{lr:.2e}")
                 self.guard.check(state, step)
                 if step % cfg.train.checkpoint_every == 0 or step == total or preempted:
+                    nonfinite_weights = all_reduce_sum(count_nonfinite_weights(self.model, self.device)).item()
+                    self.guard.check_savable(state, step, step == total, nonfinite_weights)
                     self.checkpoint(last_metrics)
                     self.meter.reset()  # keep the save time out of the throughput numbers
-                if preempted:
+                if preempted and step == total:
+                    log.info("%s after the last step: the run is complete (final checkpoint written); exiting 0",
+                             preemption.signal_name or "preemption signal on another rank")
+                elif preempted:
+                    self.settle_saves()
                     log.info("preempted (%s): checkpoint at step %d written; exiting with %d",
                              preemption.signal_name or "signal on another rank", step, REQUEUE_EXIT_CODE)
                     return REQUEUE_EXIT_CODE
+            self.settle_saves()  # the last checkpoint is complete (hashes, `latest`) before the run ends
         finally:
             bar.close()
             self.writer.close()
             self.flop_counter.remove()
-            self.finisher.wait()  # the last checkpoint is complete (hashes, `latest`) before the run ends
+            if self.info.is_main and (problem := self.finisher.wait()):  # an error is on its way out: no collective
+                log.error("the last checkpoint's completion failed too: %s", problem)
         return 0
+
+    def settle_saves(self) -> None:
+        """Collective: the background completion of the last save has finished; if it failed, every
+        rank raises `CheckpointWriteError` (exit 4, `latest` names the checkpoint before)."""
+        settle_pending_save(self.finisher, Path(self.cfg.train.output_dir) / CHECKPOINT_DIR, self.info.is_main)
+
+    def preempted_during_startup(self, preemption: PreemptionHandler) -> bool:
+        """Did any rank get SIGTERM/SIGUSR1 before the first step (imports, checks, engine, resume)?
+        One all-reduce, so every rank decides alike; nothing new was computed, `latest` stays valid."""
+        flag = torch.tensor([float(preemption.requested)], dtype=torch.float64, device=self.device)
+        if not all_reduce_sum(flag).item():
+            return False
+        log.info("preempted (%s) during start-up, before step %d: nothing new to save (the resume point stays "
+                 "%s); exiting with %d", preemption.signal_name or "signal on another rank", self.state.step + 1,
+                 f"step {self.state.step}" if self.state.step else "a fresh start", REQUEUE_EXIT_CODE)
+        return True
 
     def forward_backward(self, progress: StepProgress, accum: int) -> tuple[dict, torch.Tensor, int]:
         """One optimizer step: `accum` micro-batches of forward, backward and `engine.step()` (DeepSpeed

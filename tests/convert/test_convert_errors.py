@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipeline.export.convert import convert, main, resolve_tag_dir
+from pipeline.export.convert import clean_stale_siblings, convert, main, resolve_tag_dir
 from pipeline.export.hf_adapter import ExportError, check_state_dict
 from pipeline.model.build import model_from_meta
 from pipeline.train.run_meta import RunMeta
@@ -15,6 +21,8 @@ from pipeline.train.run_meta import RunMeta
 pytestmark = pytest.mark.slow
 ONE_RANK = "zero0-1rank-mlm"
 TWO_RANKS = "zero2-2ranks-mlm-capt-mlmnce"
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE_S = 600
 
 
 def _tag(checkpoints: Path) -> Path:
@@ -52,20 +60,36 @@ def test_truncated_rank_file(checkpoint_copy, tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    "run, victim, message",
-    [
-        (TWO_RANKS, "zero_pp_rank_0_mp_rank_00_optim_states.pt", "cannot consolidate the ZeRO checkpoint"),
-        (ONE_RANK, "mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt: unreadable"),
-    ],
+    "run, victim",
+    [(TWO_RANKS, "zero_pp_rank_0_mp_rank_00_optim_states.pt"), (ONE_RANK, "mp_rank_00_model_states.pt")],
 )
-def test_garbled_file_of_the_right_size(run, victim, message, checkpoint_copy, tmp_path, capsys):
-    # Same size as recorded, so only the loader can notice: its failure is reported as ours.
+def test_garbled_file_of_the_right_size(run, victim, checkpoint_copy, tmp_path, capsys):
+    # Same size as recorded: the sha256 recorded at save (COMPLETE.json) catches it before any load.
     checkpoints = checkpoint_copy(run)
     path = _tag(checkpoints) / victim
     path.write_bytes(b"\0" * path.stat().st_size)
     out = tmp_path / "hf"
     err = _cli_error(capsys, checkpoints, out)
-    assert message in err and _tag(checkpoints).name in err
+    assert f"{_tag(checkpoints)}: file {victim} does not match the sha256 recorded when it was written" in err
+    _assert_nothing_written(out)
+
+
+def test_a_flipped_byte_in_the_weights_is_caught(checkpoint_copy, tmp_path, capsys):
+    """One byte of a weight changed: the file still loads and the weights stay finite, so only the
+    recorded sha256 can tell; converting it would silently publish wrong weights."""
+    checkpoints = checkpoint_copy(ONE_RANK)
+    path = _tag(checkpoints) / "mp_rank_00_model_states.pt"
+    before = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    data = bytearray(path.read_bytes())
+    weight = before["bert.encoder.layer.0.attention.self.query.weight"].numpy().tobytes()
+    at = data.find(weight[:256])
+    assert at > 0
+    data[at + 100] ^= 0x01  # the lowest mantissa bit of one float32 weight
+    path.write_bytes(bytes(data))
+    after = torch.load(path, map_location="cpu", weights_only=False)["module"]
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # loadable, but different weights
+    out = tmp_path / "hf"
+    assert "mp_rank_00_model_states.pt does not match the sha256" in _cli_error(capsys, checkpoints, out)
     _assert_nothing_written(out)
 
 
@@ -137,3 +161,71 @@ def test_weights_that_disagree_with_the_meta_are_named(trained_runs):
     broken = {**state, "bert.embeddings.LayerNorm.weight": nan}
     with pytest.raises(ExportError, match="bert.embeddings.LayerNorm.weight contains NaN"):
         check_state_dict(model, broken, "ckpt")
+
+
+_PAUSED_CONVERT = """
+import pathlib, sys, time
+import pipeline.export.convert as convert
+
+write_export = convert.write_export
+
+def write_then_wait(directory, *args, **kwargs):
+    write_export(directory, *args, **kwargs)
+    pathlib.Path(sys.argv[-1]).write_text(str(directory))  # the temporary directory is full now
+    while True:  # until the test kills this process
+        time.sleep(0.05)
+
+convert.write_export = write_then_wait
+sys.exit(convert.main(sys.argv[1:-1]))
+"""
+
+
+def _killed_convert(checkpoints: Path, out: Path, marker: Path, sig: signal.Signals) -> tuple[int, Path]:
+    """Run `convert --overwrite` in a process that stops once its temporary directory is written,
+    then send it `sig`; returns (exit status, the temporary directory it was writing)."""
+    proc = subprocess.Popen([sys.executable, "-c", _PAUSED_CONVERT, str(checkpoints), str(out), "--overwrite",
+                             str(marker)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + DEADLINE_S
+    while not marker.is_file():
+        assert proc.poll() is None and time.monotonic() < deadline, f"convert ended (rc {proc.returncode}) or hung"
+        time.sleep(0.02)
+    proc.send_signal(sig)
+    return proc.wait(timeout=DEADLINE_S), Path(marker.read_text())
+
+
+def _siblings(out: Path) -> list[str]:
+    return sorted(p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}."))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_a_killed_convert_overwrite_leaves_nothing_behind(sig, trained_runs, tmp_path, capsys):
+    checkpoints = trained_runs(ONE_RANK).checkpoints
+    out = tmp_path / "clean"
+    assert main([str(checkpoints), str(out)]) == 0
+    previous = sorted(p.name for p in out.iterdir())
+    code, tmp = _killed_convert(checkpoints, out, tmp_path / "paused", sig)
+    assert sorted(p.name for p in out.iterdir()) == previous  # the previous export is untouched
+    if sig == signal.SIGTERM:  # cleans up itself
+        assert code == 128 + signal.SIGTERM and _siblings(out) == []
+        return
+    assert code == -signal.SIGKILL and _siblings(out) == [tmp.name]  # kill -9: nothing can run
+    assert main([str(checkpoints), str(out), "--overwrite"]) == 0  # the next conversion removes it
+    assert _siblings(out) == [] and sorted(p.name for p in out.iterdir()) == previous
+
+
+def test_stale_siblings_of_other_hosts_or_live_processes_are_kept(tmp_path):
+    out = tmp_path / "hf"
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    host = socket.gethostname()
+    mine_dead = tmp_path / f".hf.tmp-{host}-{dead.pid}"
+    legacy_dead = tmp_path / f".hf.tmp-{dead.pid}"
+    live = tmp_path / f".hf.tmp-{host}-{os.getppid()}"
+    elsewhere = tmp_path / f".hf.tmp-other-host-{dead.pid}"
+    previous_export = tmp_path / f".hf.old-{host}-{dead.pid}"
+    for d in (mine_dead, legacy_dead, live, elsewhere, previous_export):
+        d.mkdir()
+    (previous_export / "config.json").write_text("{}")
+    assert sorted(clean_stale_siblings(out)) == sorted([mine_dead, legacy_dead])
+    assert live.is_dir() and elsewhere.is_dir()
+    assert (out / "config.json").is_file() and not previous_export.exists()  # killed between its renames: restored

@@ -11,9 +11,17 @@ from typing import Iterator
 
 import pytest
 
-from tests.slurm.cluster import SlurmCluster, missing_requirements
+from tests.slurm.cluster import DEADLINE_S, SlurmCluster, missing_requirements
+from tests.slurm.jobs import REPO_ROOT, Run, pretrain_env, submit
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+__all__ = ["REPO_ROOT", "slurm_cluster", "reference_run"]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A job test waits on several jobs, each within DEADLINE_S: its own time limit is the sum."""
+    for item in items:
+        if "slurm" in item.keywords and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(4 * DEADLINE_S))
 
 
 @pytest.fixture(scope="session")
@@ -26,3 +34,12 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def reference_run(slurm_cluster: SlurmCluster, tiny_shards_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Run:
+    """One uninterrupted two-node ZeRO-2 run of tiny-mlm (the preemption tests compare against it)."""
+    run_dir = tmp_path_factory.mktemp("pretrain") / "reference"
+    job = submit(slurm_cluster, "pretrain", pretrain_env(run_dir, tiny_shards_dir), "--nodes=2",
+                 "--ntasks-per-node=1")["pretrain"]
+    return Run(run_dir, job, slurm_cluster.wait_job(job))

@@ -6,6 +6,7 @@ one metrics line per step, so per-step losses can be compared bit for bit.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,6 +22,10 @@ from pipeline.train.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["train.progress_bar=false", "train.tensorboard=false", "train.log_every=1"]
+
+#: Deadline of every wait on a subprocess: generous, because these tests share a busy CI machine and
+#: every wait ends as soon as its event is observed (no fixed sleeps).
+DEADLINE_S = 600
 
 
 def overrides(shards: Path, out: Path, *extra: str) -> list[str]:
@@ -73,7 +78,7 @@ def start_ranks(preset: str, shards: Path, out: Path, *extra: str, world: int = 
     return procs
 
 
-def run_torchrun(preset: str, shards: Path, out: Path, *extra: str, world: int = 2, timeout: int = 240) -> None:
+def run_torchrun(preset: str, shards: Path, out: Path, *extra: str, world: int = 2, timeout: float = DEADLINE_S) -> None:
     """2 ranks under torchrun (gloo on CPU); fails the test with the output on a non-zero exit."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world),
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
@@ -82,7 +87,7 @@ def run_torchrun(preset: str, shards: Path, out: Path, *extra: str, world: int =
     assert proc.returncode == 0, f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
 
 
-def wait_all(procs: Sequence[subprocess.Popen], timeout: float = 240) -> list[int]:
+def wait_all(procs: Sequence[subprocess.Popen], timeout: float = DEADLINE_S) -> list[int]:
     deadline = time.monotonic() + timeout
     codes = []
     for proc in procs:
@@ -99,7 +104,7 @@ def output_of(proc: subprocess.Popen) -> str:
     return proc.stdout.read() if proc.stdout else ""
 
 
-def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = DEADLINE_S) -> None:
     """Poll metrics.jsonl until it shows `step` (fails if the process ends first)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -137,3 +142,22 @@ def module_state(tag: Path) -> dict[str, torch.Tensor]:
 
 def send_signal(proc: subprocess.Popen, sig: signal.Signals) -> None:
     os.kill(proc.pid, sig)
+
+
+def catches(pid: int, sig: signal.Signals) -> bool:
+    """Whether process `pid` has a handler installed for `sig` (the kernel's SigCgt mask, Linux)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-fA-F]+)", status, re.MULTILINE).group(1), 16)
+    return bool(caught & (1 << (int(sig) - 1)))
+
+
+def wait_for_handler(proc: subprocess.Popen, sig: signal.Signals = signal.SIGUSR1, timeout: float = DEADLINE_S) -> None:
+    """Poll until `proc` catches `sig` (the training entry point installed its preemption handler)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"process ended (rc {proc.returncode}) before handling {sig.name}:\n{output_of(proc)[-3000:]}")
+        if catches(proc.pid, sig):
+            return
+        time.sleep(0.002)
+    raise AssertionError(f"no {sig.name} handler after {timeout}s")

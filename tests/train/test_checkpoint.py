@@ -107,3 +107,30 @@ def test_resume_refuses_a_different_config_or_data(finished_run, tiny_shards_dir
                          "train.allow_config_change=true") == 0
     assert sorted(losses(run)) == list(range(1, 11)) and latest(run) == tag_dir(run, 10)
     assert [s for s, _ in list_tags(run / "checkpoints")] == [8, 10]
+
+
+def test_resuming_an_older_tag_in_the_same_run_dir_as_the_error_advises(finished_run, tiny_shards_dir, tmp_path, capsys):
+    run = copy_run(finished_run, tmp_path / "run")
+    victim = tag_dir(run, 8) / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    garbled = digests(tag_dir(run, 8))
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, run, *STEPS) == 2
+    assert "resume from an older tag with train.resume=<tag dir>" in capsys.readouterr().err
+
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, run, *STEPS, f"train.resume={tag_dir(run, 6)}") == 0
+    assert metric_rows(run) == metric_rows(finished_run)  # steps 7-8 redone, bit for bit
+    assert latest(run) == tag_dir(run, 8) and digests(tag_dir(run, 8)) != garbled
+    assert digests(run / "checkpoints" / "superseded" / "step_00000008") == garbled  # set aside, not deleted
+    assert [s for s, _ in list_tags(run / "checkpoints")] == [6, 8]
+
+
+def test_allow_config_change_with_other_shapes_names_the_tensors(finished_run, tiny_shards_dir, tmp_path, capsys):
+    run = copy_run(finished_run, tmp_path / "run")
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, run, *STEPS, "model.ffn_size=96",
+                         "train.allow_config_change=true") == 2
+    err = capsys.readouterr().err
+    assert "this run's model has other tensors than the checkpoint (6: " in err
+    assert "bert.encoder.layer.0.intermediate.dense.weight [128, 64] -> [96, 64]" in err
+    assert "not a changed model shape" in err and "corrupt" not in err

@@ -1,6 +1,6 @@
 """Checkpoint hashing off the critical path: `save_checkpoint` returns once the files are written,
 a `CheckpointFinisher` thread records the hashes, and `latest` still moves only after the complete
-record exists; a failure there leaves the previous checkpoint in charge and surfaces on `wait()`."""
+record exists; a failure there leaves the previous checkpoint in charge and surfaces on `wait()` and at the next save."""
 from __future__ import annotations
 
 import json
@@ -14,12 +14,22 @@ from pipeline.data.shards import sha256_file
 from pipeline.train.run_meta import RunMeta
 
 
+class BytesWriter:
+    """DeepSpeed's checkpoint-engine interface (`save(state, path)`), writing bytes."""
+
+    def save(self, state: bytes, path: str) -> None:
+        Path(path).write_bytes(state)
+
+
 class FakeEngine:
-    """Writes one file per tag, as DeepSpeed's `save_checkpoint` writes its states."""
+    """Writes one file per tag through its `checkpoint_engine`, as DeepSpeed's `save_checkpoint` does."""
+
+    def __init__(self) -> None:
+        self.checkpoint_engine = BytesWriter()
 
     def save_checkpoint(self, root: str, tag: str, client_state: dict, save_latest: bool) -> None:
         (Path(root) / tag).mkdir(parents=True, exist_ok=True)
-        (Path(root) / tag / "mp_rank_00_model_states.pt").write_bytes(tag.encode() * 1000)
+        self.checkpoint_engine.save(tag.encode() * 1000, str(Path(root) / tag / "mp_rank_00_model_states.pt"))
 
 
 def meta() -> RunMeta:
@@ -76,14 +86,31 @@ def test_a_failed_completion_keeps_the_previous_checkpoint_and_is_reported(tmp_p
     root = tmp_path / "checkpoints"
     finisher = ckpt.CheckpointFinisher()
     save(root, 1, finisher)
-    finisher.wait()
+    assert finisher.wait() == ""
 
     def full_disk(tag_dir):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt, "_listing", full_disk)
     tag = save(root, 2, finisher)
-    with pytest.raises(ckpt.CheckpointError, match="step_00000002: completing the checkpoint failed .*No space"):
-        finisher.wait()
-    assert ckpt.read_latest(root) == root / "step_00000001" and not ckpt.is_complete(tag)
-    finisher.wait()  # reported once
+    problem = finisher.wait()
+    assert "no space left on device" in problem.lower() and "step_00000002 was not completed" in problem
+    assert ckpt.read_latest(root) == root / "step_00000001" and not tag.exists()  # its space is freed
+    assert finisher.wait() == ""  # reported once
+
+
+def test_the_next_save_reports_a_failed_background_completion(tmp_path, monkeypatch):
+    """The failure surfaces as the same `CheckpointWriteError` (exit 4) the synchronous path raises."""
+    root = tmp_path / "checkpoints"
+    finisher = ckpt.CheckpointFinisher()
+    save(root, 1, finisher)
+    assert finisher.wait() == ""
+    real_listing = ckpt._listing
+    monkeypatch.setattr(ckpt, "_listing", lambda tag_dir: (_ for _ in ()).throw(OSError(28, "No space left")))
+    save(root, 2, finisher)
+    with pytest.raises(ckpt.CheckpointWriteError, match="step_00000002 was not completed.*latest still names "
+                                                        "step_00000001"):
+        save(root, 3, finisher)
+    monkeypatch.setattr(ckpt, "_listing", real_listing)
+    save(root, 3, finisher)  # space is back: saving goes on
+    assert finisher.wait() == "" and ckpt.read_latest(root) == root / "step_00000003"

@@ -3,7 +3,9 @@ with an error that names the field, flag or file."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import sys
 
 import pytest
 
@@ -215,3 +217,45 @@ def test_cli_reports_config_errors_before_compute(tiny_shards_dir, tmp_path, cap
     assert main(["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", f"train.output_dir={out}",
                  "--check"]) == 0
     assert "ok: tiny-mlm" in capsys.readouterr().out and not out.exists()
+
+
+def test_zero_stage_set_through_deepspeed_extra_is_named_in_the_error(tiny_shards_dir, monkeypatch):
+    from pipeline.objectives.registry import OBJECTIVES
+
+    monkeypatch.setattr(OBJECTIVES["taco"], "max_zero_stage", 2, raising=False)
+    cfg = load_config("tiny-taco", [f"data.shards_dir={tiny_shards_dir}", "deepspeed.config=zero1",
+                                    "deepspeed.extra={zero_optimization: {stage: 3}}"])
+    with pytest.raises(ConfigError, match=r"^deepspeed.extra.zero_optimization.stage=3 \(over deepspeed.config=zero1\) "
+                                          "uses ZeRO stage 3, but objective 'taco' supports stages up to 2"):
+        check_run(cfg, 1, False)
+
+
+def test_check_for_another_world_size_and_for_gpu_nodes(tiny_shards_dir, tmp_path, capsys):
+    """What slurm/submit.sh runs on a login node: the job's rank count, and GPU-only settings accepted."""
+    from pipeline.train.loop import main
+
+    base = ["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", f"train.output_dir={tmp_path / 'run'}"]
+    assert main([*base, "data.micro_batch_size=8", "--check"]) == 0
+    assert main([*base, "data.micro_batch_size=8", "--check", "--world-size", "2"]) == 2
+    assert "micro_batch_size=8 x world size 2" in capsys.readouterr().err
+    assert main([*base, "deepspeed.precision=bf16", "--check"]) == 2
+    assert main([*base, "deepspeed.precision=bf16", "--check", "--gpus"]) == 0
+    with pytest.raises(SystemExit):
+        main(["--config", "tiny-mlm", "--world-size", "2"])  # only with --check
+
+
+def test_deepspeed_ops_build_in_a_directory_of_this_environment(tiny_shards_dir, tmp_path, monkeypatch):
+    from pipeline.capabilities import private_extensions_dir
+    from pipeline.train.loop import main
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    mine = private_extensions_dir()
+    assert main(["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", f"train.output_dir={tmp_path}",
+                 "--check"]) == 0
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(mine) and mine.parent.name == "torch_extensions"
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "another-venv"))
+    assert private_extensions_dir() != mine and private_extensions_dir().name.startswith("another-venv-")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "chosen"))
+    assert main(["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", f"train.output_dir={tmp_path}",
+                 "--check"]) == 0
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "chosen")  # an explicit choice is kept
