@@ -19,6 +19,23 @@ except ImportError as err:  # pragma: no cover - only while the module is being 
         raise
 
 
+# `init_distributed` exports these for DeepSpeed; a run inside the pytest process must not leave
+# them behind, or a later subprocess (an sbatch job exports the submitter's environment) would take
+# the leaked RANK=0 WORLD_SIZE=1 over its launcher's ranks.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _restore_launcher_variables():
+    before = {name: os.environ.get(name) for name in LAUNCHER_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -81,7 +81,7 @@ def test_a_flipped_byte_in_the_weights_is_caught(checkpoint_copy, tmp_path, caps
     path = _tag(checkpoints) / "mp_rank_00_model_states.pt"
     before = torch.load(path, map_location="cpu", weights_only=False)["module"]
     data = bytearray(path.read_bytes())
-    weight = before["bert.encoder.layer.0.attention.self.query.weight"].numpy().tobytes()
+    weight = before["bert.encoder.layer.0.attention.self.qkv.weight"].numpy().tobytes()  # fused Q/K/V in training checkpoints
     at = data.find(weight[:256])
     assert at > 0
     data[at + 100] ^= 0x01  # the lowest mantissa bit of one float32 weight

@@ -90,6 +90,9 @@ class SlurmCluster:
         for key in [k for k in self.env if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_"))]:
             if key != "SLURM_CONF":
                 del self.env[key]
+        # So would torch launcher variables (an in-process run of the test session exports them).
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            self.env.pop(key, None)
         self.env["PATH"] = self.env.get("PATH", "") + ":/usr/sbin:/sbin"
 
     # ------------------------------------------------------------------ set-up
