@@ -82,7 +82,7 @@ def test_chain_with_a_signal_during_startup_requeues_and_converts_after_completi
     assert [m["step"] for m in metrics(run_dir)] == list(range(1, TOTAL_STEPS + 1))  # nothing computed twice
     assert final_meta(run_dir)["step"] == TOTAL_STEPS
     # The conversion ran after the requeued run had completed: it holds the final step.
-    assert f"checkpoints/step_{TOTAL_STEPS:08d}" in (hf_dir / "README.md").read_text()
+    assert f"`step_{TOTAL_STEPS:08d}`" in (hf_dir / "README.md").read_text()  # the card names the tag
     for name, job in jobs.items():
         fields = slurm_cluster.job_fields(job)
         expected = {"pretrain": "cpt-pretrain", "convert": "cpt-convert"}.get(name, f"cpt-prep-{name}")
