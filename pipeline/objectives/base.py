@@ -57,6 +57,10 @@ class StepContext:
             self._cache[key] = self.encoder(self.batch[ids_key], self.batch[mask_key])
         return self._cache[key]
 
+    def cached_outputs(self) -> dict[tuple[str, str], EncoderOutput]:
+        """The encoder outputs computed so far this step, by (ids key, mask key) (read-only use)."""
+        return dict(self._cache)
+
     def encode_view(self, view: str) -> EncoderOutput:
         """Encoder output of a batch view (`pipeline.batch.VIEW_INPUTS`), shared like `encode`."""
         return self.encode(*VIEW_INPUTS[view])

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -41,6 +41,7 @@ from pipeline.config.run import (
     load_config,
 )
 from pipeline.distributed import DistInfo, all_reduce_sum
+from pipeline.eval.health import CollapseMonitor, unigram_counts
 from pipeline.model.build import build_pretrain_model
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.objectives.base import StepProgress
@@ -202,6 +203,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dataset = ShardDataset(cfg.data.shards_dir)
+    # the unigram plateau (`health/unigram_accuracy`): the most frequent token of a bounded row sample
+    model.health_top_token = int(unigram_counts(dataset).argmax())
 
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))
@@ -257,6 +260,7 @@ class Run:
     writer: MetricsWriter
     meter: ThroughputMeter
     guard: NonFiniteGuard
+    health: CollapseMonitor = field(default_factory=lambda: CollapseMonitor(log))
 
     def loop(self, preemption: PreemptionHandler) -> int:
         """Phase 3: steps until `train.total_steps`, a preemption, or the guard stops the run."""
@@ -336,6 +340,7 @@ class Run:
             consumed_samples=state.consumed_samples, tokens_seen=state.tokens_seen,
             skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
             **self.meter.report(), **peak_memory_gb())
+        metrics.update(self.health.observe(step, metrics, announce=self.info.is_main))
         if self.cfg.deepspeed.precision == "fp16":
             metrics["loss_scale"] = float(getattr(self.engine.optimizer, "loss_scale", float("nan")))
         self.writer.write(step, metrics)
