@@ -120,13 +120,19 @@ def export_mpi4py_ranks() -> None:
 
 
 def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> PretrainModel:
-    """The run's `PretrainModel`: shape from the config and the shards, initialised from the run seed,
-    then (`warm_start`, i.e. not resuming) from `model.init_from`'s weights when set."""
+    """The run's `PretrainModel`: shape from the config and the shards, initialised from the run seed
+    (and, `warm_start`, i.e. not resuming, with `model.mlm_bias_init=unigram`, the output biases from
+    the shards' token frequencies), then (`warm_start`) from `model.init_from`'s weights when set."""
     manifest = plan.manifest
     encoder_config = cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)
+    counts = None
+    if warm_start and cfg.model.mlm_bias_init == "unigram":  # fresh starts only: a resume loads its biases
+        from pipeline.data.reader import ShardDataset
+
+        counts = unigram_counts(ShardDataset(cfg.data.shards_dir))
     return build_pretrain_model(encoder_config, cfg.objectives, manifest.special_tokens, cfg.objective_options,
                                 seed=cfg.train.seed, kernels=cfg.model.kernels,
-                                init_from=cfg.model.init_from if warm_start else None)
+                                init_from=cfg.model.init_from if warm_start else None, unigram_counts=counts)
 
 
 def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = None) -> int:
