@@ -7,7 +7,8 @@ tokenizer; `benchmarks.ttq_eval.heldout_metrics`):
 
 * mean token cosine of the last hidden states (eval mode; collapsed above `COLLAPSE_COSINE`),
 * held-out masked-LM accuracy against the unigram plateau at the same masked positions (the
-  demo corpus's most frequent token),
+  demo corpus's most frequent token), and the same two numbers on the demo corpus itself (text it
+  trained on, fresh masks: the plateau in the corpus's own domain; `corpus_*`),
 
 beside the training-time health metrics of the run's last logged step (`health/token_cosine`,
 `*/positive_cosine`) and the number of logged steps flagged `health/collapsed`. Writes
@@ -63,7 +64,15 @@ def measure(objective: str, args: argparse.Namespace, work: Path) -> dict:
                 **{f"train_{k.replace('/', '_')}": v for k, v in last.items() if k.endswith("positive_cosine")},
                 "fill_mask_top": [item["predictions"][0]["token"] for item in summary["fill_mask"]]}
 
-    return cached(out.parent / f"{objective}.health.json", run)
+    def in_domain() -> dict:  # the demo corpus itself (seen text, fresh masks): the plateau in its own domain
+        summary = json.loads((out / "demo.json").read_text())
+        m = heldout_metrics(Path(summary["paths"]["hf_model"]), out / "shards", top_token_of(out / "shards"),
+                            args.eval_sequences, seed=1)
+        return {"corpus_token_cosine": m["token_cosine"], "corpus_mlm_acc": m["mlm_acc"],
+                "corpus_unigram_acc": m["unigram_acc"]}
+
+    row = cached(out.parent / f"{objective}.health.json", run)
+    return {**row, **cached(out.parent / f"{objective}.corpus.json", in_domain)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

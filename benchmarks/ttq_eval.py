@@ -56,17 +56,18 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
 
     dataset = ShardDataset(shards_dir)
     collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, seed)
-    model = BertForMaskedLM.from_pretrained(str(model_dir)).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = BertForMaskedLM.from_pretrained(str(model_dir)).eval().to(device)
     total_loss, correct, plateau, count = 0.0, 0, 0, 0
     n = min(len(dataset), max_sequences)
     with torch.no_grad():
         for start in range(0, n, batch_size):
             rows = np.arange(start, min(n, start + batch_size))
             batch = collator.collate(*dataset.take(rows), rows)
-            logits = model(input_ids=batch["masked_ids"], attention_mask=batch["attention_mask"]).logits.float()
-            labels = batch["mlm_labels"]
+            logits = model(input_ids=batch["masked_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+            labels = batch["mlm_labels"].to(device)
             selected = labels != -100
-            target, scores = labels[selected], logits[selected]
+            target, scores = labels[selected], logits[selected].float()
             total_loss += float(torch.nn.functional.cross_entropy(scores, target, reduction="sum"))
             correct += int((scores.argmax(-1) == target).sum())
             plateau += int((target == top_token).sum())
@@ -76,7 +77,8 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
         rows = np.unique(np.linspace(0, len(dataset) - 1, num=min(cos_rows, len(dataset))).round().astype(np.int64))
         clean = CorruptionCollator(("original",), dataset.special_tokens, dataset.vocab_size, seed).collate(
             *dataset.take(rows), rows)
-        hidden = model.bert(input_ids=clean["input_ids"], attention_mask=clean["attention_mask"]).last_hidden_state
+        hidden = model.bert(input_ids=clean["input_ids"].to(device),
+                            attention_mask=clean["attention_mask"].to(device)).last_hidden_state.cpu()
         content = clean["attention_mask"].bool() & ~clean["special_mask"].bool()
         cosine = mean_token_cosine(hidden, content)
     return {"mlm_loss": total_loss / count, "mlm_acc": correct / count, "unigram_acc": plateau / count,
