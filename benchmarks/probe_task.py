@@ -13,8 +13,9 @@ Choice of the default (measured with 2,000 training sentences from WikiText-2 te
 5e-4, 4-layer / hidden-128 models): whole-sentence shuffles give 0.56 dev accuracy after 30
 pretraining steps, 0.95 after 1,000 and 0.96 after 3,000 - a curve that rises with pretraining.
 Permuting only 4 or 8 consecutive words stays within 0.50-0.57 at this model size: too close to
-chance to rank checkpoints, though a better probe for bigger models (`--probe-window`). Any real GLUE-format directory can be used
-instead (`time_to_quality.py --task-dir`).
+chance to rank checkpoints, though a better probe for bigger models (`--window`). The
+time-to-quality study uses SST-2; this task stays as an extra, offline check
+(`python -m benchmarks.probe_task --text FILE --out DIR`, then `pipeline.eval.finetune --task-dir DIR`).
 
 Output: `train.tsv` and `dev.tsv` with a `sentence<TAB>label` header (`pipeline.eval.glue` reads them as
 a `generic` single-sentence classification task), written atomically.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Iterable
 
@@ -89,3 +91,30 @@ def word_order_task(text_file: str | os.PathLike, out_dir: str | os.PathLike, n_
         os.replace(tmp, path)
         stats[name] = {"examples": len(rows), "positive": sum(y == "1" for _, y in rows)}
     return {"source": str(text_file), "window": window, "seed": seed, **stats}
+
+
+def main(argv=None) -> int:
+    """`python -m benchmarks.probe_task --text FILE --out DIR`: write the task (an extra downstream
+    check: fine-tune on it with `python -m pipeline.eval.finetune --task-dir DIR`)."""
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.probe_task", description=__doc__.split("\n\n")[0])
+    p.add_argument("--text", required=True, help="held-out text the pretraining never saw")
+    p.add_argument("--out", required=True, help="task directory to write (train.tsv, dev.tsv)")
+    p.add_argument("--train", type=int, default=2000)
+    p.add_argument("--dev", type=int, default=500)
+    p.add_argument("--window", type=int, default=0, help="words permuted (0: the whole sentence)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    try:
+        stats = word_order_task(args.text, args.out, args.train, args.dev, args.window, args.seed)
+    except (OSError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(stats, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,9 +1,13 @@
 """Time-to-quality arithmetic: when does each objective's evaluation curve reach a target?
 
 Curves are lists of `EvalPoint`s (step, device-hours spent so far, metric values) taken at fixed
-step intervals. The question the papers answer ("TACO reaches MLM's GLUE score with 1/5 of the
-steps") is asked here the same way: by default the target is the *baseline's final value* on that
-metric, and each run reports the first evaluated step at which it is at least as good.
+step intervals, one curve per pretraining seed. The question the papers answer ("TACO reaches
+MLM's GLUE score with 1/5 of the steps") is asked per seed, paired: the target of seed k is the
+*MLM baseline's final value with seed k* (the same data order, masks and initialisation stream),
+each run reports the first evaluated step at which it is at least as good, and the ratio is
+run / baseline (the baseline's own first step at its final value). Over the seeds the report gives
+the mean and the 95% t-interval (`benchmarks.stats`); a mean is only given when every seed
+reached the target (an average over the seeds that happened to reach it would flatter the run).
 
 Choice: no interpolation between evaluation points. The reported step is the first *measured*
 one that meets the target, so a reported speed-up is never an extrapolation; the eval interval is
@@ -50,53 +54,60 @@ def final_value(curve: Sequence[EvalPoint], metric: str) -> Optional[float]:
     return measured[-1].values[metric] if measured else None
 
 
-def summarize_targets(
-    curves: Mapping[str, Sequence[EvalPoint]],
-    metric: str,
-    higher_is_better: bool,
-    baseline: str = "mlm",
-    target: Optional[float] = None,
-) -> list[dict]:
-    """One row per run: steps and device-hours to reach `target`, and the ratios against `baseline`.
-
-    `target` defaults to the baseline run's final value of `metric` (the papers' framing). Ratios
-    are run / baseline, so 0.2 means "reached the target with a fifth of the baseline's steps";
-    they are None when either run never reached the target.
-    """
-    if baseline not in curves:
-        raise ValueError(f"baseline run {baseline!r} is not among the runs {sorted(curves)}")
+def seed_time_to_target(baseline: Sequence[EvalPoint], run: Sequence[EvalPoint], metric: str,
+                        higher_is_better: bool) -> dict:
+    """One seed, paired: target = the baseline's final `metric`; steps and device-hours the baseline
+    and the run need to meet it, and the run / baseline ratios (None when the run never does)."""
+    target = final_value(baseline, metric)
+    out = {"target": target, "baseline_steps": None, "baseline_hours": None, "steps": None, "hours": None,
+           "step_ratio": None, "hours_ratio": None}
     if target is None:
-        target = final_value(curves[baseline], metric)
-        if target is None:
-            raise ValueError(f"baseline run {baseline!r} has no {metric!r} measurement to use as target")
-    base_hit = first_reaching(curves[baseline], metric, target, higher_is_better)
+        return out
+    base = first_reaching(baseline, metric, target, higher_is_better)
+    hit = first_reaching(run, metric, target, higher_is_better)
+    assert base is not None  # the final point meets its own value
+    out.update(baseline_steps=base.step, baseline_hours=base.device_hours)
+    if hit is not None:
+        out.update(steps=hit.step, hours=hit.device_hours)
+        if base.step > 0:
+            out["step_ratio"] = hit.step / base.step
+        if base.device_hours > 0:
+            out["hours_ratio"] = hit.device_hours / base.device_hours
+    return out
+
+
+def time_to_target(baseline: Mapping[int, Sequence[EvalPoint]], runs: Mapping[int, Sequence[EvalPoint]],
+                   metric: str, higher_is_better: bool, confidence: float = 0.95) -> dict:
+    """`seed_time_to_target` for every seed both have, and over them the mean / interval of the
+    steps, device-hours and ratios (None unless every seed reached the target)."""
+    from benchmarks.stats import mean_ci
+
+    seeds = sorted(set(baseline) & set(runs))
+    per_seed = {seed: seed_time_to_target(baseline[seed], runs[seed], metric, higher_is_better) for seed in seeds}
+    reached = sum(1 for r in per_seed.values() if r["steps"] is not None)
+    out: dict = {"metric": metric, "seeds": seeds, "reached": reached, "per_seed": per_seed}
+    for field_name in ("target", "steps", "hours", "step_ratio", "hours_ratio"):
+        values = [r[field_name] for r in per_seed.values()]
+        everyone = seeds and reached == len(seeds)
+        out[field_name] = mean_ci(values, confidence) if (field_name == "target" or everyone) else None
+    return out
+
+
+def mean_curve(curves: Sequence[Sequence[EvalPoint]], metric: str, confidence: float = 0.95) -> list[dict]:
+    """Per evaluated step that every curve measured: the mean device-hours and the mean / interval of
+    `metric` over the curves (seeds)."""
+    from benchmarks.stats import mean_ci
+
+    by_step: dict[int, list[EvalPoint]] = {}
+    for curve in curves:
+        for point in curve:
+            if point.values.get(metric) is not None:
+                by_step.setdefault(point.step, []).append(point)
     rows = []
-    for name, curve in curves.items():
-        hit = first_reaching(curve, metric, target, higher_is_better)
-        row = {
-            "run": name,
-            "metric": metric,
-            "target": target,
-            "final": final_value(curve, metric),
-            "steps_to_target": hit.step if hit else None,
-            "device_hours_to_target": hit.device_hours if hit else None,
-            "step_ratio_vs_baseline": None,
-            "hours_ratio_vs_baseline": None,
-        }
-        if hit and base_hit and base_hit.step > 0:
-            row["step_ratio_vs_baseline"] = hit.step / base_hit.step
-            if base_hit.device_hours > 0:
-                row["hours_ratio_vs_baseline"] = hit.device_hours / base_hit.device_hours
-        rows.append(row)
+    for step in sorted(by_step):
+        points = by_step[step]
+        if len(points) < len(curves):
+            continue
+        ci = mean_ci([p.values[metric] for p in points], confidence)
+        rows.append({"step": step, "device_hours": sum(p.device_hours for p in points) / len(points), **ci})
     return rows
-
-
-def curve_series(curves: Mapping[str, Sequence[EvalPoint]], metric: str, x: str = "step") -> dict:
-    """`{run: [(x, value), ...]}` for plotting; `x` is "step" or "device_hours"."""
-    if x not in ("step", "device_hours"):
-        raise ValueError(f"x must be 'step' or 'device_hours', got {x!r}")
-    return {
-        name: [(getattr(p, x), p.values[metric]) for p in sorted(curve, key=lambda p: p.step)
-               if p.values.get(metric) is not None]
-        for name, curve in curves.items()
-    }

@@ -95,14 +95,17 @@ def bar_chart(rows: Sequence[dict[str, Any]], label: str, value: str, path: Path
 
 
 def line_chart(
-    series: dict[str, Sequence[tuple[float, float]]],
+    series: dict[str, Sequence[tuple]],
     path: Path,
     title: str,
     xlabel: str,
     ylabel: str,
     hline: tuple[float, str] | None = None,
+    hlines: Sequence[tuple[float, str]] = (),
 ) -> None:
-    """Curves `{label: [(x, y), ...]}` on one axis (PNG, atomic); `hline=(y, label)` draws a target line."""
+    """Curves `{label: [(x, y), ...]}` on one axis (PNG, atomic). Points may be `(x, y, lo, hi)`:
+    the interval is drawn as a shaded band (where both bounds are known). `hline=(y, label)` draws a
+    target line, `hlines` more reference lines (e.g. a random-initialisation floor)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -111,8 +114,14 @@ def line_chart(
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, points in series.items():
         if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+            xs, ys = [p[0] for p in points], [p[1] for p in points]
+            line, = ax.plot(xs, ys, marker="o", markersize=3, label=label)
+            band = [p for p in points if len(p) >= 4 and p[2] is not None and p[3] is not None]
+            if band:
+                ax.fill_between([p[0] for p in band], [p[2] for p in band], [p[3] for p in band],
+                                color=line.get_color(), alpha=0.2, linewidth=0)
+    for y, label in hlines:
+        ax.axhline(y, color="black", linestyle=":", linewidth=1, label=label)
     if hline is not None:
         ax.axhline(hline[0], color="grey", linestyle="--", linewidth=1, label=hline[1])
     ax.set_xlabel(xlabel)

@@ -47,6 +47,9 @@ DEFAULT_STEPS = 1000
 DEMO_OVERRIDES = (
     "model.num_layers=4", "model.hidden_size=128", "model.num_heads=4", "model.ffn_size=512",
     "model.dropout=0.0", "model.attention_dropout=0.0",  # a few hundred steps: regularisation only slows learning
+    # Output biases start at the corpus's log unigram frequencies: with zero biases this recipe collapsed
+    # (every token's state the same vector) for MLM and CAPT; measured in benchmarks/results/demo_health.md.
+    "model.mlm_bias_init=unigram",
     "data.global_batch_size=32", "data.micro_batch_size=32",
     "optim.lr=2e-3", "train.log_every=25", "train.keep_last=1", "train.progress_bar=false",
     "train.deterministic=false",

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+import numpy as np
+import torch
+
 from pipeline.model.encoder import EncoderConfig
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.seeding import seed_init
@@ -19,19 +22,46 @@ from pipeline.seeding import seed_init
 def build_pretrain_model(encoder_config: EncoderConfig, objectives: Mapping[str, float],
                          special_tokens: Mapping[str, int], objective_options: Mapping[str, Mapping[str, Any]],
                          seed: int = 0, kernels: str = "auto", init_from: Optional[str] = None,
-                         attention: str = "auto", compile_layers: bool = False) -> PretrainModel:
+                         attention: str = "auto", compile_layers: bool = False,
+                         unigram_counts: Optional[np.ndarray] = None) -> PretrainModel:
     """A freshly initialised `PretrainModel` (initial weights from the `init` stream of `seed`); with
-    `init_from`, its `bert.*` (and MLM head, when the checkpoint has one) then come from that Hugging
-    Face BERT directory. `attention` / `compile_layers` are `model.attention` / `model.compile` (they
-    change how the layers run, never the weights)."""
+    `unigram_counts` [V], its vocabulary output biases start at `unigram_bias(counts)`
+    (`model.mlm_bias_init=unigram`); with `init_from`, its `bert.*` (and MLM head, when the checkpoint
+    has one) then come from that Hugging Face BERT directory. `attention` / `compile_layers` are
+    `model.attention` / `model.compile` (they change how the layers run, never the weights)."""
     seed_init(seed)
     model = PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels,
                           attention=attention, compile_layers=compile_layers)
+    if unigram_counts is not None:
+        set_output_biases(model, unigram_bias(unigram_counts))
     if init_from:
         from pipeline.model.warm_start import load_base_weights
 
         load_base_weights(model, init_from)
     return model
+
+
+def unigram_bias(counts: np.ndarray) -> torch.Tensor:
+    """b_v = log p_v - mean_u log p_u with p_v = (c_v + 1) / sum_u (c_u + 1): the output bias whose
+    softmax (with zero hidden contribution) is the add-one smoothed unigram distribution."""
+    logp = np.log((counts.astype(np.float64) + 1.0) / float((counts.astype(np.float64) + 1.0).sum()))
+    return torch.from_numpy(logp - logp.mean()).float()
+
+
+@torch.no_grad()
+def set_output_biases(model: PretrainModel, bias: torch.Tensor) -> list[str]:
+    """Copy `bias` [V] into every vocabulary output bias: the MLM head's (`cls.predictions.decoder.bias`)
+    and any objective's own 1-D vocabulary-sized bias (COCO-LM's generator head). Returns their names."""
+    vocab = model.config.vocab_size
+    if bias.shape != (vocab,):
+        raise ValueError(f"output bias of shape {tuple(bias.shape)} for a vocabulary of {vocab}")
+    names = []
+    for name, param in model.named_parameters():
+        if name == "cls.predictions.decoder.bias" or (name.startswith("objectives.") and name.endswith(".bias")
+                                                      and param.shape == (vocab,)):
+            param.copy_(bias.to(param.dtype))
+            names.append(name)
+    return names
 
 
 def model_from_meta(meta: Any) -> PretrainModel:

@@ -10,6 +10,7 @@ from pipeline.model.attention import ATTENTION_MODES
 from pipeline.model.encoder import SIZE_PRESETS, EncoderConfig
 
 LAYERNORM_IMPLS = ("torch", "apex")
+MLM_BIAS_INITS = ("zero", "unigram")
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "ffn_size")
 
 
@@ -35,6 +36,13 @@ class ModelConfig:
     """Loss ops: `torch` (reference), `triton` (fused kernels, error if unusable), `auto` (Triton on CUDA)."""
     layernorm: str = "torch"
     """LayerNorm implementation: `torch`, or `apex` (NVIDIA apex FusedLayerNorm; GPU, optional extra)."""
+    mlm_bias_init: str = "zero"
+    """Initial vocabulary output biases (`cls.predictions` and an objective's own, e.g. COCO-LM's generator):
+    `zero` (BERT), or `unigram`: the centred log of the training tokens' add-one frequencies, counted on a bounded,
+    evenly spaced sample of shard rows (`pipeline.eval.health.unigram_counts`). With zero biases the cheapest early
+    loss drop is to bend every token's representation toward the frequency distribution, which at high learning
+    rates collapses the encoder (issue 15's investigation); `unigram` starts the head there instead. Fresh starts
+    only (not on resume; a warm start's own MLM head replaces it)."""
     init_from: Optional[str] = None
     """Warm start: a local Hugging Face BERT directory (config.json, weights, tokenizer). Its config.json
     gives the shape (`size` is ignored), its weights initialise `bert.*` and the MLM head at a fresh start
@@ -58,6 +66,7 @@ class ModelConfig:
         check_choice(self.attention, ATTENTION_MODES, "model.attention")
         if not isinstance(self.compile, bool):
             raise ConfigError(f"model.compile={self.compile!r}: must be true or false")
+        check_choice(self.mlm_bias_init, MLM_BIAS_INITS, "model.mlm_bias_init")
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name}={getattr(self, name)}: must be in [0, 1)")

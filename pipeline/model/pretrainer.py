@@ -1,7 +1,8 @@
 """`PretrainModel`: encoder + MLM head + the configured objectives, as one `nn.Module`.
 
 This is what DeepSpeed wraps. `forward(batch, progress, sampling_seed)` returns `(loss, metrics)`
-with `loss = sum_k weight_k * loss_k` over the configured objectives. State-dict keys of the encoder
+with `loss = sum_k weight_k * loss_k` over the configured objectives, plus the representation-health
+metrics of `pipeline.eval.health.step_health` (read from the encoder outputs the step already has). State-dict keys of the encoder
 and MLM head are exactly `BertForMaskedLM`'s (`bert.*`, `cls.*`); objective-only heads live
 under `objectives.<name>.*`.
 """
@@ -13,6 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import seeding
+from pipeline.batch import STRUCTURE_TOKENS, special_ids
+from pipeline.eval.health import step_health
 from pipeline.model.encoder import BertEncoder, EncoderConfig, configure_layer_stacks, init_bert_weights
 from pipeline.model.heads import MLMHead
 from pipeline.objectives.base import StepContext, StepProgress
@@ -53,6 +56,9 @@ class PretrainModel(nn.Module):
         self.special_tokens = dict(special_tokens)
         self.seed = seed
         self.kernels = kernels
+        self.structure_ids = special_ids(special_tokens, STRUCTURE_TOKENS)
+        #: most frequent training token (`health/unigram_accuracy`); set by the training loop, None: not logged
+        self.health_top_token: Optional[int] = None
         init_bert_weights(self, encoder_config.initializer_range)
         for obj in self.objectives.values():
             reset = getattr(obj, "reset_parameters", None)
@@ -86,6 +92,8 @@ class PretrainModel(nn.Module):
             total = total + self.weights[name] * loss.float()
             metrics[f"{name}/loss"] = loss.detach().float()
             metrics.update({f"{name}/{k}": v.detach().float() for k, v in parts.items()})
+        structure = torch.tensor(self.structure_ids, device=device)
+        metrics.update(step_health(ctx.cached_outputs(), batch, structure, self.health_top_token))
         metrics["loss"] = total.detach()
         return total, metrics
 

@@ -61,6 +61,10 @@ class StepContext:
         """Host-side real-token counts of the view masked by `mask_key`, if the collator provided them."""
         return self.batch.get(seqlens_key(mask_key))
 
+    def cached_outputs(self) -> dict[tuple[str, str], EncoderOutput]:
+        """The encoder outputs computed so far this step, by (ids key, mask key) (read-only use)."""
+        return dict(self._cache)
+
     def encode_view(self, view: str) -> EncoderOutput:
         """Encoder output of a batch view (`pipeline.batch.VIEW_INPUTS`), shared like `encode`."""
         return self.encode(*VIEW_INPUTS[view])

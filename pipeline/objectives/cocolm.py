@@ -26,7 +26,9 @@
 4. SCL: NT-Xent over the 2N views (X^MLM_i, X^crop_i): representation = SCL head (Linear ->
    GELU -> LayerNorm) on [CLS], cosine / tau; positives are the other view of the same sequence,
    negatives all other 2N - 2 views. tau defaults to 1.0 (the public model code's `temperature`
-   default); the crop itself is built by the collator (`crop` view).
+   default); the crop itself is built by the collator (`crop` view). Logged: `positive_cosine`,
+   the mean cosine of the positive pairs (a sign of collapse when pinned at 1.0,
+   `pipeline.eval.health`).
 
    L = lambda_gen * L_gen + L_CLM + lambda_scl * L_SCL      (all weights 1 except lambda_copy)
 """
@@ -220,9 +222,9 @@ class CorrectingContrasting(Objective):
         )
 
         crop_cls = ctx.encode("crop_ids", "crop_attention_mask").last_hidden[:, 0]
+        z_mlm, z_crop = self.scl_head(h[:, 0]), self.scl_head(crop_cls)
         scl_loss = ctx.op("sequence_contrastive_loss")(
-            self.scl_head(h[:, 0]), self.scl_head(crop_cls), self.tau, None,
-            normalize=True, symmetric=True, same_view_negatives=True,
+            z_mlm, z_crop, self.tau, None, normalize=True, symmetric=True, same_view_negatives=True,
         )
         loss = self.lambda_gen * gen_loss + self.lambda_copy * copy_loss + lm_loss + self.lambda_scl * scl_loss
         metrics.update(
@@ -231,5 +233,7 @@ class CorrectingContrasting(Objective):
             / non_pad.float().sum().clamp(min=1),
             clm_lm_loss=lm_loss.detach(),
             scl_loss=scl_loss.detach(),
+            # cos(X^MLM, X^crop) of the positive pairs: pinned at 1.0 = the SCL task is trivial (health)
+            positive_cosine=F.cosine_similarity(z_mlm.detach().float(), z_crop.detach().float(), dim=-1).mean(),
         )
         return loss, metrics

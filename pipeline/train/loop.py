@@ -45,6 +45,7 @@ from pipeline.config.run import (
     load_config,
 )
 from pipeline.distributed import DistInfo, all_reduce_sum
+from pipeline.eval.health import CollapseMonitor, unigram_counts
 from pipeline.model.build import build_pretrain_model
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.objectives.base import StepProgress
@@ -141,14 +142,20 @@ def export_mpi4py_ranks() -> None:
 
 
 def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> PretrainModel:
-    """The run's `PretrainModel`: shape from the config and the shards, initialised from the run seed,
-    then (`warm_start`, i.e. not resuming) from `model.init_from`'s weights when set."""
+    """The run's `PretrainModel`: shape from the config and the shards, initialised from the run seed
+    (and, `warm_start`, i.e. not resuming, with `model.mlm_bias_init=unigram`, the output biases from
+    the shards' token frequencies), then (`warm_start`) from `model.init_from`'s weights when set."""
     manifest = plan.manifest
     encoder_config = cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)
+    counts = None
+    if warm_start and cfg.model.mlm_bias_init == "unigram":  # fresh starts only: a resume loads its biases
+        from pipeline.data.reader import ShardDataset
+
+        counts = unigram_counts(ShardDataset(cfg.data.shards_dir))
     return build_pretrain_model(encoder_config, cfg.objectives, manifest.special_tokens, cfg.objective_options,
                                 seed=cfg.train.seed, kernels=cfg.model.kernels,
                                 init_from=cfg.model.init_from if warm_start else None,
-                                attention=cfg.model.attention, compile_layers=cfg.model.compile)
+                                attention=cfg.model.attention, compile_layers=cfg.model.compile, unigram_counts=counts)
 
 
 def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = None,
@@ -239,6 +246,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dataset = open_dataset(cfg.data.shards_dir, cfg.data.verify_shards)  # every rank checks the shards' bytes
+    # the unigram plateau (`health/unigram_accuracy`): the most frequent token of a bounded row sample
+    model.health_top_token = int(unigram_counts(dataset).argmax())
 
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))
@@ -296,6 +305,7 @@ class Run:
     meter: ThroughputMeter
     guard: NonFiniteGuard
     finisher: CheckpointFinisher = field(default_factory=CheckpointFinisher)  # hashes saved tags off the step
+    health: CollapseMonitor = field(default_factory=lambda: CollapseMonitor(log))
 
     def loop(self, preemption: PreemptionHandler) -> int:
         """Phase 3: steps until `train.total_steps`, a preemption, or the guard stops the run."""
@@ -402,6 +412,7 @@ class Run:
             consumed_samples=state.consumed_samples, tokens_seen=state.tokens_seen,
             skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
             **self.meter.report(), **peak_memory_gb())
+        metrics.update(self.health.observe(step, metrics, announce=self.info.is_main))
         if self.cfg.deepspeed.precision == "fp16":
             metrics["loss_scale"] = float(getattr(self.engine.optimizer, "loss_scale", float("nan")))
         self.writer.write(step, metrics)

@@ -61,3 +61,29 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
     assert (out / "hf" / "mlm" / "config.json").is_file() and (out / "runs" / "mlm" / "metrics.jsonl").is_file()
     assert "The river flows past the [MASK] mill." in printed and "Hugging Face model" in printed
     assert "python -m pipeline.train --config tiny-mlm" in printed  # the equivalent command is shown
+
+
+@pytest.mark.timeout(300)
+def test_demo_health_measures_the_real_demo_and_reuses_finished_objectives(tmp_path: Path, monkeypatch) -> None:
+    from benchmarks.demo_health import main as health_main
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("\n\n".join(f"The river number {i} flows past the old mill near the hills."
+                                             for i in range(300)))
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("\n\n".join(f"A boat number {i} sails past the old mill and the river." for i in range(200)))
+    argv = ["--heldout", str(heldout), "--objectives", "mlm", "--steps", "2", "--eval-sequences", "16",
+            "--demo-args", f"--corpus {corpus} --vocab-size 200 --seq-len 32", "--work", str(tmp_path / "work"),
+            "--out", str(tmp_path / "report")]
+    assert health_main(argv) == 0
+    row = json.loads((tmp_path / "report" / "demo_health.json").read_text())["rows"][0]
+    assert row["objective"] == "mlm" and row["steps"] == 2 and row["logged_steps"] >= 1
+    assert -1.0 <= row["heldout_token_cosine"] <= 1.0 and row["collapsed"] == (row["heldout_token_cosine"] > 0.9)
+    assert row["acc_minus_unigram"] == pytest.approx(row["heldout_mlm_acc"] - row["unigram_acc"])
+    demo_json = tmp_path / "work" / "mlm" / SUMMARY_FILE
+    stamp = demo_json.stat().st_mtime_ns
+    assert health_main(argv) == 0 and demo_json.stat().st_mtime_ns == stamp  # finished: not re-run
+    assert health_main([*argv[:2], "--objectives", "nope", *argv[4:]]) == 2

@@ -1,12 +1,14 @@
-"""Time-to-quality arithmetic: first step meeting a target, default target, ratios, plotting data."""
+"""Time-to-quality arithmetic: first step meeting a target, paired per-seed targets, mean curves, intervals."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 
-from benchmarks.quality_targets import EvalPoint, curve_series, first_reaching, summarize_targets
+from benchmarks.quality_targets import EvalPoint, first_reaching, mean_curve, seed_time_to_target, time_to_target
 from benchmarks.report import line_chart
+from benchmarks.stats import format_ci, mean_ci, t_quantile
 
 
 def curve(values: list[float], metric: str = "acc", hours_per_step: float = 0.01) -> list[EvalPoint]:
@@ -29,38 +31,62 @@ def test_points_without_the_metric_are_skipped() -> None:
     assert first_reaching(points, "glue", 0.5, True).step == 200
 
 
-def test_summary_defaults_target_to_baseline_final_and_gives_ratios() -> None:
-    curves = {
-        "mlm": curve([0.2, 0.3, 0.4, 0.5, 0.6], hours_per_step=0.01),
-        "taco": curve([0.3, 0.6, 0.7, 0.7, 0.8], hours_per_step=0.011),
-        "capt": curve([0.1, 0.2, 0.3, 0.4, 0.5], hours_per_step=0.02),
-    }
-    rows = {r["run"]: r for r in summarize_targets(curves, "acc", higher_is_better=True)}
-    assert rows["mlm"]["target"] == 0.6 and rows["mlm"]["steps_to_target"] == 500
-    assert rows["mlm"]["step_ratio_vs_baseline"] == 1.0
-    assert rows["taco"]["steps_to_target"] == 200
-    assert rows["taco"]["step_ratio_vs_baseline"] == pytest.approx(200 / 500)
-    assert rows["taco"]["hours_ratio_vs_baseline"] == pytest.approx((200 * 0.011) / (500 * 0.01))
-    assert rows["capt"]["steps_to_target"] is None and rows["capt"]["step_ratio_vs_baseline"] is None
-    assert rows["capt"]["final"] == 0.5
+def test_seed_target_is_the_baselines_own_final_value_and_ratios_are_paired() -> None:
+    mlm = curve([0.2, 0.6, 0.5, 0.6], hours_per_step=0.01)  # reaches its final 0.6 already at step 200
+    taco = curve([0.6, 0.7, 0.7, 0.7], hours_per_step=0.02)
+    r = seed_time_to_target(mlm, taco, "acc", higher_is_better=True)
+    assert r["target"] == 0.6 and r["baseline_steps"] == 200 and r["steps"] == 100
+    assert r["step_ratio"] == pytest.approx(0.5) and r["hours_ratio"] == pytest.approx((100 * 0.02) / (200 * 0.01))
+    never = seed_time_to_target(mlm, curve([0.1, 0.2, 0.3, 0.4]), "acc", True)
+    assert never["steps"] is None and never["step_ratio"] is None and never["baseline_steps"] == 200
 
 
-def test_explicit_target_and_errors() -> None:
-    curves = {"mlm": curve([0.2, 0.4]), "taco": curve([0.35, 0.5])}
-    rows = {r["run"]: r for r in summarize_targets(curves, "acc", True, target=0.3)}
-    assert rows["mlm"]["steps_to_target"] == 200 and rows["taco"]["steps_to_target"] == 100
-    assert rows["taco"]["step_ratio_vs_baseline"] == 0.5
-    with pytest.raises(ValueError, match="baseline run 'mlm'"):
-        summarize_targets({"taco": curves["taco"]}, "acc", True)
-    with pytest.raises(ValueError, match="no 'glue' measurement"):
-        summarize_targets(curves, "glue", True)
+def test_time_to_target_gives_a_mean_only_when_every_seed_reached() -> None:
+    mlm = {1: curve([0.2, 0.4]), 2: curve([0.3, 0.5]), 3: curve([0.25, 0.45])}
+    fast = {1: curve([0.4, 0.5]), 2: curve([0.5, 0.6]), 3: curve([0.5, 0.6])}
+    result = time_to_target(mlm, fast, "acc", True)
+    assert result["reached"] == 3 and result["step_ratio"]["mean"] == pytest.approx(0.5)
+    assert result["step_ratio"]["half_width"] == 0.0  # every seed: 100 / 200
+    assert result["target"]["mean"] == pytest.approx(0.45)
+    slow = {1: curve([0.4, 0.5]), 2: curve([0.1, 0.2]), 3: curve([0.5, 0.6]), 9: curve([0.9, 0.9])}
+    partial = time_to_target(mlm, slow, "acc", True)
+    assert partial["seeds"] == [1, 2, 3]  # seed 9 has no paired baseline
+    assert partial["reached"] == 2 and partial["steps"] is None and partial["step_ratio"] is None
 
 
-def test_curve_series_and_chart(tmp_path: Path) -> None:
-    series = curve_series({"mlm": curve([0.2, 0.4])}, "acc", x="device_hours")
-    assert series == {"mlm": [(1.0, 0.2), (2.0, 0.4)]}
-    with pytest.raises(ValueError, match="x must be"):
-        curve_series({}, "acc", x="epoch")
+def test_mean_curve_averages_seeds_per_step_with_a_t_interval() -> None:
+    rows = mean_curve([curve([0.1, 0.3]), curve([0.3, 0.5]), curve([0.2, 0.4], hours_per_step=0.02)], "acc")
+    assert [r["step"] for r in rows] == [100, 200]
+    assert rows[0]["mean"] == pytest.approx(0.2) and rows[0]["device_hours"] == pytest.approx(4 / 3)
+    assert rows[1]["half_width"] == pytest.approx(t_quantile(0.95, 2) * 0.1 / math.sqrt(3))
+    assert mean_curve([curve([0.1, 0.3]), curve([0.2])], "acc")[-1]["step"] == 100  # steps every seed measured
+
+
+def test_t_quantiles_are_the_tabulated_ones() -> None:
+    table = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 9: 2.262, 29: 2.045}  # t_{0.975, df}
+    for df, value in table.items():
+        assert t_quantile(0.95, df) == pytest.approx(value, abs=5e-4)
+    assert t_quantile(0.90, 2) == pytest.approx(2.920, abs=5e-4)
+    scipy_stats = pytest.importorskip("scipy.stats")
+    for df in range(1, 40):
+        assert t_quantile(0.95, df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=1e-9)
+
+
+def test_mean_ci_of_seeds_and_its_formatting() -> None:
+    ci = mean_ci([0.80, 0.81, 0.79])
+    assert ci["mean"] == pytest.approx(0.80) and ci["std"] == pytest.approx(0.01)
+    assert (ci["lo"], ci["hi"]) == pytest.approx((0.80 - 4.3027 * 0.01 / math.sqrt(3), 0.80 + 4.3027 * 0.01 / math.sqrt(3)),
+                                                 abs=1e-5)
+    assert format_ci(ci) == "0.800 [0.775, 0.825]"
+    one = mean_ci([0.7, None, float("nan")])
+    assert one["mean"] == 0.7 and one["lo"] is None and one["missing"] == 2
+    assert format_ci(one) == "0.700 (1 of 3)" and format_ci(mean_ci([])) == ""
+    with pytest.raises(ValueError, match="confidence"):
+        t_quantile(1.5, 3)
+
+
+def test_line_chart_draws_bands_and_reference_lines(tmp_path: Path) -> None:
     path = tmp_path / "c.png"
-    line_chart(series, path, "t", "hours", "acc", hline=(0.3, "target"))
+    line_chart({"mlm": [(1.0, 0.2, 0.1, 0.3), (2.0, 0.4, None, None)], "taco": [(1.0, 0.3)]}, path, "t", "hours",
+               "acc", hline=(0.3, "target"), hlines=[(0.25, "random init")])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,59 +1,37 @@
-"""Time-to-quality pieces: the held-out word-order task, device-hour bookkeeping, argument checks."""
+"""The time-to-quality study: argument checks, held-out splits, selection on the selection split only,
+the baseline health check and its refusal, resume, and the held-out metrics against direct computations."""
 from __future__ import annotations
 
-import random
+import argparse
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from benchmarks.probe_task import scramble, sentences_from_text, word_order_task
-from benchmarks.time_to_quality import cumulative_hours, parse_args
-from pipeline.eval.glue import resolve_task
-
-WIKI_STYLE = [
-    " = Valkyria Chronicles = ",
-    " The game began development in 2010 , carrying over a large portion of the work . It was released in January",
-    " 2011 in Japan and was later praised by critics for its art style and story . Too short here .",
-]
+from benchmarks.quality_targets import EvalPoint
+from benchmarks.time_to_quality import ALL_OBJECTIVES, parse_args
+from benchmarks.ttq_data import prepare_sst2, split_halves
+from benchmarks.ttq_eval import cached, heldout_metrics, top_token_of
+from benchmarks.ttq_report import baseline_health, target_rows
+from benchmarks.ttq_study import RunKey, check_study_args, cumulative_hours, select_lrs, train_run
 
 
-def test_sentences_skip_headings_and_short_ones() -> None:
-    sents = sentences_from_text(WIKI_STYLE + [" " + " ".join(["word"] * 41) + " ."])
-    assert sents == ["The game began development in 2010 , carrying over a large portion of the work .",
-                     "2011 in Japan and was later praised by critics for its art style and story ."]
-
-
-def test_scramble_changes_exactly_one_window() -> None:
-    rng = random.Random(0)
-    words = "one two three four five six seven eight".split()
-    for _ in range(50):
-        out = scramble(words, 4, rng)
-        assert out != words and sorted(out) == sorted(words)
-        changed = [i for i, (a, b) in enumerate(zip(out, words)) if a != b]
-        assert changed[-1] - changed[0] < 4
-    assert scramble(["same"] * 6, 3, rng) == ["same"] * 6  # nothing to permute: unchanged (caller's concern)
-    whole = scramble(words, 0, rng)  # window 0: the whole sentence
-    assert whole != words and sorted(whole) == sorted(words)
-
-
-def test_word_order_task_is_balanced_glue_format(tmp_path: Path) -> None:
-    text = tmp_path / "held.txt"
-    lines = [f" Sentence number {i} talks about the river , the hills and the town nearby ." for i in range(60)]
-    text.write_text("\n".join(lines) + "\n")
-    stats = word_order_task(text, tmp_path / "task", n_train=40, n_dev=20, window=4, seed=3)
-    assert stats["train"] == {"examples": 40, "positive": 20} and stats["dev"] == {"examples": 20, "positive": 10}
-    spec, train, dev = resolve_task(tmp_path / "task", "generic")
-    assert spec.text_cols == ("sentence",) and spec.labels == ("0", "1")
-    originals = {ln.strip() for ln in lines}
-    rows = (tmp_path / "task" / "train.tsv").read_text().splitlines()[1:]
-    for row in rows:
-        sentence, label = row.split("\t")
-        assert (sentence in originals) == (label == "1")
-    dev_rows = (tmp_path / "task" / "dev.tsv").read_text().splitlines()[1:]
-    numbers = sorted(int(w) for r in rows + dev_rows for w in r.split("\t")[0].split() if w.isdigit())
-    assert numbers == list(range(60))  # every source sentence used once, in one form, in one split
-    with pytest.raises(ValueError, match="need 100"):
-        word_order_task(text, tmp_path / "t2", n_train=80, n_dev=20)
+def test_arguments_are_checked_before_any_work(tmp_path: Path, capsys) -> None:
+    text = tmp_path / "t.txt"
+    text.write_text("x\n")
+    base = ["--text", str(text), "--heldout", str(text), "--out", str(tmp_path / "o")]
+    for argv, message in ((["--text", str(tmp_path / "missing.txt"), "--heldout", str(text)], "missing.txt"),
+                          ([*base, "--eval-every", "0"], "--eval-every"),
+                          ([*base, "--objectives", "nope"], "nope"),
+                          ([*base, "--set", "optim.lr=1e-3"], "the study sets these itself"),
+                          ([*base, "--seeds", "1,1"], "distinct seeds"),
+                          ([*base, "--lrs", "0"], "positive")):
+        with pytest.raises(SystemExit):
+            parse_args([*argv, "--out", str(tmp_path / "o")])
+        assert message in capsys.readouterr().err
+    args = parse_args([*base, "--objectives", "taco", "--lrs", "2e-3,5e-4"])
+    assert args.objectives == ["mlm", "taco"] and args.lrs == [5e-4, 2e-3] and args.seeds == [1, 2, 3]
+    assert parse_args(base).objectives == list(ALL_OBJECTIVES)  # every objective, MLM first
 
 
 def test_cumulative_hours_sum_step_times_times_world_size() -> None:
@@ -61,17 +39,160 @@ def test_cumulative_hours_sum_step_times_times_world_size() -> None:
     assert cumulative_hours(records, world_size=4) == {1: 4.0, 2: 12.0}
 
 
-def test_arguments_are_checked_before_any_work(tmp_path: Path, capsys) -> None:
+def test_heldout_text_is_split_at_an_article_boundary(tmp_path: Path) -> None:
+    articles = [f" = Article {i} = \n" + f" Body of article {i} , with some words .\n" * (i + 1) for i in range(4)]
+    text = tmp_path / "test.txt"
+    text.write_text("".join(articles))
+    info = split_halves(text, tmp_path / "a.txt", tmp_path / "b.txt")
+    first, second = (tmp_path / "a.txt").read_text(), (tmp_path / "b.txt").read_text()
+    assert first + second == text.read_text() and info["by"] == "article"
+    assert second.startswith(" = Article ") and first.count(" = Article") in (2, 3)
+    plain = tmp_path / "plain.txt"
+    plain.write_text("".join(f"line {i}\n" for i in range(10)))
+    assert split_halves(plain, tmp_path / "c.txt", tmp_path / "d.txt")["by"] == "line"
+    assert (tmp_path / "c.txt").read_text().count("\n") == 5
+
+
+def _sst2_dir(root: Path, n: int = 60, test_labels: bool = True) -> Path:
+    root.mkdir(parents=True)
+    rows = [f"sentence number {i} is {'good' if i % 2 else 'bad'}\t{i % 2}\n" for i in range(n)]
+    (root / "train.tsv").write_text("sentence\tlabel\n" + "".join(rows))
+    (root / "dev.tsv").write_text("sentence\tlabel\n" + "".join(rows[:10]))
+    (root / "test.tsv").write_text("sentence\tlabel\n" + "".join(rows[:10]) if test_labels else "index\tsentence\n0\tx\n")
+    return root
+
+
+def test_sst2_selection_split_never_overlaps_the_fine_tuning_examples(tmp_path: Path) -> None:
+    from pipeline.eval.glue import GLUE_TASKS, load_split, read_tsv, subset_split
+
+    root = _sst2_dir(tmp_path / "SST-2")
+    sst2, select, note = prepare_sst2(str(root), tmp_path / "work", n_train=30, n_select=20, seed=5)
+    assert sst2 == root and "selection on 20 other train examples" in note
+    train = load_split(read_tsv(root / "train.tsv", "sst2"), GLUE_TASKS["sst2"])
+    tuned = {train.texts[int(i)][0] for i in subset_split(train, 30, 5).ids()}  # what finetune --train-subset uses
+    chosen = [line.split("\t")[0] for line in select.read_text().splitlines()[1:]]
+    assert len(chosen) == 20 and not tuned & set(chosen)
+    assert prepare_sst2(str(tmp_path / "absent"), tmp_path / "w2", 30, 20, 5)[:2] == (None, None)
+    assert "SST-2 not found" in prepare_sst2(str(tmp_path / "absent"), tmp_path / "w2", 30, 20, 5)[2]
+    with pytest.raises(ValueError, match="no labels"):
+        prepare_sst2(str(_sst2_dir(tmp_path / "unlabelled", test_labels=False)), tmp_path / "w3", 30, 20, 5)
+    with pytest.raises(ValueError, match="--sst2-train 50"):
+        prepare_sst2(str(root), tmp_path / "w4", 50, 20, 5)
+
+
+def _record(select_acc: float, dev_acc: float, select_loss: float, report_loss: float, status: str = "ok") -> dict:
+    downstream = {"pretrained": {"select": {"mean": select_acc}, "dev": {"mean": dev_acc}}}
+    heldout = {"select": {"mlm_loss": select_loss}, "report": {"mlm_loss": report_loss}}
+    return {"status": status, "final": {"downstream": downstream, "heldout": heldout}}
+
+
+def test_selection_reads_the_selection_split_only() -> None:
+    sweep = {"mlm": {5e-4: _record(0.70, 0.90, 5.0, 4.0), 1e-3: _record(0.80, 0.60, 6.0, 3.0),
+                     2e-3: _record(0.99, 0.99, 1.0, 1.0, status="failed")},
+             "taco": {5e-4: _record(0.75, 0.7, 5.5, 5.0), 1e-3: _record(0.75, 0.7, 5.0, 6.0)}}
+    chosen = select_lrs(sweep, "sst2_select_accuracy")
+    assert chosen["mlm"]["lr"] == 1e-3  # best on select, although dev and the report half favour other rates
+    assert "0.002" not in chosen["mlm"]["values"]  # a failed run is no candidate
+    assert chosen["taco"]["lr"] == 1e-3  # a tie on select goes to the lower held-out *selection* loss
+    assert select_lrs(sweep, "heldout_select_mlm_loss")["mlm"]["lr"] == 5e-4  # without SST-2: lower loss wins
+    assert select_lrs({"capt": {1e-3: _record(0, 0, 0, 0, status="failed")}}, "sst2_select_accuracy")["capt"]["lr"] is None
+
+
+def _curves(acc: list[list[float]], unigram: float = 0.05, cosine: float = 0.3, dev: float = 0.8) -> dict:
+    return {seed: [EvalPoint(100 * (i + 1), 0.01 * (i + 1), {"heldout_mlm_acc": a, "heldout_mlm_loss": 5 - a,
+                                                               "unigram_acc": unigram, "token_cosine": cosine,
+                                                               "sst2_dev_accuracy": dev + a / 10})
+                   for i, a in enumerate(values)] for seed, values in enumerate(acc, start=1)}
+
+
+def test_a_healthy_baseline_gets_ratios_and_a_failed_one_gets_none() -> None:
+    mlm = _curves([[0.10, 0.20, 0.30], [0.12, 0.22, 0.31], [0.11, 0.21, 0.29]])
+    taco = _curves([[0.30, 0.35, 0.40], [0.31, 0.36, 0.41], [0.30, 0.34, 0.39]])
+    health = baseline_health(mlm, floor_dev=0.7, margin=0.05)
+    assert health["passed"] and [c["passed"] for c in health["checks"]] == [True, True, True]
+    rows = {(r["objective"], r["metric"]): r for r in target_rows({"mlm": mlm, "taco": taco}, health)}
+    assert rows[("taco", "heldout_mlm_acc")]["step_ratio"] == "0.333 [0.333, 0.333]"
+    assert rows[("mlm", "heldout_mlm_acc")]["step_ratio"] == "1.000 [1.000, 1.000]"
+
+    collapsed = baseline_health(_curves([[0.1, 0.2, 0.3]] * 3, cosine=0.97), floor_dev=0.7, margin=0.05)
+    plateau = baseline_health(_curves([[0.05, 0.06, 0.07]] * 3), floor_dev=0.7, margin=0.05)
+    below_floor = baseline_health(mlm, floor_dev=0.9, margin=0.05)
+    assert [c["passed"] for c in collapsed["checks"]] == [False, True, True]
+    assert [c["passed"] for c in plateau["checks"]] == [True, False, True]
+    assert [c["passed"] for c in below_floor["checks"]] == [True, True, False]
+    for failed in (collapsed, plateau, below_floor):
+        assert not failed["passed"]
+        refused = target_rows({"mlm": mlm, "taco": taco}, failed)
+        assert refused and all(r[f].startswith("refused") for r in refused
+                               for f in ("steps", "hours", "step_ratio", "hours_ratio"))
+
+
+def test_a_work_dir_refuses_other_settings_but_grows_with_objectives_and_seeds(tmp_path: Path) -> None:
     text = tmp_path / "t.txt"
     text.write_text("x\n")
-    for argv, message in ((["--text", str(text)], "--heldout is required"),
-                          (["--shards", str(tmp_path)], "--heldout-shards"),
-                          (["--text", str(tmp_path / "missing.txt"), "--heldout", str(text)], "missing.txt"),
-                          (["--text", str(text), "--heldout", str(text), "--eval-every", "0"], "--eval-every"),
-                          (["--text", str(text), "--heldout", str(text), "--objectives", "nope"], "nope")):
-        with pytest.raises(SystemExit):
-            parse_args([*argv, "--out", str(tmp_path / "o")])
-        assert message in capsys.readouterr().err
-    args = parse_args(["--text", str(text), "--heldout", str(text), "--target", "heldout_mlm_acc=0.3",
-                       "--out", str(tmp_path / "o")])
-    assert args.targets == {"heldout_mlm_acc": 0.3} and args.objectives == ["taco"]
+    base = ["--text", str(text), "--heldout", str(text), "--out", str(tmp_path / "o")]
+    check_study_args(parse_args([*base, "--objectives", "taco", "--seeds", "1,2"]), tmp_path)
+    check_study_args(parse_args([*base, "--objectives", "taco,capt", "--seeds", "1,2,3"]), tmp_path)
+    with pytest.raises(ValueError, match="steps: 1000 there, 500 now"):
+        check_study_args(parse_args([*base, "--steps", "500"]), tmp_path)
+    with pytest.raises(ValueError, match="seeds"):
+        check_study_args(parse_args([*base, "--seeds", "7,1"]), tmp_path)
+
+
+def test_cached_results_are_not_recomputed(tmp_path: Path) -> None:
+    calls = []
+    for _ in range(2):
+        assert cached(tmp_path / "r.json", lambda: calls.append(1) or {"value": 3}) == {"value": 3}
+    assert calls == [1]
+
+
+@pytest.mark.timeout(300)
+def test_a_finished_run_is_skipped_on_a_rerun(tiny_shards_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from benchmarks.ttq_data import StudyData
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    monkeypatch.setenv("PYTHONPATH", str(repo))
+    text = tmp_path / "t.txt"
+    text.write_text("x\n")
+    args = parse_args(["--text", str(text), "--heldout", str(text), "--out", str(tmp_path / "o"), "--steps", "2",
+                       "--eval-every", "1", "--micro-batch", "4"])
+    data = StudyData(tiny_shards_dir, tiny_shards_dir, tiny_shards_dir, None, None)
+    key = RunKey("mlm", 1e-3, 1)
+    first = train_run(key, data, args, tmp_path)
+    run_dir = key.directory(tmp_path)
+    assert first["status"] == "ok" and first["steps"] == [1, 2] and set(first["device_hours"]) == {"1", "2"}
+    assert (run_dir / "hf" / "step_2" / "config.json").is_file() and not (run_dir / "checkpoints").exists()
+    assert first["train_health"]["logged_steps"] == 2 and first["train_health"]["token_cosine"] is not None
+    log = (run_dir / "train.log").read_text()
+    assert train_run(key, data, args, tmp_path) == first  # nothing re-trained or re-converted
+    assert (run_dir / "train.log").read_text() == log
+
+    top = top_token_of(tiny_shards_dir)
+    metrics = heldout_metrics(run_dir / "hf" / "step_2", tiny_shards_dir, top_token=top, max_sequences=16)
+    _check_heldout_against_direct(run_dir / "hf" / "step_2", tiny_shards_dir, top, metrics)
+
+
+def _check_heldout_against_direct(model_dir: Path, shards: Path, top: int, metrics: dict) -> None:
+    """The unigram plateau is measured on exactly the masked positions the accuracy is measured on."""
+    from pipeline.data.corruption import CorruptionCollator
+    from pipeline.data.reader import ShardDataset
+
+    dataset = ShardDataset(shards)
+    rows = np.arange(16)
+    batch = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, 0).collate(
+        *dataset.take(rows), rows)
+    targets = batch["mlm_labels"][batch["mlm_labels"] != -100]
+    assert metrics["masked_tokens"] == targets.numel()
+    assert metrics["unigram_acc"] == pytest.approx(float((targets == top).float().mean()))
+    assert 0.0 <= metrics["mlm_acc"] <= 1.0 and -1.0 <= metrics["token_cosine"] <= 1.0
+    assert metrics["collapsed"] == (metrics["token_cosine"] > 0.9)
+
+
+def test_namespace_fields_the_study_reads_exist() -> None:
+    """`DEFINING_ARGS` names only real flags (a typo would silently drop a setting from the check)."""
+    from benchmarks.time_to_quality import build_parser
+    from benchmarks.ttq_study import DEFINING_ARGS
+
+    dests = {a.dest for a in build_parser()._actions if isinstance(a, argparse.Action)}
+    assert set(DEFINING_ARGS) <= dests

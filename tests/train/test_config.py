@@ -58,7 +58,7 @@ def test_paper_specific_options():
 
 def test_every_preset_loads():
     presets = available_presets()
-    assert {f"tiny-{o}" for o in ("mlm", "taco", "capt", "cocolm", "infoword")} <= set(presets)
+    assert {f"tiny-{o}" for o in ("mlm", "taco", "capt", "cocolm", "infoword", "mlm-nce")} <= set(presets)
     for name in presets:
         assert load_config(name).name == name
 

@@ -103,8 +103,11 @@ def test_logged_keys_and_tensorboard(tiny_shards_dir, tmp_path):
     record = read_jsonl(out / "metrics.jsonl")[-1]
     expected = {"step", "loss", "mlm/loss", "capt/loss", "capt/tau", "lr", "grad_norm", "tokens_per_s",
                 "samples_per_s", "step_time_s", "tflops_per_device", "peak_rss_gb", "consumed_samples",
-                "tokens_seen", "skipped_steps", "nonfinite_steps"}
+                "tokens_seen", "skipped_steps", "nonfinite_steps", "capt/positive_cosine", "health/token_cosine",
+                "health/unigram_accuracy", "health/collapsed"}
     assert expected <= set(record)
+    assert 0.0 < record["health/token_cosine"] < 1.0 and 0.0 <= record["health/unigram_accuracy"] < 1.0
+    assert record["health/collapsed"] in (0.0, 1.0)
     assert "mfu" not in record  # no peak FLOPs on CPU
     assert record["consumed_samples"] == 24 and record["tokens_seen"] > 0 and record["tflops_per_device"] > 0
     assert record["loss"] == pytest.approx(record["mlm/loss"] + record["capt/loss"], rel=1e-6)

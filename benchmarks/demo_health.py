@@ -1,0 +1,124 @@
+"""Does the demo's default recipe collapse? `python -m benchmarks.demo_health --heldout TEXT --out DIR`.
+
+For each objective this runs the demo exactly as a user does (`demo.run`, i.e. `bash
+scripts/demo.sh --objective X`: default corpus, `DEMO_OVERRIDES`, `DEFAULT_STEPS`), then measures
+the converted model on held-out text the demo never trained on (shards built with the demo's own
+tokenizer; `benchmarks.ttq_eval.heldout_metrics`):
+
+* mean token cosine of the last hidden states (eval mode; collapsed above `COLLAPSE_COSINE`),
+* held-out masked-LM accuracy against the unigram plateau at the same masked positions (the
+  demo corpus's most frequent token), and the same two numbers on the demo corpus itself (text it
+  trained on, fresh masks: the plateau in the corpus's own domain; `corpus_*`),
+
+beside the training-time health metrics of the run's last logged step (`health/token_cosine`,
+`*/positive_cosine`) and the number of logged steps flagged `health/collapsed`. Writes
+`<out>/demo_health.{json,md}` with the device, versions and command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.bench_throughput import parse_list  # noqa: E402
+
+
+def measure(objective: str, args: argparse.Namespace, work: Path) -> dict:
+    """One demo run and its health numbers (cached in `<work>/<objective>/health.json`)."""
+    from benchmarks.ttq_eval import cached, heldout_metrics, top_token_of
+    from data_prep.build_shards import build_shards
+    from demo.run import main as demo_main
+    from pipeline.train.metrics import read_jsonl
+
+    out = work / objective
+
+    def run() -> dict:
+        argv = ["--objective", objective, "--out", str(out), "--seed", str(args.seed), *shlex.split(args.demo_args)]
+        if args.steps:
+            argv += ["--steps", str(args.steps)]
+        if demo_main(argv) != 0:
+            raise RuntimeError(f"demo --objective {objective} failed (see {out})")
+        summary = json.loads((out / "demo.json").read_text())
+        heldout = out / "heldout-shards"
+        seq_len = json.loads((out / "shards" / "manifest.json").read_text())["seq_len"]
+        build_shards([args.heldout], out / "tokenizer", heldout, seq_len=seq_len, num_proc=1, progress=False)
+        metrics = heldout_metrics(Path(summary["paths"]["hf_model"]), heldout, top_token_of(out / "shards"),
+                                  args.eval_sequences)
+        records = read_jsonl(Path(summary["paths"]["metrics"]))
+        last = records[-1]
+        return {"objective": objective, "steps": last["step"], "pretrain_seconds": summary["stage_seconds"]["pretrain"],
+                "demo_seconds": summary["total_seconds"], "heldout_token_cosine": metrics["token_cosine"],
+                "collapsed": metrics["collapsed"], "heldout_mlm_acc": metrics["mlm_acc"],
+                "unigram_acc": metrics["unigram_acc"], "acc_minus_unigram": metrics["mlm_acc"] - metrics["unigram_acc"],
+                "heldout_mlm_loss": metrics["mlm_loss"], "train_token_cosine": last.get("health/token_cosine"),
+                "train_collapsed_logged_steps": sum(1 for r in records if r.get("health/collapsed")),
+                "logged_steps": len(records),
+                **{f"train_{k.replace('/', '_')}": v for k, v in last.items() if k.endswith("positive_cosine")},
+                "fill_mask_top": [item["predictions"][0]["token"] for item in summary["fill_mask"]]}
+
+    def in_domain() -> dict:  # the demo corpus itself (seen text, fresh masks): the plateau in its own domain
+        summary = json.loads((out / "demo.json").read_text())
+        m = heldout_metrics(Path(summary["paths"]["hf_model"]), out / "shards", top_token_of(out / "shards"),
+                            args.eval_sequences, seed=1)
+        return {"corpus_token_cosine": m["token_cosine"], "corpus_mlm_acc": m["mlm_acc"],
+                "corpus_unigram_acc": m["unigram_acc"]}
+
+    row = cached(out.parent / f"{objective}.health.json", run)
+    return {**row, **cached(out.parent / f"{objective}.corpus.json", in_domain)}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from benchmarks.report import write_report
+    from demo.run import DEFAULT_STEPS, DEMO_OVERRIDES, demo_objectives
+    from pipeline.eval.health import COLLAPSE_COSINE
+
+    p = argparse.ArgumentParser(prog="python -m benchmarks.demo_health", description=__doc__.split("\n\n")[0])
+    p.add_argument("--heldout", required=True, help="held-out text (e.g. WikiText-2 test)")
+    p.add_argument("--objectives", default="mlm,taco,capt,cocolm,infoword")
+    p.add_argument("--steps", type=int, default=0, help=f"demo steps (default: the demo's own, {DEFAULT_STEPS})")
+    p.add_argument("--seed", type=int, default=1234, help="the demo's --seed (its default: 1234)")
+    p.add_argument("--eval-sequences", type=int, default=512)
+    p.add_argument("--demo-args", default="", help='further demo.run arguments (e.g. "--corpus DIR"; default: none)')
+    p.add_argument("--work", required=True, help="demo outputs (one directory per objective; finished ones are reused)")
+    p.add_argument("--out", default="benchmarks/results", help="report directory")
+    args = p.parse_args(argv)
+    if not Path(args.heldout).is_file():
+        print(f"error: --heldout {args.heldout}: not a file", file=sys.stderr)
+        return 2
+    objectives = parse_list(args.objectives)
+    unknown = sorted(set(objectives) - set(demo_objectives()))
+    if unknown:
+        print(f"error: --objectives {unknown}: the demo offers {demo_objectives()}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    started = time.perf_counter()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        rows = [measure(o, args, work) for o in objectives]
+    except (RuntimeError, ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    notes = [f"demo recipe: tiny-<objective> + {' '.join(DEMO_OVERRIDES)}, {args.steps or DEFAULT_STEPS} steps, "
+             f"seed {args.seed}, {('demo arguments ' + args.demo_args) if args.demo_args else 'default corpus'}",
+             f"held-out: {args.heldout} with each demo's tokenizer; {args.eval_sequences} sequences; collapsed = "
+             f"mean token cosine > {COLLAPSE_COSINE}; unigram_acc = always answering the demo corpus's most "
+             "frequent token at the same masked positions",
+             f"collapsed runs: {[r['objective'] for r in rows if r['collapsed']] or 'none'}"]
+    paths = write_report("demo_health", rows, args.out, "Demo recipe health, every objective", notes=notes,
+                         extra={"wall_seconds": round(time.perf_counter() - started, 1)})
+    print("\n".join(notes))
+    print(f"wrote {paths['json']} and {paths['md']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

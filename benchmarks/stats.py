@@ -1,0 +1,92 @@
+"""Means and 95% intervals over seeds: Student's t, exact, with no scipy at run time.
+
+For n values x_1..x_n (one per pretraining seed) the interval is
+
+    mean +- t_{(1 + c) / 2, n - 1} * s / sqrt(n),      s = sample standard deviation,
+
+the usual t-interval for the mean (it assumes the seed-to-seed spread is roughly normal; with 3
+seeds it is wide on purpose: t_{0.975, 2} = 4.303). The t quantile is found by bisection on the
+exact two-sided t probability for integer degrees of freedom (Abramowitz & Stegun 26.7.3-26.7.4):
+with theta = arctan(t / sqrt(nu)),
+
+    nu odd:  A(t) = (2 / pi) * (theta + sin(theta) * (cos(theta) + 2/3 cos^3(theta) + ...
+                    + (2*4*...*(nu-3)) / (1*3*...*(nu-2)) cos^(nu-2)(theta)))      (A = 2 theta / pi at nu = 1)
+    nu even: A(t) = sin(theta) * (1 + 1/2 cos^2(theta) + (1*3)/(2*4) cos^4(theta) + ...
+                    + (1*3*...*(nu-3)) / (2*4*...*(nu-2)) cos^(nu-2)(theta))
+
+where A(t) = P(|T| <= t). One value gives the mean and no interval (None), never a made-up one.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Iterable, Optional
+
+
+def t_two_sided_probability(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's t with `df` (integer >= 1) degrees of freedom."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    t = abs(t)
+    theta = math.atan(t / math.sqrt(df))
+    s, c = math.sin(theta), math.cos(theta)
+    if df % 2 == 1:
+        if df == 1:
+            return 2.0 * theta / math.pi
+        term, total = c, c
+        for k in range(3, df - 1, 2):  # coefficients 2/3, (2*4)/(3*5), ...
+            term *= (k - 1) / k * c * c
+            total += term
+        return 2.0 / math.pi * (theta + s * total)
+    term, total = 1.0, 1.0
+    for k in range(2, df - 1, 2):  # coefficients 1/2, (1*3)/(2*4), ...
+        term *= (k - 1) / k * c * c
+        total += term
+    return s * total
+
+
+def t_quantile(confidence: float, df: int) -> float:
+    """t such that P(|T| <= t) = `confidence` (e.g. 0.95 -> 4.303 for df = 2), by bisection."""
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    lo, hi = 0.0, 1.0
+    while t_two_sided_probability(hi, df) < confidence:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if t_two_sided_probability(mid, df) < confidence:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-12 * max(1.0, hi):
+            break
+    return 0.5 * (lo + hi)
+
+
+def mean_ci(values: Iterable[Optional[float]], confidence: float = 0.95) -> dict:
+    """`{"mean", "lo", "hi", "half_width", "std", "n"}` of the non-missing `values` (None / nan are
+    skipped and counted in `missing`); the bounds are None with fewer than two values."""
+    raw = list(values)
+    xs = [float(v) for v in raw if v is not None and not math.isnan(float(v))]
+    out = {"mean": None, "lo": None, "hi": None, "half_width": None, "std": None, "n": len(xs),
+           "missing": len(raw) - len(xs)}
+    if not xs:
+        return out
+    out["mean"] = statistics.fmean(xs)
+    if len(xs) >= 2:
+        std = statistics.stdev(xs)
+        half = t_quantile(confidence, len(xs) - 1) * std / math.sqrt(len(xs))
+        out.update(std=std, half_width=half, lo=out["mean"] - half, hi=out["mean"] + half)
+    return out
+
+
+def format_ci(ci: dict, digits: int = 3) -> str:
+    """`0.812 [0.790, 0.834]` (n = 1: the value alone; none: empty)."""
+    if ci.get("mean") is None:
+        return ""
+    text = f"{ci['mean']:.{digits}f}"
+    if ci.get("lo") is not None:
+        text += f" [{ci['lo']:.{digits}f}, {ci['hi']:.{digits}f}]"
+    if ci.get("missing"):
+        text += f" ({ci['n']} of {ci['n'] + ci['missing']})"
+    return text

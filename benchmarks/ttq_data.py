@@ -1,0 +1,130 @@
+"""Data of the time-to-quality study: pretraining shards, two held-out halves, the SST-2 splits.
+
+* pretraining: a WordPiece tokenizer and shards built from `--text` (WikiText-2 valid by default);
+* held-out text (`--heldout`, WikiText-2 test) split into two halves by article (WikiText's
+  ` = Title = ` lines; by line when the text has no such headings), each its own shard directory
+  with the same tokenizer: `heldout-select` is the one the learning rate may be chosen on (when
+  SST-2 is absent), `heldout-report` is the one every reported masked-LM number comes from;
+* SST-2 (`--sst2 DIR`, GLUE format with a labelled `test.tsv`): fine-tuning uses `--sst2-train`
+  examples of `train.tsv` drawn with `pipeline.eval.glue.subset_split` (what `finetune
+  --train-subset` draws), and `select.tsv` holds `--sst2-select` *other* examples of `train.tsv`:
+  the split the learning rate is chosen on. `dev.tsv` is only ever reported (curves), `test.tsv`
+  is predicted once, at the end, for the selected configurations.
+
+Everything is written atomically under the study's work directory, and a step whose output exists
+is skipped, so a re-run costs nothing here.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+#: A WikiText article heading: ` = Title = ` (sections are ` = = Section = = `).
+ARTICLE_HEADING = re.compile(r"^ = [^=].* = $")
+SST2_FILES = ("train.tsv", "dev.tsv", "test.tsv")
+
+
+@dataclass
+class StudyData:
+    train_shards: Path
+    select_shards: Path
+    report_shards: Path
+    sst2_dir: Optional[Path]  # None: SST-2 absent (downstream skipped)
+    select_file: Optional[Path]  # SST-2 examples the learning rate is chosen on
+    sst2_note: str = ""
+
+    def to_json(self) -> dict:
+        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def split_halves(text_file: Path, first: Path, second: Path) -> dict:
+    """Write the first and second half of `text_file`'s articles (by bytes, cut at an article
+    boundary; at a line boundary when there are fewer than two articles); returns the counts."""
+    lines = text_file.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if ARTICLE_HEADING.match(line.rstrip("\n"))]
+    if len(starts) < 2:
+        starts = list(range(len(lines)))
+    if len(starts) < 2:
+        raise ValueError(f"{text_file}: too little text to split into two held-out halves")
+    sizes = np.cumsum([len(line.encode()) for line in lines])
+    half = sizes[-1] / 2
+    cut = min(starts[1:], key=lambda i: abs(sizes[i - 1] - half))  # an article start closest to the middle
+    _write_atomic(first, "".join(lines[:cut]))
+    _write_atomic(second, "".join(lines[cut:]))
+    return {"source": str(text_file), "cut_line": cut, "units": len(starts),
+            "by": "article" if len(starts) < len(lines) else "line"}
+
+
+def build_text_shards(args, work: Path) -> tuple[Path, Path, Path]:
+    """(train, held-out select, held-out report) shard directories, built once."""
+    from data_prep.build_shards import build_shards
+    from data_prep.train_tokenizer import train_tokenizer
+
+    tok = work / "tokenizer"
+    if not (tok / "tokenizer.json").is_file():
+        train_tokenizer([str(p) for p in args.text], tok, vocab_size=args.vocab_size, progress=False)
+    halves = work / "heldout-text"
+    if not (halves / "split.json").is_file():
+        info = split_halves(Path(args.heldout), halves / "select.txt", halves / "report.txt")
+        _write_atomic(halves / "split.json", json.dumps(info, indent=1))
+    dirs = {"train": (work / "shards-train", [str(p) for p in args.text]),
+            "select": (work / "shards-heldout-select", [str(halves / "select.txt")]),
+            "report": (work / "shards-heldout-report", [str(halves / "report.txt")])}
+    for out, sources in dirs.values():
+        if not (out / "manifest.json").is_file():
+            build_shards(sources, tok, out, seq_len=args.seq_len, num_proc=1, progress=False)
+    return dirs["train"][0], dirs["select"][0], dirs["report"][0]
+
+
+def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: int, seed: int) -> tuple[
+        Optional[Path], Optional[Path], str]:
+    """(SST-2 dir, selection file, note). The selection split is `n_select` examples of `train.tsv`
+    outside the fine-tuning subset (`subset_split(train, n_train, seed)`), so no example the model
+    is fine-tuned on is ever scored for selection. (None, None, reason) when SST-2 is absent."""
+    from pipeline.eval.glue import GLUE_TASKS, load_split, read_tsv, subset_split
+
+    if not sst2_dir:
+        return None, None, "no --sst2 given: downstream evaluation skipped"
+    root = Path(sst2_dir)
+    missing = [f for f in SST2_FILES if not (root / f).is_file()]
+    if missing:
+        return None, None, f"SST-2 not found ({root}: missing {', '.join(missing)}): downstream evaluation skipped"
+    spec = GLUE_TASKS["sst2"]
+    table = read_tsv(root / "train.tsv", "sst2")
+    train = load_split(table, spec)
+    if n_train + n_select > len(train.texts):
+        raise ValueError(f"--sst2-train {n_train} + --sst2-select {n_select} > {len(train.texts)} examples in "
+                         f"{root / 'train.tsv'}")
+    test = load_split(read_tsv(root / "test.tsv", "sst2"), spec)
+    if test.labels is None:
+        raise ValueError(f"{root / 'test.tsv'}: no labels; the study scores the test split once at the end")
+    used = set(subset_split(train, n_train, seed).ids())
+    rest = [i for i in range(len(train.texts)) if str(i) not in used]
+    chosen = sorted(np.random.default_rng(seed + 1).choice(len(rest), size=n_select, replace=False).tolist())
+    select = work / "sst2" / "select.tsv"
+    if not select.is_file():
+        column = table.columns.index(spec.text_cols[0])
+        label = table.columns.index(spec.label_col)
+        rows = [table.rows[rest[i]] for i in chosen]
+        _write_atomic(select, "sentence\tlabel\n" + "".join(f"{r[column]}\t{r[label]}\n" for r in rows))
+    return root, select, (f"SST-2 from {root}: fine-tuning on {n_train} train examples (subset seed {seed}), "
+                          f"selection on {n_select} other train examples, dev reported, test scored once at the end")
+
+
+def prepare(args, work: Path) -> StudyData:
+    train, select, report = build_text_shards(args, work)
+    sst2, select_file, note = prepare_sst2(args.sst2, work, args.sst2_train, args.sst2_select, args.subset_seed)
+    return StudyData(train, select, report, sst2, select_file, note)

@@ -1,0 +1,145 @@
+"""Evaluation of one converted checkpoint in the time-to-quality study.
+
+* `heldout_metrics`: on held-out shards the pretraining never saw, with the pipeline's own masking
+  and a fixed seed (every checkpoint sees identical masks), through `BertForMaskedLM`:
+    - masked-LM loss and accuracy at the masked positions;
+    - `unigram_accuracy`: the accuracy of always answering the training data's most frequent token
+      (`pipeline.eval.health.unigram_counts`) at *the same* positions: the plateau an MLM that
+      ignores the context reaches;
+    - `token_cosine`: mean pairwise cosine of the last hidden states of the content tokens of
+      `cos_rows` unmasked rows spread over the shards, in eval mode (`pipeline.eval.health`;
+      collapsed above `COLLAPSE_COSINE`).
+* `finetune_sst2`: `pipeline.eval.finetune` on SST-2 (fine-tuning subset, several seeds), scoring
+  dev and the selection split, plus `test.tsv` only when asked (the final evaluation), optionally
+  with the randomly initialised floor (`--random-init`: same shape, seeds, data, hyperparameters).
+
+Results are cached as JSON files (`cached`), written atomically: a killed study re-run skips every
+evaluation it finished.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from pipeline.eval.health import COLLAPSE_COSINE, mean_token_cosine
+
+
+def write_json(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def cached(path: Path, compute: Callable[[], dict]) -> dict:
+    """The JSON at `path`, or `compute()` written there first (atomically)."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    result = compute()
+    write_json(path, result)
+    return result
+
+
+def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_sequences: int, cos_rows: int = 64,
+                    batch_size: int = 32, seed: int = 0) -> dict:
+    """Masked-LM loss / accuracy, the unigram plateau at the same positions, and the eval-mode mean
+    token cosine of a converted model on held-out shards (see the module docstring)."""
+    import torch
+    from transformers import BertForMaskedLM
+
+    from pipeline.data.corruption import CorruptionCollator
+    from pipeline.data.reader import ShardDataset
+
+    dataset = ShardDataset(shards_dir)
+    collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = BertForMaskedLM.from_pretrained(str(model_dir)).eval().to(device)
+    total_loss, correct, plateau, count = 0.0, 0, 0, 0
+    n = min(len(dataset), max_sequences)
+    with torch.no_grad():
+        for start in range(0, n, batch_size):
+            rows = np.arange(start, min(n, start + batch_size))
+            batch = collator.collate(*dataset.take(rows), rows)
+            logits = model(input_ids=batch["masked_ids"].to(device), attention_mask=batch["attention_mask"].to(device)).logits
+            labels = batch["mlm_labels"].to(device)
+            selected = labels != -100
+            target, scores = labels[selected], logits[selected].float()
+            total_loss += float(torch.nn.functional.cross_entropy(scores, target, reduction="sum"))
+            correct += int((scores.argmax(-1) == target).sum())
+            plateau += int((target == top_token).sum())
+            count += int(selected.sum())
+        if count == 0:
+            raise ValueError(f"{shards_dir}: no masked positions in the first {n} held-out sequences")
+        rows = np.unique(np.linspace(0, len(dataset) - 1, num=min(cos_rows, len(dataset))).round().astype(np.int64))
+        clean = CorruptionCollator(("original",), dataset.special_tokens, dataset.vocab_size, seed).collate(
+            *dataset.take(rows), rows)
+        hidden = model.bert(input_ids=clean["input_ids"].to(device),
+                            attention_mask=clean["attention_mask"].to(device)).last_hidden_state.cpu()
+        content = clean["attention_mask"].bool() & ~clean["special_mask"].bool()
+        cosine = mean_token_cosine(hidden, content)
+    return {"mlm_loss": total_loss / count, "mlm_acc": correct / count, "unigram_acc": plateau / count,
+            "masked_tokens": count, "sequences": n, "token_cosine": cosine, "cosine_tokens": int(content.sum()),
+            "collapsed": bool(cosine > COLLAPSE_COSINE)}
+
+
+def finetune_sst2(model_dir: Path, sst2_dir: Path, select_file: Path, args, output: Path, with_test: bool = False,
+                  random_init: bool = False) -> dict:
+    """`pipeline.eval.finetune` on SST-2 with the study's fine-tuning settings; returns, per model
+    ("pretrained", and "random_init" when asked), every seed's accuracy on dev / select (/ test)
+    and their means. The full finetune output (every seed, predictions) is kept at `output`."""
+    from pipeline.eval.finetune import build_parser, finetune, write_atomic
+
+    eval_files = [str(select_file)] + (["test.tsv"] if with_test else [])
+    argv = ["--model", str(model_dir), "--task-dir", str(sst2_dir), "--task", "sst2",
+            "--train-subset", str(args.sst2_train), "--subset-seed", str(args.subset_seed),
+            "--seeds", *map(str, args.finetune_seeds), "--lr", str(args.finetune_lr),
+            "--epochs", str(args.finetune_epochs), "--batch-size", "32", "--max-length", "128",
+            "--eval-file", *eval_files, "--output", str(output)]
+    if args.device:
+        argv += ["--device", args.device]
+    if random_init:
+        argv.append("--random-init")
+    result = finetune(build_parser().parse_args(argv))
+    write_atomic(output, json.dumps(result, indent=2) + "\n")
+    out = {"pretrained": summarize_finetune(result["runs"])}
+    if random_init:
+        out["random_init"] = summarize_finetune(result["random_init"]["runs"])
+    return out
+
+
+def summarize_finetune(runs: list[dict]) -> dict:
+    """{split: {"seeds": [accuracy per fine-tuning seed], "mean": ...}} for dev, select, test."""
+    per_split: dict[str, list[float]] = {"dev": [r["metrics"]["accuracy"] for r in runs]}
+    for run in runs:
+        for split, metrics in run.get("eval_file_metrics", {}).items():
+            per_split.setdefault(split, []).append(metrics["accuracy"])
+    return {split: {"seeds": values, "mean": float(np.mean(values))} for split, values in per_split.items()}
+
+
+def top_token_of(shards_dir: Path) -> int:
+    """The unigram predictor's answer: the most frequent token of a bounded sample of training rows."""
+    from pipeline.data.reader import ShardDataset
+    from pipeline.eval.health import unigram_counts
+
+    return int(unigram_counts(ShardDataset(shards_dir)).argmax())
+
+
+def convert_once(tag_dir: Path, hf_dir: Path) -> Path:
+    """The Hugging Face conversion of a checkpoint tag, made once (the directory appears complete
+    or not at all: `pipeline.export.convert` renames a finished temporary directory)."""
+    from pipeline.export.convert import convert
+
+    if (hf_dir / "config.json").is_file():
+        return hf_dir
+    return convert(tag_dir, hf_dir, overwrite=True)
+
+
+def final_metric(values: Optional[dict], split: str) -> Optional[float]:
+    """Mean accuracy of one split of a `finetune_sst2` "pretrained" record (None when absent)."""
+    if not values:
+        return None
+    return values.get("pretrained", {}).get(split, {}).get("mean")

@@ -1,0 +1,219 @@
+"""The time-to-quality report: every figure as a mean and a 95% t-interval over pretraining seeds,
+every run's health, the baseline's health check, and no speed-up ratio against a baseline that failed it.
+
+Baseline health check (`baseline_health`), on MLM's final checkpoints at the selected learning rate:
+  1. not collapsed: every seed's held-out mean token cosine <= `COLLAPSE_COSINE`;
+  2. off the unigram plateau: held-out masked accuracy minus the unigram predictor's accuracy at the
+     same positions, lower 95% bound over seeds (the mean with a single seed) > `--plateau-margin`;
+  3. with SST-2: MLM's dev accuracy, lower 95% bound over seeds, above the randomly initialised
+     floor's mean dev accuracy (pretraining must have bought something downstream).
+If any check fails, the report says which and prints no time-to-target step or ratio at all:
+those are measured against the baseline's own final quality, which would then mean nothing.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from benchmarks.quality_targets import EvalPoint, mean_curve, time_to_target
+from benchmarks.report import line_chart, write_report
+from benchmarks.stats import format_ci, mean_ci
+from pipeline.eval.health import COLLAPSE_COSINE
+
+#: curve metric -> (higher is better, or None for a health number with no target)
+METRICS = {"sst2_dev_accuracy": True, "heldout_mlm_acc": True, "heldout_mlm_loss": False,
+           "unigram_acc": None, "token_cosine": None}
+PLOTTED = ("sst2_dev_accuracy", "heldout_mlm_acc", "token_cosine")
+
+
+def point_values(point: dict) -> dict[str, float]:
+    report = point["heldout"]["report"]
+    values = {"heldout_mlm_acc": report["mlm_acc"], "heldout_mlm_loss": report["mlm_loss"],
+              "unigram_acc": report["unigram_acc"], "token_cosine": report["token_cosine"]}
+    if point.get("downstream"):
+        values["sst2_dev_accuracy"] = point["downstream"]["pretrained"]["dev"]["mean"]
+    return values
+
+
+def curves_of(selected: dict[str, list[dict]]) -> dict[str, dict[int, list[EvalPoint]]]:
+    """objective -> seed -> evaluation curve of the selected runs that finished."""
+    return {obj: {run["key"].seed: [EvalPoint(p["step"], p["device_hours"], point_values(p)) for p in run["points"]]
+                  for run in runs if run["status"] == "ok"} for obj, runs in selected.items()}
+
+
+def final_of(curve: list[EvalPoint], metric: str) -> Optional[float]:
+    return curve[-1].values.get(metric) if curve else None
+
+
+def baseline_health(curves: dict[int, list[EvalPoint]], floor_dev: Optional[float], margin: float) -> dict:
+    """The three checks of the module docstring on MLM's per-seed curves; `passed` and one line each."""
+    cosines = [final_of(c, "token_cosine") for c in curves.values()]
+    gaps = mean_ci([final_of(c, "heldout_mlm_acc") - final_of(c, "unigram_acc") for c in curves.values()])
+    checks = []
+    collapsed = [c for c in cosines if c is not None and c > COLLAPSE_COSINE]
+    checks.append({"check": "not collapsed", "passed": bool(cosines) and not collapsed,
+                   "detail": f"held-out mean token cosine per seed {[round(c, 3) for c in cosines]} "
+                             f"(collapsed above {COLLAPSE_COSINE})"})
+    bound = gaps["lo"] if gaps["lo"] is not None else gaps["mean"]
+    checks.append({"check": "off the unigram plateau", "passed": bound is not None and bound > margin,
+                   "detail": f"masked accuracy - unigram accuracy {format_ci(gaps)}; "
+                             f"{'lower bound' if gaps['lo'] is not None else 'single seed'} must exceed {margin}"})
+    dev = mean_ci([final_of(c, "sst2_dev_accuracy") for c in curves.values()])
+    if floor_dev is not None and dev["mean"] is not None:
+        dev_bound = dev["lo"] if dev["lo"] is not None else dev["mean"]
+        checks.append({"check": "beats the random-init floor on SST-2", "passed": dev_bound > floor_dev,
+                       "detail": f"SST-2 dev {format_ci(dev)} vs random-init floor {floor_dev:.3f}"})
+    return {"passed": bool(curves) and all(c["passed"] for c in checks), "checks": checks,
+            "seeds": sorted(curves)}
+
+
+def summary_rows(study: dict, curves: dict, floor: Optional[dict]) -> list[dict]:
+    """One row per objective at its selected learning rate: final figures, mean [95% interval]."""
+    rows = []
+    for objective, by_seed in curves.items():
+        runs = study["selected"][objective]
+        tests = [(study["final"].get(r["key"].name) or {}).get("pretrained", {}).get("test", {}).get("mean")
+                 for r in runs if r["status"] == "ok"]
+        finals = {m: mean_ci([final_of(c, m) for c in by_seed.values()]) for m in METRICS}
+        gap = mean_ci([final_of(c, "heldout_mlm_acc") - final_of(c, "unigram_acc") for c in by_seed.values()])
+        hours = mean_ci([c[-1].device_hours for c in by_seed.values()])
+        collapsed_steps = [r["train"]["train_health"]["collapsed_steps"] for r in runs if r["status"] == "ok"]
+        positives = [v for r in runs if r["status"] == "ok"
+                     for v in r["train"]["train_health"]["positive_cosines"].values()]
+        rows.append({
+            "objective": objective, "lr": study["selection"][objective]["lr"],
+            "seeds": f"{len(by_seed)}/{len(runs)}",
+            "sst2_dev": format_ci(finals["sst2_dev_accuracy"]), "sst2_test": format_ci(mean_ci(tests)),
+            "heldout_mlm_acc": format_ci(finals["heldout_mlm_acc"]), "unigram_acc": format_ci(finals["unigram_acc"]),
+            "acc_minus_unigram": format_ci(gap), "token_cosine": format_ci(finals["token_cosine"]),
+            "heldout_mlm_loss": format_ci(finals["heldout_mlm_loss"]), "device_hours": format_ci(hours, 4),
+            "train_collapsed_steps": sum(collapsed_steps), "train_positive_cosine": format_ci(mean_ci(positives)),
+        })
+    if floor is not None:
+        rows.append({"objective": "random init (floor)", "seeds": f"{len(floor['dev']['seeds'])} fine-tuning",
+                     "sst2_dev": format_ci(mean_ci(floor["dev"]["seeds"])),
+                     "sst2_test": format_ci(mean_ci(floor.get("test", {}).get("seeds", [])))})
+    return rows
+
+
+def target_rows(curves: dict, health: dict) -> list[dict]:
+    """Paired time to MLM's final quality, per objective and metric (refused when MLM is unhealthy)."""
+    rows = []
+    baseline = curves.get("mlm", {})
+    for objective, by_seed in curves.items():
+        for metric, higher in METRICS.items():
+            if higher is None:
+                continue
+            result = time_to_target(baseline, by_seed, metric, higher)
+            if not result["seeds"] or result["target"] is None or result["target"]["mean"] is None:
+                continue
+            row = {"objective": objective, "metric": metric, "target": format_ci(result["target"]),
+                   "reached": f"{result['reached']}/{len(result['seeds'])}"}
+            for field in ("steps", "hours", "step_ratio", "hours_ratio"):
+                if not health["passed"]:
+                    row[field] = "refused: baseline failed its health check"
+                else:
+                    row[field] = format_ci(result[field], 4 if field == "hours" else 3) if result[field] else "not reached"
+            rows.append(row)
+    return rows
+
+
+def run_rows(study: dict) -> list[dict]:
+    """Every training run, sweep included: its health and its final numbers."""
+    rows, seen = [], set()
+    all_runs = [(r, False) for by_lr in study["sweep"].values() for r in by_lr.values()]
+    all_runs += [(r, True) for runs in study["selected"].values() for r in runs]
+    chosen = {(o, s["lr"]) for o, s in study["selection"].items()}
+    for run, _ in all_runs:
+        key = run["key"]
+        if key.name in seen:
+            continue
+        seen.add(key.name)
+        row = {"run": key.name, "objective": key.objective, "lr": key.lr, "seed": key.seed,
+               "selected_lr": (key.objective, key.lr) in chosen, "status": run["status"]}
+        if run["status"] == "ok":
+            final = run["final"]
+            report, select = final["heldout"]["report"], final["heldout"]["select"]
+            health = run["train"]["train_health"]
+            row.update(device_hours=final["device_hours"], heldout_mlm_acc=report["mlm_acc"],
+                       unigram_acc=report["unigram_acc"], heldout_mlm_loss=report["mlm_loss"],
+                       token_cosine=report["token_cosine"], collapsed=report["collapsed"],
+                       select_mlm_loss=select["mlm_loss"],
+                       sst2_select=((final.get("downstream") or {}).get("pretrained", {}).get("select") or {}).get("mean"),
+                       sst2_dev=((final.get("downstream") or {}).get("pretrained", {}).get("dev") or {}).get("mean"),
+                       train_token_cosine=health["token_cosine"], train_collapsed_steps=health["collapsed_steps"],
+                       **{f"train_{k.replace('/', '_')}": v for k, v in health["positive_cosines"].items()})
+        else:
+            row["error"] = run["train"].get("error")
+        rows.append(row)
+    return rows
+
+
+def curve_rows(curves: dict) -> list[dict]:
+    rows = []
+    for objective, by_seed in curves.items():
+        for metric in METRICS:
+            for r in mean_curve(list(by_seed.values()), metric):
+                rows.append({"objective": objective, "metric": metric, **r})
+    return rows
+
+
+def plots(curves: dict, floor: Optional[dict], health: dict, out: Path) -> list[str]:
+    """Quality against device-hours and steps, mean with its 95% band, per objective."""
+    paths = []
+    for metric in PLOTTED:
+        for x in ("device_hours", "step"):
+            series = {obj: [(r[x], r["mean"], r["lo"], r["hi"]) for r in mean_curve(list(by_seed.values()), metric)]
+                      for obj, by_seed in curves.items()}
+            if not any(series.values()):
+                continue
+            hlines = []
+            if metric == "sst2_dev_accuracy" and floor is not None:
+                hlines.append((float(sum(floor["dev"]["seeds"]) / len(floor["dev"]["seeds"])), "random init"))
+            if metric == "token_cosine":
+                hlines.append((COLLAPSE_COSINE, "collapse threshold"))
+            title = f"{metric} (mean, 95% band over seeds)" + ("" if health["passed"] else ": baseline UNHEALTHY")
+            path = out / f"time_to_quality_{metric}_vs_{x}.png"
+            line_chart(series, path, title, x.replace("_", "-"), metric, hlines=hlines)
+            paths.append(str(path))
+    return paths
+
+
+def write_study_report(study: dict, args, data_notes: list[str], out: Path, extra: dict) -> dict:
+    """All report files; returns the baseline health verdict and the paths."""
+    curves = curves_of(study["selected"])
+    floor = study["floor"]
+    floor_dev = (sum(floor["dev"]["seeds"]) / len(floor["dev"]["seeds"])) if floor else None
+    health = baseline_health(curves.get("mlm", {}), floor_dev, args.plateau_margin)
+    verdict = ("baseline health check PASSED: " if health["passed"] else
+               "baseline health check FAILED, no ratio is reported: ")
+    verdict += "; ".join(f"{c['check']}: {'ok' if c['passed'] else 'FAILED'} ({c['detail']})" for c in health["checks"])
+    selection = study["selection"]
+    notes = [verdict,
+             f"learning rate per objective chosen on {study['metric']} (a selection split, never reported) among "
+             f"{[f'{lr:g}' for lr in args.lrs]}: " + ", ".join(f"{o} {s['lr']}" for o, s in selection.items()),
+             "every figure: mean [95% t-interval] over pretraining seeds (SST-2: each seed's value is the mean over "
+             f"fine-tuning seeds {args.finetune_seeds}); the floor's interval is over fine-tuning seeds",
+             "time to target (time_to_quality_targets): paired per seed, target = MLM's final value with the same "
+             "seed; a mean is given only when every seed reached it",
+             "device_hours = summed training step time x world size (no start-up, evaluation or checkpoint time)",
+             "held-out MLM favours MLM-style heads (COCO-LM's main model never sees [MASK]; InfoWord and BERT-NCE "
+             "train a sampled softmax); SST-2 is the comparison that is fair to every objective",
+             *data_notes]
+    rows = summary_rows(study, curves, floor)
+    targets = target_rows(curves, health)
+    runs = run_rows(study)
+    curve_table = curve_rows(curves)
+    payload = {**extra, "baseline_health": health, "selection": selection, "floor": floor, "targets": targets,
+               "runs": runs, "selection_metric": study["metric"]}
+    paths = write_report("time_to_quality", rows, out, "Time to quality (selected learning rates)", notes=notes,
+                         extra=payload)
+    write_report("time_to_quality_targets", targets, out, "Time to MLM's final quality (paired per seed)",
+                 notes=notes[:1] + notes[3:4])
+    write_report("time_to_quality_runs", runs, out, "Every run, sweep included: health and final numbers",
+                 notes=[f"collapsed: held-out mean token cosine > {COLLAPSE_COSINE}; train_collapsed_steps: logged "
+                        "training steps with health/collapsed = 1"])
+    write_report("time_to_quality_curves", curve_table, out, "Evaluation curves (mean, 95% interval over seeds)",
+                 notes=notes[2:3])
+    pngs = plots(curves, floor, health, out)
+    return {"health": health, "verdict": verdict, "paths": {**{k: str(v) for k, v in paths.items()}, "png": pngs}}
