@@ -97,7 +97,7 @@ def finetune_sst2(model_dir: Path, sst2_dir: Path, select_file: Path, args, outp
     argv = ["--model", str(model_dir), "--task-dir", str(sst2_dir), "--task", "sst2",
             "--train-subset", str(args.sst2_train), "--subset-seed", str(args.subset_seed),
             "--seeds", *map(str, args.finetune_seeds), "--lr", str(args.finetune_lr),
-            "--epochs", str(args.finetune_epochs), "--batch-size", "32", "--max-length", "128",
+            "--epochs", str(args.finetune_epochs), "--batch-size", "32",
             "--eval-file", *eval_files, "--output", str(output)]
     if args.device:
         argv += ["--device", args.device]

@@ -34,6 +34,8 @@ import torch
 from pipeline.eval.glue import TASK_CHOICES, Split, TaskSpec, load_eval_file, resolve_task, subset_split, task_metrics
 
 PRETRAINED, RANDOM_INIT = "pretrained", "random_init"
+#: Tokens per example unless `--max-length` says otherwise (capped by the model's positions).
+DEFAULT_MAX_LENGTH = 128
 
 
 def _encode(tokenizer, split: Split, max_length: int) -> list[dict[str, list[int]]]:
@@ -195,12 +197,26 @@ def _outputs(args: argparse.Namespace) -> tuple[Optional[Path], Optional[Path]]:
     return predictions, save
 
 
+def resolve_max_length(requested: Optional[int], model_dir: Path) -> int:
+    """`--max-length`: given, it must fit the model's position table; unset, 128 or the model's
+    `max_position_embeddings` when that is shorter (a model pretrained on 64-token shards has only
+    64 positions, and a longer input would fail deep inside the forward pass)."""
+    limit = int(json.loads((model_dir / "config.json").read_text()).get("max_position_embeddings", 512))
+    if requested is None:
+        return min(DEFAULT_MAX_LENGTH, limit)
+    if requested > limit:
+        raise ValueError(f"--max-length {requested}: the model in {model_dir} has max_position_embeddings "
+                         f"{limit}; use --max-length {limit} or less")
+    return requested
+
+
 def finetune(args: argparse.Namespace) -> dict:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(
             f"--model {model_dir}: no config.json (convert a checkpoint with pipeline.export.convert first)"
         )
+    args.max_length = resolve_max_length(args.max_length, model_dir)
     predictions_dir, save_dir = _outputs(args)
     spec, train, dev = resolve_task(
         args.task_dir, args.task, args.text_cols, args.label_col, args.train_file, args.dev_file
@@ -272,7 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-5)
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--max-length", type=int, default=128)
+    p.add_argument("--max-length", type=int, default=None,
+                   help=f"tokens per example (default: {DEFAULT_MAX_LENGTH}, or the model's max_position_embeddings "
+                        "when shorter)")
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup-ratio", type=float, default=0.1)
     p.add_argument("--max-grad-norm", type=float, default=1.0)

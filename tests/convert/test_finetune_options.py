@@ -89,3 +89,20 @@ def test_bad_options_fail_before_training(bert_dir, tmp_path, capsys):
     assert main([*base, "--save-model", str(tmp_path / "busy")]) == 2
     assert "--save-model" in capsys.readouterr().err and (tmp_path / "busy" / "keep.txt").exists()
     assert build_parser().parse_args([*base]).predictions is None
+
+
+def test_max_length_defaults_to_the_model_positions_and_refuses_longer(bert_dir, tmp_path, capsys):
+    """A model pretrained on short shards has few positions: the default length fits them, and an
+    explicit longer `--max-length` is refused before any fine-tuning, naming the flag."""
+    from pipeline.eval.finetune import DEFAULT_MAX_LENGTH, resolve_max_length
+
+    positions = json.loads((bert_dir / "config.json").read_text())["max_position_embeddings"]
+    assert resolve_max_length(None, bert_dir) == min(DEFAULT_MAX_LENGTH, positions)
+    assert resolve_max_length(positions, bert_dir) == positions
+    task = write_keyword_task(tmp_path / "task", n_train=20, n_dev=10)
+    output = tmp_path / "out.json"
+    argv = ["--model", str(bert_dir), "--task-dir", str(task), "--max-length", str(positions + 1), "--output", str(output)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--max-length {positions + 1}" in err and f"max_position_embeddings {positions}" in err
+    assert not output.exists()
