@@ -38,20 +38,26 @@ DEFAULT_PROMPTS = (
     "Returns True if the string is [MASK].",
     "If the file does not exist, an [MASK] is raised.",
 )
-#: ~4 minutes on two idle CPU cores (0.22 s/step). Measured on the default corpus: at 300 steps the
-#: model predicts only frequent tokens ("the", "."); from ~1000 steps the predictions start to depend
-#: on the context ("true", "none" for "Returns True if the string is [MASK]."); at 3000 steps (11 min)
-#: they are good ("module, library, package" for "The [MASK] is installed with pip.").
+#: ~4 minutes on two idle CPU cores (0.22 s/step). Measured on the default corpus with TACO at the earlier
+#: lr 2e-3: at 300 steps the model predicts only frequent tokens ("the", "."); from ~1000 steps the
+#: predictions start to depend on the context ("true", "none" for "Returns True if the string is
+#: [MASK]."); at 3000 steps (11 min) they are good ("module, library, package" for "The [MASK] is
+#: installed with pip."). At today's lr 1e-3 MLM's top predictions after 1000 steps are still frequent
+#: tokens ("the", "."); longer runs were not measured at 1e-3.
 DEFAULT_STEPS = 1000
 #: Model and run overrides applied on top of the `tiny-<objective>` preset (see module docstring).
 DEMO_OVERRIDES = (
     "model.num_layers=4", "model.hidden_size=128", "model.num_heads=4", "model.ffn_size=512",
     "model.dropout=0.0", "model.attention_dropout=0.0",  # a few hundred steps: regularisation only slows learning
-    # Output biases start at the corpus's log unigram frequencies: with zero biases this recipe collapsed
-    # (every token's state the same vector) for MLM and CAPT; measured in benchmarks/results/demo_health.md.
+    # Output biases start at the corpus's log unigram frequencies: with zero biases the quickest early
+    # loss drop is to turn every token's state toward the frequency distribution (issue 15 saw MLM collapse
+    # that way).
     "model.mlm_bias_init=unigram",
     "data.global_batch_size=32", "data.micro_batch_size=32",
-    "optim.lr=2e-3", "train.log_every=25", "train.keep_last=1", "train.progress_bar=false",
+    # 1e-3, not 2e-3: at 2e-3 CAPT collapsed by step 225 even with the unigram bias start (every token's
+    # state the same vector, for good); at 1e-3 it did not, and MLM stays healthy
+    # (benchmarks/results/demo_health.md, demo_health_lr2e-3.md).
+    "optim.lr=1e-3", "train.log_every=25", "train.keep_last=1", "train.progress_bar=false",
     "train.deterministic=false",
 )
 
