@@ -147,6 +147,20 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
     return info
 
 
+def shutdown_distributed() -> None:
+    """Destroy the default process group, if this process made one, before the interpreter tears down.
+
+    Without it a gloo rank can abort at exit (SIGABRT, "terminate called without an active
+    exception"): gloo's worker threads still hold work objects whose tensors reach back into Python
+    while the interpreter is being finalised (pytorch/pytorch#190489). A finished 2-rank run then
+    reports exit 134 on one rank although it completed. Local, no collective: safe on error paths.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _slurm_port() -> str:
     """A port every rank of one srun step computes alike: from the job and step ids, so
     consecutive steps of a job (a benchmark sweep) do not reuse a port still in TIME_WAIT."""

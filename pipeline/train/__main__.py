@@ -18,7 +18,11 @@ def run() -> None:
 
         code = main()
     finally:
-        ignore_signals()
+        try:
+            if "pipeline.distributed" in sys.modules:  # a run started (`--help`, config errors: no torch import)
+                sys.modules["pipeline.distributed"].shutdown_distributed()  # a live gloo group can abort the exit
+        finally:
+            ignore_signals()
     sys.exit(code)
 
 
