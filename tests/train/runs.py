@@ -33,12 +33,23 @@ def overrides(shards: Path, out: Path, *extra: str) -> list[str]:
 
 
 def run_inprocess(preset: str, shards: Path, out: Path, *extra: str) -> int:
-    """`pipeline.train.main` in this process (world size 1); returns the exit code."""
+    """`pipeline.train.main` in this process (world size 1) with one intra-op thread; returns the exit code.
+
+    The thread count is set here, not only by the conftest's per-test fixture: a module-scoped fixture
+    (a reference run) is built before any function-scoped fixture, so it would otherwise run with the
+    process's default threads and differ in the last bits from the runs it is compared with."""
+    import torch
+
     from pipeline.train.loop import main
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(key, None)
-    return main(["--config", preset, *overrides(shards, out, *extra)])
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(["--config", preset, *overrides(shards, out, *extra)])
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _env(extra: Optional[dict] = None) -> dict:
