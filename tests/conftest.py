@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from tests.gloo_ranks import LAUNCHER_VARIABLES
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -22,7 +24,6 @@ except ImportError as err:  # pragma: no cover - only while the module is being 
 # `init_distributed` exports these for DeepSpeed; a run inside the pytest process must not leave
 # them behind, or a later subprocess (an sbatch job exports the submitter's environment) would take
 # the leaked RANK=0 WORLD_SIZE=1 over its launcher's ranks.
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture(autouse=True)

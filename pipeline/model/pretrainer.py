@@ -56,7 +56,10 @@ class PretrainModel(nn.Module):
         self.special_tokens = dict(special_tokens)
         self.seed = seed
         self.kernels = kernels
-        self.structure_ids = special_ids(special_tokens, STRUCTURE_TOKENS)
+        # On the model's device from the start (moves with it, never saved): a host list turned into a
+        # device tensor every step would be a host-to-device copy, and a sync, inside the step.
+        self.register_buffer("structure_ids", torch.tensor(special_ids(special_tokens, STRUCTURE_TOKENS)),
+                             persistent=False)
         #: most frequent training token (`health/unigram_accuracy`); set by the training loop, None: not logged
         self.health_top_token: Optional[int] = None
         init_bert_weights(self, encoder_config.initializer_range)
@@ -92,8 +95,7 @@ class PretrainModel(nn.Module):
             total = total + self.weights[name] * loss.float()
             metrics[f"{name}/loss"] = loss.detach().float()
             metrics.update({f"{name}/{k}": v.detach().float() for k, v in parts.items()})
-        structure = torch.tensor(self.structure_ids, device=device)
-        metrics.update(step_health(ctx.cached_outputs(), batch, structure, self.health_top_token))
+        metrics.update(step_health(ctx.cached_outputs(), batch, self.structure_ids, self.health_top_token))
         metrics["loss"] = total.detach()
         return total, metrics
 

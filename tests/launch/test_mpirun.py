@@ -13,6 +13,7 @@ import pytest
 
 from pipeline.train.checkpoint import read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE
+from tests.gloo_ranks import LAUNCHER_VARIABLES
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +35,7 @@ def _mpich_mpirun() -> str:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO_ROOT))
-    for key in [k for k in env if k.startswith(("SLURM_", "PMI_", "OMPI_")) or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")]:
+    for key in [k for k in env if k.startswith(("SLURM_", "PMI_", "OMPI_")) or k in LAUNCHER_VARIABLES]:
         del env[key]  # the launcher under test must provide the ranks
     return env
 

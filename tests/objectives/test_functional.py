@@ -67,16 +67,18 @@ def test_linear_cross_entropy_without_bias_and_all_ignored():
 
 
 # ---- BERT-NCE --------------------------------------------------------------------------------
+def naive_row_loss(h_n, w, b, target, negative_ids):
+    """-log(e^{s_t} / (e^{s_t} + sum over negatives v != t of e^{s_v})), s_v = w_v . h + b_v, one loop."""
+    pos = torch.exp(w[target] @ h_n + b[target])
+    denom = pos.clone()
+    for v in negative_ids:
+        if v != target:  # a negative equal to the target is not a negative
+            denom = denom + torch.exp(w[v] @ h_n + b[v])
+    return -torch.log(pos / denom)
+
+
 def naive_sampled_softmax(h, w, b, t, neg):
-    losses = []
-    for n in range(h.shape[0]):
-        pos = torch.exp(w[t[n]] @ h[n] + b[t[n]])
-        denom = pos.clone()
-        for v in neg[n].tolist():
-            if v != t[n]:  # a negative equal to the target is not a negative
-                denom = denom + torch.exp(w[v] @ h[n] + b[v])
-        losses.append(-torch.log(pos / denom))
-    return torch.stack(losses).mean()
+    return torch.stack([naive_row_loss(h[n], w, b, int(t[n]), neg[n].tolist()) for n in range(h.shape[0])]).mean()
 
 
 def test_sampled_softmax_matches_naive_and_skips_target_duplicates():
@@ -111,12 +113,8 @@ def naive_nce_every_token(h, w, b, t, anchor_seq, pool_ids, pool_seq):
     """BERT-NCE whose negatives are every pool token (each occurrence) of the *other* sequences."""
     losses = []
     for n in range(h.shape[0]):
-        pos = torch.exp(w[t[n]] @ h[n] + b[t[n]])
-        denom = pos.clone()
-        for v, seq in zip(pool_ids.tolist(), pool_seq.tolist()):
-            if seq != anchor_seq[n] and v != t[n]:
-                denom = denom + torch.exp(w[v] @ h[n] + b[v])
-        losses.append(-torch.log(pos / denom))
+        others = [v for v, seq in zip(pool_ids.tolist(), pool_seq.tolist()) if seq != anchor_seq[n]]
+        losses.append(naive_row_loss(h[n], w, b, int(t[n]), others))
     return torch.stack(losses).mean()
 
 

@@ -5,17 +5,15 @@ cross-rank parts with 2 gloo ranks against a single-process computation over the
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipeline.batch import content_tokens
 from pipeline.objectives import functional as Fn
 from pipeline.objectives.base import StepProgress
 from pipeline.objectives.infoword import build_ngram_inputs, dim_contrastive_loss
+from tests.gloo_ranks import spawn_gloo_ranks
 from tests.objectives.conftest import SPECIAL, VOCAB, make_batch, tiny_model
 from tests.objectives.test_functional import naive_dim_pairs
 
@@ -134,45 +132,34 @@ def dim_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.randn(3, 8, generator=g) * 0.5, torch.randn(owner.numel(), 8, generator=g) * 0.5, owner
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rank_main(rank: int, out_dir: str) -> None:
+    out = {}
+    sentences, ngrams, owner = (x.requires_grad_(x.is_floating_point()) for x in dim_inputs(rank))
+    loss, negatives = dim_contrastive_loss(Fn.sequence_contrastive_loss, sentences, ngrams, owner, 0.7, False, True)
+    loss.backward()
+    out["dim"] = (loss.detach(), negatives, sentences.grad, ngrams.grad)
 
+    batch = make_batch(batch_size=3, seed=20 + rank)
+    capt = tiny_model({"capt": 1.0}, {"capt": {"tau": 0.1, "queue_size": 0, "batch_negatives": "global"}}, **QUIET)
+    loss, metrics = capt(batch)
+    loss.backward()
+    out["capt"] = (loss.detach(), metrics["capt/negatives"],
+                   {n: p.grad.clone() for n, p in capt.named_parameters() if p.grad is not None})
 
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        out = {}
-        sentences, ngrams, owner = (x.requires_grad_(x.is_floating_point()) for x in dim_inputs(rank))
-        loss, negatives = dim_contrastive_loss(Fn.sequence_contrastive_loss, sentences, ngrams, owner, 0.7, False, True)
-        loss.backward()
-        out["dim"] = (loss.detach(), negatives, sentences.grad, ngrams.grad)
+    nce = tiny_model({"mlm-nce": 1.0}, {"mlm-nce": {"num_negatives": "all"}}, **QUIET)
+    loss, metrics = nce(batch)
+    out["nce"] = (loss.detach(), metrics["mlm-nce/negatives"])
 
-        batch = make_batch(batch_size=3, seed=20 + rank)
-        capt = tiny_model({"capt": 1.0}, {"capt": {"tau": 0.1, "queue_size": 0, "batch_negatives": "global"}}, **QUIET)
-        loss, metrics = capt(batch)
-        loss.backward()
-        out["capt"] = (loss.detach(), metrics["capt/negatives"],
-                       {n: p.grad.clone() for n, p in capt.named_parameters() if p.grad is not None})
-
-        nce = tiny_model({"mlm-nce": 1.0}, {"mlm-nce": {"num_negatives": "all"}}, **QUIET)
-        loss, metrics = nce(batch)
-        out["nce"] = (loss.detach(), metrics["mlm-nce/negatives"])
-
-        infoword = tiny_model({"infoword": 1.0}, **QUIET)
-        _, metrics = infoword(make_batch(batch_size=2 + rank, seed=30 + rank))
-        out["infoword"] = {k: v for k, v in metrics.items() if k.startswith("infoword/dim")}
-        torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    infoword = tiny_model({"infoword": 1.0}, **QUIET)
+    _, metrics = infoword(make_batch(batch_size=2 + rank, seed=30 + rank))
+    out["infoword"] = {k: v for k, v in metrics.items() if k.startswith("infoword/dim")}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("global_negatives")
-    mp.spawn(_rank_main, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    spawn_gloo_ranks(_rank_main, 2, str(out))
     return [torch.load(out / f"rank{r}.pt") for r in range(2)]
 
 

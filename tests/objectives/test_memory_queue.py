@@ -3,14 +3,12 @@ ranks after a 2-rank gloo step (and through the CAPT objective's checkpoint hook
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pipeline.objectives.memory_queue import MemoryQueue
+from tests.gloo_ranks import spawn_gloo_ranks
 from tests.objectives.conftest import make_batch, tiny_model
 
 
@@ -82,32 +80,21 @@ def test_capt_checkpoint_hooks_restore_the_queue_exactly():
     assert torch.equal(fresh.objectives["capt"].queue.ordered(), model.objectives["capt"].queue.ordered())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        q = MemoryQueue(capacity=8, dim=3)
-        q.enqueue(rows(100 * rank, 2 + rank))  # ranks contribute different numbers of rows
-        q.enqueue(rows(100 * rank + 50, 2))
-        torch.save(q.state_dict(), os.path.join(out_dir, f"queue{rank}.pt"))
-        # and through the CAPT objective, with different data on each rank
-        model = tiny_model({"capt": 1.0}, {"capt": {"queue_size": 32}})
-        model(make_batch(batch_size=3, seed=rank))
-        torch.save(model.extra_state_for_checkpoint(), os.path.join(out_dir, f"capt{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int, out_dir: str) -> None:
+    q = MemoryQueue(capacity=8, dim=3)
+    q.enqueue(rows(100 * rank, 2 + rank))  # ranks contribute different numbers of rows
+    q.enqueue(rows(100 * rank + 50, 2))
+    torch.save(q.state_dict(), os.path.join(out_dir, f"queue{rank}.pt"))
+    # and through the CAPT objective, with different data on each rank
+    model = tiny_model({"capt": 1.0}, {"capt": {"queue_size": 32}})
+    model(make_batch(batch_size=3, seed=rank))
+    torch.save(model.extra_state_for_checkpoint(), os.path.join(out_dir, f"capt{rank}.pt"))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_two_rank_gloo_enqueue_gives_identical_content(tmp_path):
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_gloo_ranks(_rank_main, 2, str(tmp_path))
     q0, q1 = (torch.load(tmp_path / f"queue{r}.pt") for r in range(2))
     assert torch.equal(q0["buffer"], q1["buffer"]) and q0["ptr"] == q1["ptr"] and q0["size"] == q1["size"] == 8
     restored = MemoryQueue(8, 3)

@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.gloo_ranks import LAUNCHER_VARIABLES
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo")
 #: The deadline of every wait in the SLURM tests: generous, since each wait ends as soon as its event is
@@ -91,7 +93,7 @@ class SlurmCluster:
             if key != "SLURM_CONF":
                 del self.env[key]
         # So would torch launcher variables (an in-process run of the test session exports them).
-        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        for key in LAUNCHER_VARIABLES:
             self.env.pop(key, None)
         self.env["PATH"] = self.env.get("PATH", "") + ":/usr/sbin:/sbin"
 

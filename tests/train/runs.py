@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import torch
 
 from pipeline.train.checkpoint import CHECKPOINT_DIR, read_latest
 from pipeline.train.metrics import read_jsonl
+from tests.gloo_ranks import LAUNCHER_VARIABLES, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 QUIET = ["train.progress_bar=false", "train.tensorboard=false", "train.log_every=1"]
@@ -38,8 +38,6 @@ def run_inprocess(preset: str, shards: Path, out: Path, *extra: str) -> int:
     The thread count is set here, not only by the conftest's per-test fixture: a module-scoped fixture
     (a reference run) is built before any function-scoped fixture, so it would otherwise run with the
     process's default threads and differ in the last bits from the runs it is compared with."""
-    import torch
-
     from pipeline.train.loop import main
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -55,16 +53,10 @@ def run_inprocess(preset: str, shards: Path, out: Path, *extra: str) -> int:
 def _env(extra: Optional[dict] = None) -> dict:
     """The test process's environment with one intra-op thread, like the in-process runs (conftest)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    for key in LAUNCHER_VARIABLES:
         env.pop(key, None)
     env.update(extra or {})
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train_command(preset: str, shards: Path, out: Path, *extra: str) -> list[str]:
