@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -87,16 +87,18 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
 
 
 def finetune_sst2(model_dir: Path, sst2_dir: Path, select_file: Path, args, output: Path, with_test: bool = False,
-                  random_init: bool = False) -> dict:
-    """`pipeline.eval.finetune` on SST-2 with the study's fine-tuning settings; returns, per model
-    ("pretrained", and "random_init" when asked), every seed's accuracy on dev / select (/ test)
-    and their means. The full finetune output (every seed, predictions) is kept at `output`."""
+                  random_init: bool = False, seeds: Optional[Sequence[int]] = None) -> dict:
+    """`pipeline.eval.finetune` on SST-2 with the study's fine-tuning settings and `seeds` (default:
+    `args.finetune_seeds`); returns, per model ("pretrained", and "random_init" when asked), every
+    seed's accuracy on dev / select (/ test) and their means. The full finetune output (every seed,
+    predictions) is kept at `output`."""
     from pipeline.eval.finetune import build_parser, finetune, write_atomic
 
     eval_files = [str(select_file)] + (["test.tsv"] if with_test else [])
+    seeds = list(args.finetune_seeds if seeds is None else seeds)
     argv = ["--model", str(model_dir), "--task-dir", str(sst2_dir), "--task", "sst2",
             "--train-subset", str(args.sst2_train), "--subset-seed", str(args.subset_seed),
-            "--seeds", *map(str, args.finetune_seeds), "--lr", str(args.finetune_lr),
+            "--seeds", *map(str, seeds), "--lr", str(args.finetune_lr),
             "--epochs", str(args.finetune_epochs), "--batch-size", "32",
             "--eval-file", *eval_files, "--output", str(output)]
     if args.device:
@@ -109,6 +111,20 @@ def finetune_sst2(model_dir: Path, sst2_dir: Path, select_file: Path, args, outp
     if random_init:
         out["random_init"] = summarize_finetune(result["random_init"]["runs"])
     return out
+
+
+def merge_finetune_summaries(parts: Sequence[dict]) -> dict:
+    """One `finetune_sst2` record from records of disjoint seed sets (in the given order): per model and
+    split, the seeds' accuracies concatenated and their mean recomputed. A split is kept only when
+    every part has it (a mean over a subset of the seeds would be a different figure)."""
+    merged: dict[str, dict] = {}
+    for model in parts[0] if parts else {}:
+        splits = set.intersection(*(set(part.get(model, {})) for part in parts))
+        merged[model] = {}
+        for split in sorted(splits):
+            values = [v for part in parts for v in part[model][split]["seeds"]]
+            merged[model][split] = {"seeds": values, "mean": float(np.mean(values))}
+    return merged
 
 
 def summarize_finetune(runs: list[dict]) -> dict:

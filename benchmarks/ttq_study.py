@@ -35,7 +35,8 @@ from typing import Optional
 
 from benchmarks.bench_throughput import last_error_line
 from benchmarks.ttq_data import StudyData
-from benchmarks.ttq_eval import cached, convert_once, finetune_sst2, heldout_metrics, write_json
+from benchmarks.ttq_eval import (cached, convert_once, finetune_sst2, heldout_metrics, merge_finetune_summaries,
+                                 write_json)
 
 #: pipeline.train exit code of the non-finite loss guard (a run that diverged: recorded, not fatal).
 EXIT_NONFINITE = 3
@@ -44,7 +45,9 @@ STOP_GRACE_S = 300
 #: Settings that define a study's results; a work directory made with other values is refused.
 DEFINING_ARGS = ("text", "heldout", "sst2", "size", "set", "steps", "eval_every", "micro_batch", "world_size",
                  "seq_len", "vocab_size", "lrs", "warmup_ratio", "eval_sequences", "sst2_train", "sst2_select",
-                 "subset_seed", "finetune_seeds", "finetune_lr", "finetune_epochs")
+                 "subset_seed", "finetune_lr", "finetune_epochs")
+# Not among them: the pretraining seeds after the first and `--finetune-seeds` (each seed's results are
+# cached on their own, so adding seeds grows a study; it never mixes settings).
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class RunKey:
 
 def check_study_args(args, work: Path) -> None:
     """Record the defining settings in `<work>/study.json`, or refuse a work dir made with others
-    (adding objectives or seeds to a study is fine: that is how it grows)."""
+    (adding objectives, pretraining or fine-tuning seeds to a study is fine: that is how it grows)."""
     current = {k: getattr(args, k) for k in DEFINING_ARGS}
     current["seeds"] = args.seeds[0]  # the sweep seed; later seeds may be added
     current = json.loads(json.dumps(current, default=str))
@@ -182,14 +185,20 @@ def heldout_at(key: RunKey, step: int, data: StudyData, top_token: int, args, wo
 
 def downstream_at(key: RunKey, step: int, data: StudyData, args, work: Path, final_test: bool = False,
                   random_init: bool = False) -> Optional[dict]:
-    """SST-2 at one checkpoint (dev + selection split; `final_test`: test as well, in its own file)."""
+    """SST-2 at one checkpoint (dev + selection split; `final_test`: test as well, in its own files),
+    one cached fine-tuning per `--finetune-seeds` seed (`downstream/<point>/seed_<s>.json`), merged
+    in the order given: adding fine-tuning seeds to a study fine-tunes only the new ones."""
     if data.sst2_dir is None:
         return None
     run_dir = key.directory(work)
-    name = "final_test" if final_test else f"step_{step}"
-    return cached(run_dir / "downstream" / f"{name}.json", lambda: finetune_sst2(
-        run_dir / "hf" / f"step_{step}", data.sst2_dir, data.select_file, args,
-        run_dir / "downstream" / f"{name}.finetune.json", with_test=final_test, random_init=random_init))
+    point = run_dir / "downstream" / ("final_test" if final_test else f"step_{step}")
+
+    def one_seed(seed: int) -> dict:
+        return cached(point / f"seed_{seed}.json", lambda: finetune_sst2(
+            run_dir / "hf" / f"step_{step}", data.sst2_dir, data.select_file, args,
+            point / f"seed_{seed}.finetune.json", with_test=final_test, random_init=random_init, seeds=[seed]))
+
+    return merge_finetune_summaries([one_seed(seed) for seed in args.finetune_seeds])
 
 
 #: selection metric -> (where it is read from a run record, higher is better)

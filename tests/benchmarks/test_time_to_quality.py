@@ -11,9 +11,9 @@ import pytest
 from benchmarks.quality_targets import EvalPoint
 from benchmarks.time_to_quality import ALL_OBJECTIVES, parse_args
 from benchmarks.ttq_data import prepare_sst2, split_halves
-from benchmarks.ttq_eval import cached, heldout_metrics, top_token_of
+from benchmarks.ttq_eval import cached, heldout_metrics, merge_finetune_summaries, top_token_of
 from benchmarks.ttq_report import baseline_health, target_rows
-from benchmarks.ttq_study import RunKey, check_study_args, cumulative_hours, select_lrs, train_run
+from benchmarks.ttq_study import RunKey, check_study_args, cumulative_hours, downstream_at, select_lrs, train_run
 
 
 def test_arguments_are_checked_before_any_work(tmp_path: Path, capsys) -> None:
@@ -171,6 +171,37 @@ def test_a_finished_run_is_skipped_on_a_rerun(tiny_shards_dir: Path, tmp_path: P
     top = top_token_of(tiny_shards_dir)
     metrics = heldout_metrics(run_dir / "hf" / "step_2", tiny_shards_dir, top_token=top, max_sequences=16)
     _check_heldout_against_direct(run_dir / "hf" / "step_2", tiny_shards_dir, top, metrics)
+
+    # SST-2 fine-tuning: one cached result per fine-tuning seed; adding a seed fine-tunes only that seed
+    sst2 = tmp_path / "sst2"
+    sst2.mkdir()
+    rows = [("a good film", 1), ("a bad film", 0), ("good", 1), ("bad", 0)] * 4
+    for split in ("train", "dev", "test"):
+        (sst2 / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in rows))
+    select = tmp_path / "select.tsv"
+    select.write_text("sentence\tlabel\ngood film\t1\nbad film\t0\n")
+    data = StudyData(tiny_shards_dir, tiny_shards_dir, tiny_shards_dir, sst2, select)
+    args = parse_args(["--text", str(text), "--heldout", str(text), "--out", str(tmp_path / "o"),
+                       "--sst2-train", "8", "--finetune-epochs", "1", "--finetune-seeds", "1"])
+    one = downstream_at(key, 2, data, args, tmp_path)
+    seed_1 = run_dir / "downstream" / "step_2" / "seed_1.json"
+    written = seed_1.stat().st_mtime_ns
+    assert len(one["pretrained"]["dev"]["seeds"]) == 1 and set(one["pretrained"]) == {"dev", "select"}
+    args.finetune_seeds = [1, 2]
+    two = downstream_at(key, 2, data, args, tmp_path)
+    assert seed_1.stat().st_mtime_ns == written  # seed 1 was not fine-tuned again
+    assert two["pretrained"]["dev"]["seeds"][0] == one["pretrained"]["dev"]["seeds"][0]
+    assert len(two["pretrained"]["dev"]["seeds"]) == 2 and (seed_1.parent / "seed_2.json").is_file()
+    final = downstream_at(key, 2, data, args, tmp_path, final_test=True, random_init=True)
+    assert len(final["pretrained"]["test"]["seeds"]) == 2 and len(final["random_init"]["dev"]["seeds"]) == 2
+
+
+def test_fine_tuning_records_of_several_seeds_merge_in_order() -> None:
+    a = {"pretrained": {"dev": {"seeds": [0.5], "mean": 0.5}, "test": {"seeds": [0.4], "mean": 0.4}}}
+    b = {"pretrained": {"dev": {"seeds": [0.7, 0.9], "mean": 0.8}}}
+    merged = merge_finetune_summaries([a, b])
+    assert merged["pretrained"]["dev"] == {"seeds": [0.5, 0.7, 0.9], "mean": pytest.approx(0.7)}
+    assert "test" not in merged["pretrained"]  # a mean over some of the seeds would be another figure
 
 
 def _check_heldout_against_direct(model_dir: Path, shards: Path, top: int, metrics: dict) -> None:
