@@ -11,7 +11,10 @@ Steps, each failing with a message that names the file at fault and leaving OUT_
    `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (ZeRO 1/2/3, any number of ranks,
    CPU only). A checkpoint without ZeRO partitions (stage 0) is read from its single model file;
 3. check the weights against the model the meta describes, sort them into the HF main model,
-   the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`);
+   the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`); an MLM
+   head trained only with sampled negatives (`mlm-nce`, `infoword`) gets its bias corrected by the
+   checkpoint's log q (`hf_adapter.head_bias_correction`), stated in the card and in the export's
+   `pipeline_meta.json` (`conversion.mlm_head_bias`);
 4. the health check (`pipeline.export.health_check`): a loud warning on stderr, and in the card,
    when the encoder looks collapsed;
 5. write config, safetensors, tokenizer (config cleaned of load-time keys), objective heads with
@@ -58,6 +61,9 @@ from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointE
 from pipeline.train.run_meta import META_FILE, RunMeta
 
 GENERATOR_SUBDIR = "generator"
+#: The key the export's `pipeline_meta.json` (and the printed summary) adds: what conversion changed
+#: (`mlm_head_bias`: the NCE log-q correction of the MLM head, `hf_adapter.HeadBiasCorrection`).
+CONVERSION_KEY = "conversion"
 #: Keys `save_pretrained` copies from the *loading* call into tokenizer_config.json; they describe
 #: how the converter happened to load the tokenizer (and may hold local paths), not the tokenizer.
 TOKENIZER_LOAD_KEYS = ("is_local", "local_files_only", "name_or_path", "cache_dir", "_commit_hash", "token",
@@ -192,9 +198,11 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
         _write_hf_model(directory / GENERATOR_SUBDIR, gen.state, gen.config, meta, tokenizer)
         (directory / GENERATOR_SUBDIR / "README.md").write_text(render_model_card(meta, export, card, True))
     # The run's full record, with local paths reduced to their last component (exports are shared:
-    # they must not reveal where the data or the run lived).
-    (directory / META_FILE).write_text(json.dumps(public(json.loads((tag_dir / META_FILE).read_text())),
-                                                  indent=2, sort_keys=True))
+    # they must not reveal where the data or the run lived), and what the conversion changed.
+    record = public(json.loads((tag_dir / META_FILE).read_text()))
+    if export.head_bias is not None:
+        record[CONVERSION_KEY] = {"mlm_head_bias": export.head_bias.record()}
+    (directory / META_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     (directory / "README.md").write_text(render_model_card(meta, export, card, False))
     _make_readable(directory)
 
@@ -301,6 +309,8 @@ def convert(
     export = split_for_hf(model, state)
     if with_generator and export.generator is None:
         raise ExportError(f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")
+    if export.head_bias is not None and not export.head_bias.corrected:
+        print(f"note: {export.head_bias.note}", file=sys.stderr)
     health: HealthReport = check_health(model, state, meta, shards_dir)
     announce(health)
     card = CardInputs(tag_dir.name, source, health, license_id, base_model)
@@ -361,7 +371,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    print(json.dumps({"out_dir": str(out), "files": files}))
+    summary = {"out_dir": str(out), "files": files}
+    summary.update(json.loads((out / META_FILE).read_text()).get(CONVERSION_KEY, {}))
+    print(json.dumps(summary))
     return 0
 
 

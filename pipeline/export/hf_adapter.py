@@ -14,7 +14,10 @@ model is a key copy plus two renames: our fused `attention.self.qkv` projection 
 * every other objective parameter (CAPT aggregation MLP, COCO-LM copy / SCL heads, ...) goes to
   `objective_heads.safetensors` under its training name (`objectives.<name>.*`);
 * buffers are training state, not weights: listed in the model card, not exported (CAPT's memory
-  queue is not even a buffer; it lives in the checkpoint's extra state).
+  queue is not even a buffer; it lives in the checkpoint's extra state) — except the NCE samplers'
+  log q (`log_proposal`), which is folded into the MLM head's bias when only sampled-softmax
+  objectives trained that head (`head_bias_correction`: the exported softmax is then the masked LM
+  p(v | c) ∝ q(v) exp s(v, c) those objectives imply).
 
 The expected keys and shapes come from a `PretrainModel` rebuilt from `pipeline_meta.json`
 (`pipeline.model.build.model_from_meta`), so a checkpoint that disagrees with its own meta is
@@ -34,6 +37,8 @@ from torch import Tensor, nn
 from pipeline.model.encoder import BertLayerStack, EncoderConfig, fuse_qkv, split_qkv
 from pipeline.model.heads import PredictionHeadTransform
 from pipeline.model.pretrainer import PretrainModel
+from pipeline.objectives.base import SAMPLED_SOFTMAX
+from pipeline.objectives.mlm_nce import LOG_PROPOSAL, log_proposal_samplers
 
 #: HF ties these to other tensors; they are never written (safetensors refuses shared storage).
 _HF_TIED = ("cls.predictions.decoder.weight",)
@@ -60,6 +65,35 @@ class GeneratorExport:
     state: dict[str, Tensor]
 
 
+#: The masked LM a corrected head computes (card and `pipeline_meta.json`).
+CORRECTED_HEAD_FORMULA = ("p(v | c) ∝ q(v) exp s(v, c), i.e. cls.predictions.bias = trained bias + log q(v), "
+                          "q = the NCE negatives' distribution (add-one smoothed unigram frequencies of the "
+                          "training shards, centred; zero for a uniform pool)")
+
+
+@dataclass
+class HeadBiasCorrection:
+    """What conversion did to the MLM head's output bias (`cls.predictions.bias`), and why.
+
+    Sampled negatives from q make the head learn s(v, c) = log p(v | c) - log q(v) + const(c) (CPC,
+    Oord et al. 2018, Sec. 2.3; `pipeline.objectives.mlm_nce`): its softmax is not a masked LM.
+    The masked LM it implies is p(v | c) ∝ q(v) exp s(v, c): the trained bias plus log q."""
+
+    corrected: bool
+    note: str  # one sentence for the card, the summary and `pipeline_meta.json`
+    objectives: dict[str, str]  # the objectives that trained the head -> `Objective.mlm_head`
+    buffers: list[str] = field(default_factory=list)  # the `log_proposal` keys read from the checkpoint
+    log_proposal: Optional[Tensor] = None  # added to the bias (when `corrected`)
+
+    def record(self) -> dict[str, Any]:
+        """The JSON form written to the export's `pipeline_meta.json` (`conversion.mlm_head_bias`)."""
+        out: dict[str, Any] = {"corrected": self.corrected, "note": self.note, "objectives": dict(self.objectives),
+                               "log_proposal_buffers": list(self.buffers)}
+        if self.corrected:
+            out["formula"] = CORRECTED_HEAD_FORMULA
+        return out
+
+
 @dataclass
 class HFExport:
     """Everything the converter writes, already in Hugging Face naming."""
@@ -68,6 +102,7 @@ class HFExport:
     generator: Optional[GeneratorExport]
     objective_heads: dict[str, Tensor]
     dropped_buffers: list[str] = field(default_factory=list)
+    head_bias: Optional[HeadBiasCorrection] = None  # None: no objective trained the head with sampled negatives
 
 
 def to_hf(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -194,6 +229,10 @@ def split_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
 
     main = to_hf({k: state[k] for k in params if k in state})
     used.update(k for k in params if k.startswith(("bert.", "cls.")))
+    head_bias = head_bias_correction(model, state)
+    if head_bias is not None and head_bias.corrected:
+        assert head_bias.log_proposal is not None
+        main[_HF_DECODER_BIAS] = main[_HF_DECODER_BIAS] + head_bias.log_proposal.to(main[_HF_DECODER_BIAS].dtype)
 
     generator: Optional[GeneratorExport] = None
     for obj_name, objective in model.objectives.items():
@@ -224,8 +263,54 @@ def split_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
     unknown = sorted(k for k in heads if not k.startswith("objectives."))
     if unknown:
         raise ExportError(f"parameters outside bert.*, cls.* and objectives.*: {unknown}")
-    dropped = sorted(dict(model.named_buffers()))
-    return HFExport(main=main, generator=generator, objective_heads=heads, dropped_buffers=dropped)
+    folded = set(head_bias.buffers) if head_bias is not None and head_bias.corrected else set()
+    dropped = sorted(k for k in dict(model.named_buffers()) if k not in folded)
+    return HFExport(main=main, generator=generator, objective_heads=heads, dropped_buffers=dropped, head_bias=head_bias)
+
+
+def head_bias_correction(model: PretrainModel, state: Mapping[str, Tensor]) -> Optional[HeadBiasCorrection]:
+    """How the exported MLM head's bias is to be corrected (`HeadBiasCorrection`); None when no
+    objective trains the head with sampled negatives (nothing to correct, nothing to say).
+
+    Corrected by the checkpoint's log q when every objective training `cls.predictions`
+    (`Objective.mlm_head`) uses sampled negatives and their `log_proposal` buffers agree. Not
+    corrected, with the reason as the note, when a full-softmax objective trains the same head (its
+    scores are then a mix of a masked LM's logits and log p - log q), when the checkpoint has no
+    log q (written before the buffer existed), or when the NCE objectives' log q differ."""
+    training = {name: type(obj).mlm_head for name, obj in model.objectives.items()
+                if type(obj).mlm_head and model.weights.get(name, 1.0) != 0}  # a zero weight trains nothing
+    sampled = sorted(n for n, how in training.items() if how == SAMPLED_SOFTMAX)
+    if not sampled:
+        return None
+    full = sorted(set(training) - set(sampled))
+    if full:
+        return HeadBiasCorrection(False, (
+            f"the MLM head was trained by a full softmax ({', '.join(full)}) and with sampled negatives "
+            f"({', '.join(sampled)}) together: its scores are not log p - log q alone, so its bias is exported "
+            "as trained, not corrected by log q"), training)
+    keys = sorted(f"{name}.{LOG_PROPOSAL}" for name in log_proposal_samplers(model))
+    present = [k for k in keys if k in state]
+    if not present:
+        return HeadBiasCorrection(False, (
+            f"the MLM head was trained with sampled negatives ({', '.join(sampled)}), but this checkpoint "
+            f"predates the NCE samplers' log q buffer ({LOG_PROPOSAL}): its bias is exported as trained, not "
+            "corrected, so its softmax is not a masked LM (it favours rare tokens)"), training)
+    log_q = state[present[0]].detach().float()
+    for key in present:
+        if not torch.isfinite(state[key]).all():
+            raise ExportError(f"{key} contains NaN or Inf; refusing to export a broken model")
+    differ = [k for k in present[1:] if not torch.equal(state[k].detach().float(), log_q)]
+    if differ:
+        return HeadBiasCorrection(False, (
+            f"the NCE objectives sharing the MLM head hold different log q ({', '.join(present)}; e.g. one "
+            "uniform and one unigram pool): no single masked LM is implied, so its bias is exported as trained"),
+            training, present)
+    how = ("q is uniform (negatives: uniform), so log q is 0 and the bias is unchanged" if not log_q.any() else
+           "q: the add-one smoothed unigram frequencies of the training shards")
+    return HeadBiasCorrection(True, (
+        f"the MLM head was trained with sampled negatives ({', '.join(sampled)}; NCE scores "
+        f"s(v, c) = log p(v | c) - log q(v) + const): its bias is corrected by log q so that its softmax is the "
+        f"masked LM p(v | c) ∝ q(v) exp s(v, c); {how}"), training, present, log_q)
 
 
 #: `EncoderConfig` field -> `BertConfig` (config.json) field: the shape part of `bert_config`, read back.

@@ -17,7 +17,7 @@ import yaml
 
 from pipeline.eval.health import COLLAPSE_COSINE, POSITIVE_COSINE_PINNED
 from pipeline.export.health_check import HealthReport
-from pipeline.export.hf_adapter import HFExport
+from pipeline.export.hf_adapter import CORRECTED_HEAD_FORMULA, HFExport
 from pipeline.model.encoder import EncoderConfig
 from pipeline.train.run_meta import META_FILE, RunMeta
 
@@ -184,6 +184,19 @@ def usage_section(meta: RunMeta) -> list[str]:
     ]
 
 
+def head_section(export: HFExport) -> list[str]:
+    """What the exported MLM head computes, when NCE objectives trained it (`HeadBiasCorrection`)."""
+    head = export.head_bias
+    if head is None:
+        return []
+    lines = ["", "## Masked-LM head", "", head.note[0].upper() + head.note[1:] + "."]
+    if head.corrected:
+        lines += ["", (f"Formula: {CORRECTED_HEAD_FORMULA}. Fill-mask and `AutoModelForMaskedLM` logits are this "
+                       "masked LM's; the training head's own scores are these logits minus log q (a constant per "
+                       "vocabulary entry, so the encoder is unaffected).")]
+    return lines
+
+
 def files_section(export: HFExport) -> list[str]:
     lines = ["", "## Files", "",
              "- `config.json`, `model.safetensors`: `BertForMaskedLM` (encoder + tied MLM head).",
@@ -229,7 +242,7 @@ def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, gener
               _table([(k, f"{v:.4f}" if isinstance(v, (int, float)) else v) for k, v in sorted(meta.last_metrics.items())])
               if meta.last_metrics else "(none recorded)"]
     if not generator_card:
-        lines += health_section(inputs.health) + usage_section(meta)
+        lines += head_section(export) + health_section(inputs.health) + usage_section(meta)
     lines += ["", "## Architecture", "", _table([
         ("layers / hidden / heads / FFN", f"{enc.num_layers} / {enc.hidden_size} / {enc.num_heads} / {enc.ffn_size}"),
         ("vocabulary", enc.vocab_size),

@@ -16,6 +16,7 @@ import torch
 
 from pipeline.model.encoder import EncoderConfig
 from pipeline.model.pretrainer import PretrainModel
+from pipeline.objectives.mlm_nce import LOG_PROPOSAL, log_proposal_samplers
 from pipeline.seeding import seed_init
 
 
@@ -23,17 +24,20 @@ def build_pretrain_model(encoder_config: EncoderConfig, objectives: Mapping[str,
                          special_tokens: Mapping[str, int], objective_options: Mapping[str, Mapping[str, Any]],
                          seed: int = 0, kernels: str = "auto", init_from: Optional[str] = None,
                          attention: str = "auto", compile_layers: bool = False,
-                         unigram_counts: Optional[np.ndarray] = None) -> PretrainModel:
+                         unigram_counts: Optional[np.ndarray] = None, mlm_bias_init: str = "zero") -> PretrainModel:
     """A freshly initialised `PretrainModel` (initial weights from the `init` stream of `seed`); with
-    `unigram_counts` [V], its vocabulary output biases start at `unigram_bias(counts)`
-    (`model.mlm_bias_init=unigram`); with `init_from`, its `bert.*` (and MLM head, when the checkpoint
-    has one) then come from that Hugging Face BERT directory. `attention` / `compile_layers` are
-    `model.attention` / `model.compile` (they change how the layers run, never the weights)."""
+    `unigram_counts` [V] (the shards' token counts), its unigram-derived tensors are filled
+    (`fill_unigram_tensors`: the NCE samplers' log q, and with `mlm_bias_init="unigram"`, i.e.
+    `model.mlm_bias_init=unigram`, the vocabulary output biases); with `init_from`, its `bert.*` (and MLM
+    head, when the checkpoint has one) then come from that Hugging Face BERT directory. `attention` /
+    `compile_layers` are `model.attention` / `model.compile` (they change how the layers run, never the weights)."""
+    if mlm_bias_init == "unigram" and unigram_counts is None:
+        raise ValueError("mlm_bias_init='unigram' needs the shards' unigram_counts")
     seed_init(seed)
     model = PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels,
                           attention=attention, compile_layers=compile_layers)
     if unigram_counts is not None:
-        set_output_biases(model, unigram_bias(unigram_counts))
+        fill_unigram_tensors(model, unigram_counts, output_biases=mlm_bias_init == "unigram")
     if init_from:
         from pipeline.model.warm_start import load_base_weights
 
@@ -61,6 +65,20 @@ def set_output_biases(model: PretrainModel, bias: torch.Tensor) -> list[str]:
                                                       and param.shape == (vocab,)):
             param.copy_(bias.to(param.dtype))
             names.append(name)
+    return names
+
+
+@torch.no_grad()
+def fill_unigram_tensors(model: PretrainModel, counts: np.ndarray, output_biases: bool) -> list[str]:
+    """The one home for filling the model's tensors derived from the training shards' token counts
+    (`pipeline.eval.health.unigram_counts`), all from b = `unigram_bias(counts)`: every NCE sampler's
+    `log_proposal` (log q: b for the unigram pools, zeros for "uniform"; `mlm_nce`) and, with
+    `output_biases`, every vocabulary output bias (`set_output_biases`). Returns the names filled."""
+    bias = unigram_bias(counts)
+    names = set_output_biases(model, bias) if output_biases else []
+    for name, sampler in log_proposal_samplers(model).items():
+        sampler.set_log_proposal(bias)
+        names.append(f"{name}.{LOG_PROPOSAL}")
     return names
 
 

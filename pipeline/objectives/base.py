@@ -82,17 +82,26 @@ def scalar_metric(value: float, device: torch.device) -> Tensor:
     return torch.full((), float(value), dtype=torch.float32, device=device)
 
 
+#: `Objective.mlm_head` values: the shared MLM head is trained by a softmax over the whole vocabulary
+#: (its scores are a masked LM's logits), or over sampled negatives (scores log p - log q, `mlm_nce`).
+FULL_SOFTMAX = "full_softmax"
+SAMPLED_SOFTMAX = "sampled_softmax"
+
+
 class Objective(nn.Module):
     """Base class. Subclasses set `name`, `views`, and implement `forward(ctx) -> (loss, metrics)`.
 
     `loss` is a float32 scalar; `metrics` maps short names to detached scalars (logged as
     `<objective>/<metric>`). An objective that cannot run with partitioned parameters sets
-    `max_zero_stage`.
+    `max_zero_stage`. One that trains the shared MLM head (`ctx.head`, `cls.predictions`) says how
+    in `mlm_head` (`FULL_SOFTMAX` / `SAMPLED_SOFTMAX`; None: it does not use the head): conversion
+    decides from it what the exported head's softmax means.
     """
 
     name: ClassVar[str] = ""
     views: ClassVar[tuple[str, ...]] = ("original",)
     max_zero_stage: ClassVar[int] = 3
+    mlm_head: ClassVar[Optional[str]] = None
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover - abstract
         raise NotImplementedError

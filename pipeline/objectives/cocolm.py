@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from pipeline.batch import batch_selected, masked_view_keys
 from pipeline.model.encoder import BertLayerStack, EncoderConfig
 from pipeline.model.heads import PredictionHeadTransform
-from pipeline.objectives.base import Objective, StepContext, register
+from pipeline.objectives.base import FULL_SOFTMAX, Objective, StepContext, register
 from pipeline.objectives.functional import fp32_logits
 
 SAMPLE_MODES = ("eval", "zero_dropout")
@@ -139,6 +139,7 @@ class CorrectingContrasting(Objective):
 
     name = "cocolm"
     views = ("masked", "crop")
+    mlm_head = FULL_SOFTMAX  # the corrective LM (the generator has a head of its own)
 
     def __init__(
         self,

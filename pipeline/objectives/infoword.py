@@ -13,7 +13,9 @@ Input: the `span_masked` view — n-grams of n ~ N(5, 1) words (clipped to [1, 1
            (`sequence_contrastive_loss` with normalize=False, symmetric=False, no same-view
            terms, groups = the sentence, the other ranks' n-grams as constant extra rows).
     I_MLM: BERT-NCE on the span-masked positions (`mlm-nce`), negatives = tokens of other
-           sequences of the batch (paper Sec. 5.2).
+           sequences of the batch (paper Sec. 5.2). Its optimal head scores are
+           s(v, c) = log p(v | c) - log q(v) + const(c) (CPC, Oord et al. 2018, Sec. 2.3): the
+           sampler's `log_proposal` buffer keeps log q for the conversion (see `mlm_nce`).
     L = lambda_mlm * L_NCE + lambda_dim * L_DIM      (lambda_mlm 1, lambda_dim 1.0; paper 0.4-1.0)
 
 *Choices* (configurable):
@@ -38,7 +40,7 @@ from torch import Tensor
 
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
+from pipeline.objectives.base import SAMPLED_SOFTMAX, Objective, StepContext, register, scalar_metric
 from pipeline.objectives.mlm_nce import NegativeTokenSampler, nce_loss
 from pipeline.objectives.sampling import sample_per_row
 
@@ -98,6 +100,7 @@ class InfoWord(Objective):
 
     name = "infoword"
     views = ("span_masked",)
+    mlm_head = SAMPLED_SOFTMAX  # I_MLM is BERT-NCE (log q: `mlm_nce`)
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ from torch import Tensor
 from pipeline.batch import gather_selected, masked_view_keys, positions_key
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives import functional
-from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
+from pipeline.objectives.base import FULL_SOFTMAX, Objective, StepContext, register, scalar_metric
 
 
 def with_accuracy(op: Callable[..., Tensor], track_accuracy: bool) -> Callable[..., tuple[Tensor, Optional[Tensor]]]:
@@ -46,6 +46,7 @@ class MaskedLanguageModeling(Objective):
 
     name = "mlm"
     views = ("masked",)
+    mlm_head = FULL_SOFTMAX
 
     def __init__(
         self,

@@ -26,6 +26,19 @@ mentions a unigram distribution (Sec. 4); *choice* `negatives` (the pool):
     `functional.sampled_softmax_cross_entropy`), so its cost is about a full-vocabulary MLM head.
 A negative equal to the target is masked out inside the loss. The negatives per masked position
 are logged (`negatives`). Uses the same head as `mlm` (`cls.predictions`).
+
+What the head learns (and why conversion corrects its bias). With negatives drawn from a
+proposal q, the InfoNCE optimum is s(v, c) = log p(v | c) - log q(v) + const(c) (Oord et al.
+2018, "Representation Learning with Contrastive Predictive Coding", Sec. 2.3; Ma & Collins 2018,
+"Noise Contrastive Estimation and Negative Sampling for Conditional Models"); with "all" the
+log-multiplicity offsets are the same log q. So s is not a masked LM's logit: its argmax favours
+rare tokens. The implied masked LM is p(v | c) ∝ q(v) exp s(v, c). The sampler keeps log q as the
+persistent buffer `log_proposal` [V] (float32): for the unigram pools ("other_sequences",
+"other_targets", "batch", whose negatives follow the corpus unigram distribution) the add-one
+smoothed, centred log frequency of the training shards (`pipeline.model.build.unigram_bias`,
+filled by `fill_unigram_tensors` when the run model is built); zeros for "uniform" (q constant).
+It never enters the loss (the objective is the paper's); `pipeline.export` adds it to the
+converted MLM head's bias when only sampled-softmax objectives trained that head.
 """
 from __future__ import annotations
 
@@ -33,18 +46,20 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from pipeline.batch import (IGNORE_INDEX, content_tokens, gather_selected, masked_view_keys, positions_key,
                             special_ids)
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
+from pipeline.objectives.base import SAMPLED_SOFTMAX, Objective, StepContext, register, scalar_metric
 from pipeline.objectives.mlm import with_accuracy
 from pipeline.objectives.sampling import sample_from_other_groups
 
 NEGATIVE_SOURCES = ("other_sequences", "other_targets", "batch", "uniform")
+#: The state-dict name of the sampler's log q buffer (under its module's prefix).
+LOG_PROPOSAL = "log_proposal"
 
 
 @dataclass
@@ -74,10 +89,12 @@ class Negatives:
         return (total - own).mean()
 
 
-class NegativeTokenSampler:
-    """Draws the negatives of N masked positions (see the module docstring)."""
+class NegativeTokenSampler(nn.Module):
+    """Draws the negatives of N masked positions, and holds log q of its pool, `log_proposal` [V]
+    (see the module docstring). A module only for that buffer: it has no parameters."""
 
     def __init__(self, special_tokens: Mapping[str, int], vocab_size: int, source: str, k: Union[int, str]) -> None:
+        super().__init__()
         if source not in NEGATIVE_SOURCES:
             raise ValueError(f"negatives must be one of {NEGATIVE_SOURCES}, got {source!r}")
         if k != "all" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
@@ -87,9 +104,34 @@ class NegativeTokenSampler:
         keep = torch.ones(vocab_size, dtype=torch.bool)
         keep[special[special < vocab_size]] = False
         self.non_special_ids = torch.nonzero(keep).squeeze(1)
+        # Persistent (checkpointed, so a resumed run keeps the value it started with), float32 (DeepSpeed
+        # casts parameters, not buffers, to bf16/fp16): log q only ever serves the conversion.
+        self.register_buffer(LOG_PROPOSAL, torch.zeros(vocab_size, dtype=torch.float32))
 
-    def __call__(self, batch: Mapping[str, Tensor], labels: Tensor, flat_positions: Tensor,
-                 generator: torch.Generator) -> Negatives:
+    @property
+    def proposal(self) -> str:
+        """"uniform" (q constant over the non-special ids) or "unigram" (the corpus token frequencies)."""
+        return "uniform" if self.source == "uniform" else "unigram"
+
+    @torch.no_grad()
+    def set_log_proposal(self, unigram_log_q: Tensor) -> None:
+        """log q from the shards' `unigram_bias` [V]: itself for the unigram pools, zeros for "uniform"."""
+        if unigram_log_q.shape != self.log_proposal.shape:
+            raise ValueError(f"log_proposal: got shape {tuple(unigram_log_q.shape)}, vocabulary {self.log_proposal.numel()}")
+        self.log_proposal.copy_(unigram_log_q if self.proposal == "unigram" else torch.zeros_like(unigram_log_q))
+
+    def _load_from_state_dict(self, state_dict: Mapping[str, Tensor], prefix: str, local_metadata: dict, strict: bool,
+                              missing_keys: list[str], unexpected_keys: list[str], error_msgs: list[str]) -> None:
+        """A checkpoint written before the buffer existed still loads strictly (resume of an older run):
+        the buffer then keeps the value the run model was built with (`fill_unigram_tensors`, from the
+        run's shards; `pipeline.train.loop.build_run_model`)."""
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if prefix + LOG_PROPOSAL not in state_dict and prefix + LOG_PROPOSAL in missing_keys:
+            missing_keys.remove(prefix + LOG_PROPOSAL)
+
+    def forward(self, batch: Mapping[str, Tensor], labels: Tensor, flat_positions: Tensor,
+                generator: torch.Generator) -> Negatives:
         """labels [B, L] (the view's labels); flat_positions [N] index the [B*L] flattened batch."""
         ids = batch["input_ids"]
         n, device = flat_positions.numel(), ids.device
@@ -128,6 +170,12 @@ class NegativeTokenSampler:
         return Negatives(distinct, total[None, :] - own, anchor_rows)
 
 
+def log_proposal_samplers(model: nn.Module) -> dict[str, NegativeTokenSampler]:
+    """Module name -> every NCE negative sampler in `model` (the state-dict key of its log q is
+    `<name>.log_proposal`)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, NegativeTokenSampler)}
+
+
 @register
 class MaskedLanguageModelingNCE(Objective):
     """BERT-NCE. Options: view ("masked" | "wwm_masked" | "span_masked"), negatives, num_negatives
@@ -135,6 +183,7 @@ class MaskedLanguageModelingNCE(Objective):
 
     name = "mlm-nce"
     views = ("masked",)
+    mlm_head = SAMPLED_SOFTMAX
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ puts them under their config path (`objective_options.capt.tau must be positive`
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from pipeline.config.checks import ConfigError, accepted_keywords, check_keywords, did_you_mean, option_error
 from pipeline.model.encoder import EncoderConfig
@@ -63,3 +63,10 @@ def check_objectives_under_stage(objectives: dict, stage: int, stage_source: str
         if stage > limit:
             raise ConfigError(f"{stage_source} uses ZeRO stage {stage}, but objective {name!r} supports stages up to "
                               f"{limit}; choose a stage <= {limit} there")
+
+
+def mlm_head_training(objectives: Iterable[str]) -> dict[str, str]:
+    """Name -> `Objective.mlm_head` (`FULL_SOFTMAX` / `SAMPLED_SOFTMAX`) of the objectives among
+    `objectives` that train the shared MLM head `cls.predictions`: whether its scores are a masked LM's
+    logits, or log p - log q (sampled negatives, `mlm_nce`) whose log q the run model must hold."""
+    return {name: OBJECTIVES[name].mlm_head for name in objectives if OBJECTIVES[name].mlm_head is not None}

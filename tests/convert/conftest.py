@@ -7,6 +7,8 @@ objectives are spread over them (every registered objective trains under two ran
 
     zero1, 2 ranks: mlm + taco + infoword      zero2, 2 ranks: mlm + capt + mlm-nce
     zero3, 2 ranks: cocolm (generator, copy and SCL heads)
+    zero3, 1 rank: mlm-nce alone (the MLM head trained only with sampled negatives: conversion
+                   corrects its bias by log q, a persistent buffer consolidated from ZeRO-3)
     no ZeRO (stage 0), 1 rank: mlm (single process, weights read from the one model file; this
                                run also feeds the error, HF-usage and fine-tuning tests)
 """
@@ -45,6 +47,7 @@ RUNS: dict[str, RunSpec] = {
     "zero1-2ranks-mlm-taco-infoword": RunSpec("tiny-taco", 1, 2, "{mlm: 1.0, taco: 1.0, infoword: 1.0}"),
     "zero2-2ranks-mlm-capt-mlmnce": RunSpec("tiny-capt", 2, 2, "{mlm: 1.0, capt: 1.0, mlm-nce: 1.0}"),
     "zero3-2ranks-cocolm": RunSpec("tiny-cocolm", 3, 2),
+    "zero3-1rank-mlmnce": RunSpec("tiny-mlm-nce", 3, 1),
     "zero0-1rank-mlm": RunSpec("tiny-mlm", 0, 1),
 }
 

@@ -1,5 +1,6 @@
 """Conversion is exact: HF logits equal the restored training model's own forward, for every
-objective, ZeRO stage 1/2/3 with two ranks, and one rank."""
+objective, ZeRO stage 1/2/3 with two ranks, and one rank (plus log q where only NCE objectives
+trained the MLM head: the export is then the masked LM their scores imply)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipeline.data.reader import ShardDataset
+from pipeline.eval.health import unigram_counts
+from pipeline.export.convert import consolidate_fp32_weights
 from pipeline.export.objective_heads import load_objective_heads
+from pipeline.model.build import unigram_bias
 from tests.convert.conftest import RUNS
 
 pytestmark = pytest.mark.slow
@@ -24,11 +29,21 @@ def _mlm_logits(model_dir, reference) -> torch.Tensor:
         return model(input_ids=reference["input_ids"], attention_mask=reference["attention_mask"]).logits
 
 
+#: Runs whose MLM head only sampled-softmax objectives trained: the export's logits are the training
+#: head's scores + log q (the masked LM p(v | c) ∝ q(v) exp s(v, c)); the other runs' are the scores.
+NCE_ONLY_HEAD = {"zero3-1rank-mlmnce"}
+
+
 @pytest.mark.parametrize("name", list(RUNS))
 def test_masked_lm_logits_match_training_model(name, trained_runs, converted):
     run, out = trained_runs(name), converted(name)
     logits = _mlm_logits(out, run.reference)
-    torch.testing.assert_close(logits, run.reference["logits"], rtol=1e-5, atol=1e-5)
+    expected = run.reference["logits"]
+    if name in NCE_ONLY_HEAD:
+        (log_q,) = run.reference["log_proposals"].values()
+        assert log_q.std() > 1.0  # a real correction, restored from the checkpoint by the resume path
+        expected = expected + log_q
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     # The comparison has teeth: the logits are not trivially small and vary by position.
     assert run.reference["logits"].std() > 1e-2
 
@@ -94,3 +109,53 @@ def test_model_card_describes_the_run(trained_runs, converted):
     assert exported["step"] == meta["step"] and exported["manifest_hash"] == meta["manifest_hash"]
     assert Path(meta["data_dir"]).is_absolute() and exported["data_dir"] == Path(meta["data_dir"]).name
     assert "/" not in json.dumps({k: exported[k] for k in ("tokenizer_dir", "data_dir", "config")})
+
+
+def _head_bias_record(out: Path) -> dict:
+    return json.loads((out / "pipeline_meta.json").read_text())["conversion"]["mlm_head_bias"]
+
+
+def test_an_nce_only_head_bias_is_corrected_by_the_checkpoints_log_q(trained_runs, converted, tiny_shards_dir):
+    """ZeRO-3 (the buffer comes from the rank files through DeepSpeed's consolidation): the exported
+    bias is exactly the trained bias + log q, and log q is the shards' unigram_bias, as trained."""
+    name = "zero3-1rank-mlmnce"
+    run, out = trained_runs(name), converted(name)
+    key = "objectives.mlm-nce.sampler.log_proposal"
+    state, _ = consolidate_fp32_weights(run.tag_dir)
+    assert torch.equal(state[key], unigram_bias(unigram_counts(ShardDataset(tiny_shards_dir))))
+    assert torch.equal(run.reference["log_proposals"][key], state[key])  # what a resume restores
+    exported = load_file(out / "model.safetensors")["cls.predictions.bias"]
+    assert torch.equal(exported, state["cls.predictions.decoder.bias"] + state[key])
+    torch.testing.assert_close(state["cls.predictions.decoder.bias"], run.reference["head_bias"], rtol=0, atol=1e-6)
+    record = _head_bias_record(out)
+    assert record["corrected"] and record["objectives"] == {"mlm-nce": "sampled_softmax"}
+    assert record["log_proposal_buffers"] == [key] and "exp s(v, c)" in record["formula"]
+    card = (out / "README.md").read_text()
+    assert "## Masked-LM head" in card and "its bias is corrected by log q" in card
+    assert key not in card  # folded into the bias, not listed as a dropped buffer
+
+
+def test_a_head_shared_with_a_full_softmax_is_exported_as_trained(trained_runs, converted):
+    name = "zero2-2ranks-mlm-capt-mlmnce"
+    run, out = trained_runs(name), converted(name)
+    state, _ = consolidate_fp32_weights(run.tag_dir)
+    assert state["objectives.mlm-nce.sampler.log_proposal"].std() > 1.0  # there was a log q to add
+    assert torch.equal(load_file(out / "model.safetensors")["cls.predictions.bias"], state["cls.predictions.decoder.bias"])
+    record = _head_bias_record(out)
+    assert not record["corrected"] and "full softmax (mlm)" in record["note"]
+    assert "full softmax (mlm) and with sampled negatives (mlm-nce)" in (out / "README.md").read_text()
+
+
+def test_the_command_states_the_head_bias_decision(trained_runs, tmp_path, capsys):
+    """The printed summary carries `mlm_head_bias`; an uncorrected NCE head is also a note on stderr."""
+    from pipeline.export.convert import main as convert_main
+
+    assert convert_main([str(trained_runs("zero2-2ranks-mlm-capt-mlmnce").checkpoints), str(tmp_path / "hf")]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out.strip().splitlines()[-1])
+    assert summary["mlm_head_bias"]["corrected"] is False and "model.safetensors" in summary["files"]
+    assert "note: the MLM head was trained by a full softmax (mlm)" in captured.err
+    assert convert_main([str(trained_runs("zero3-1rank-mlmnce").checkpoints), str(tmp_path / "hf3")]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out.strip().splitlines()[-1])["mlm_head_bias"]["corrected"] is True
+    assert "note:" not in captured.err

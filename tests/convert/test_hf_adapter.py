@@ -109,3 +109,75 @@ def test_import_from_bert_for_pretraining_with_legacy_layernorm_names():
     with torch.no_grad():
         theirs = hf(input_ids=ids, attention_mask=mask).prediction_logits
     torch.testing.assert_close(_our_logits(ours, ids, mask), theirs, rtol=1e-5, atol=1e-5)
+
+
+# ---- the MLM head trained with sampled negatives: exported as p(v | c) ∝ q(v) exp s(v, c) ----------
+
+def _nce(objectives, options=None, counts_seed=0):
+    import numpy as np
+
+    from pipeline.model.build import fill_unigram_tensors
+
+    encoder = build_encoder_config("tiny", vocab_size=61, max_position=24)
+    model = build_pretrain_model(encoder, objectives, SPECIAL, options or {}, seed=2, kernels="torch").eval()
+    with torch.no_grad():  # a trained-looking bias, so "unchanged" and "corrected" cannot coincide
+        model.cls.predictions.decoder.bias.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(1))
+    counts = np.random.RandomState(counts_seed).zipf(1.5, 61).clip(max=5000)
+    fill_unigram_tensors(model, counts, output_biases=False)
+    return model
+
+
+def test_an_nce_only_head_is_exported_as_the_masked_lm_its_scores_imply():
+    from pipeline.export.hf_adapter import split_for_hf
+
+    model = _nce({"mlm-nce": 1.0, "infoword": 1.0})
+    state = model.state_dict()
+    log_q = state["objectives.mlm-nce.sampler.log_proposal"]
+    assert log_q.std() > 1.0
+    export = split_for_hf(model, state)
+    assert export.head_bias.corrected and export.head_bias.objectives == {"mlm-nce": "sampled_softmax",
+                                                                          "infoword": "sampled_softmax"}
+    assert torch.equal(export.main["cls.predictions.bias"], state["cls.predictions.decoder.bias"] + log_q)
+    assert torch.equal(state["cls.predictions.decoder.bias"], model.cls.predictions.decoder.bias)  # state untouched
+    assert not any(k.endswith("log_proposal") for k in export.dropped_buffers)  # folded into the bias
+    hf = _hf()
+    hf.load_state_dict(export.main, strict=False)
+    hf.tie_weights()
+    ids, mask = _batch()
+    with torch.no_grad():
+        theirs = hf(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(theirs, _our_logits(model, ids, mask) + log_q, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("objectives, options, corrected, note", [
+    ({"mlm-nce": 1.0}, {"mlm-nce": {"negatives": "uniform"}}, True, "q is uniform"),
+    ({"mlm": 1.0, "mlm-nce": 1.0}, {}, False, "full softmax (mlm) and with sampled negatives (mlm-nce)"),
+    ({"mlm-nce": 1.0, "infoword": 1.0}, {"mlm-nce": {"negatives": "uniform"}}, False, "different log q"),
+    ({"mlm": 1.0, "capt": 1.0}, {}, None, None),
+    ({"mlm": 0.0, "mlm-nce": 1.0}, {}, True, "trained with sampled negatives (mlm-nce;"),  # mlm trains nothing
+])
+def test_the_head_bias_is_corrected_only_where_one_masked_lm_is_implied(objectives, options, corrected, note):
+    """Uniform negatives: log q = 0 (no change). A full softmax on the same head, or NCE objectives with
+    different proposals: not corrected, and said so. No NCE objective: nothing to say. An objective of
+    weight 0 trains nothing."""
+    from pipeline.export.hf_adapter import split_for_hf
+
+    model = _nce(objectives, options)
+    state = model.state_dict()
+    export = split_for_hf(model, state)
+    log_q = state["objectives.mlm-nce.sampler.log_proposal"] if corrected else 0.0
+    assert torch.equal(export.main["cls.predictions.bias"], state["cls.predictions.decoder.bias"] + log_q)
+    if corrected is None:
+        assert export.head_bias is None
+        return
+    assert export.head_bias.corrected is corrected and note in export.head_bias.note
+
+
+def test_a_checkpoint_without_log_q_converts_as_before_with_a_note():
+    from pipeline.export.hf_adapter import split_for_hf
+
+    model = _nce({"mlm-nce": 1.0})
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith("log_proposal")}
+    export = split_for_hf(model, state)
+    assert not export.head_bias.corrected and "predates" in export.head_bias.note
+    assert torch.equal(export.main["cls.predictions.bias"], state["cls.predictions.decoder.bias"])

@@ -91,3 +91,20 @@ def test_the_segment_b_recommendation_runs(bert_dir):
     exec(SEGMENT_B_SNIPPET.replace("path/to/this/directory", str(bert_dir)), scope)
     types = scope["model"].bert.embeddings.token_type_embeddings.weight
     assert types.shape[0] == 2 and bool((types[1] == types[0]).all())
+
+
+def test_card_says_what_the_mlm_head_computes_when_nce_trained_it():
+    from pipeline.export.hf_adapter import HeadBiasCorrection
+
+    meta = _meta(objectives={"mlm-nce": 1.0})
+    inputs = CardInputs("step_00000030", "fp32 master weights")
+    fixed = HeadBiasCorrection(True, "the MLM head was trained with sampled negatives (mlm-nce; ...)",
+                               {"mlm-nce": "sampled_softmax"}, ["objectives.mlm-nce.sampler.log_proposal"])
+    card = render_model_card(meta, HFExport({}, None, {}, head_bias=fixed), inputs, False)
+    section = card.split("## Masked-LM head")[1].split("##")[0]
+    assert "The MLM head was trained with sampled negatives (mlm-nce" in section
+    assert "p(v | c) ∝ q(v) exp s(v, c), i.e. cls.predictions.bias = trained bias + log q(v)" in section
+    kept = HeadBiasCorrection(False, "the MLM head was trained by a full softmax (mlm) and ...", {"mlm": "full_softmax"})
+    card = render_model_card(meta, HFExport({}, None, {}, head_bias=kept), inputs, False)
+    assert "The MLM head was trained by a full softmax (mlm)" in card and "Formula" not in card
+    assert "## Masked-LM head" not in _card(_meta())  # no NCE objective: nothing to say

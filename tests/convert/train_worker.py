@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
     from pipeline.config.run import check_run, load_config
     from pipeline.distributed import discover
     from pipeline.model.build import build_pretrain_model
+    from pipeline.objectives.mlm_nce import log_proposal_samplers
     from pipeline.train.checkpoint import CHECKPOINT_DIR, load_checkpoint, plan_resume, read_latest
     from pipeline.train.engine import build_deepspeed_config
     from pipeline.train.loop import main as train_main
@@ -83,6 +84,11 @@ def main(argv: list[str]) -> int:
         objective_params = dict(model.objectives.named_parameters())
         with deepspeed.zero.GatheredParameters(list(objective_params.values()), enabled=plan.zero_stage == 3):
             out["objective_params"] = {f"objectives.{k}": p.detach().clone() for k, p in objective_params.items()}
+        bias = model.cls.predictions.decoder.bias
+        with deepspeed.zero.GatheredParameters([bias], enabled=plan.zero_stage == 3):
+            out["head_bias"] = bias.detach().clone()
+        # NCE log q as the resume path restored it (the model above was built with zeros there)
+        out["log_proposals"] = {f"{k}.log_proposal": s.log_proposal.clone() for k, s in log_proposal_samplers(model).items()}
     if world.is_main:
         torch.save(out, reference_file)
     return 0

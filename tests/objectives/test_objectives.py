@@ -1,10 +1,12 @@
 """Objectives inside `PretrainModel`: they learn, the right parameters get gradients (and COCO-LM's
-sampling none), bf16 stays finite at tau 0.05, combinations share passes, and no vocabulary-sized
-logits exist for unselected positions."""
+sampling none), bf16 stays finite at tau 0.05, combinations share passes, no vocabulary-sized
+logits exist for unselected positions, the NCE samplers hold log q outside the loss, and each
+objective declares how it trains the MLM head."""
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -361,3 +363,70 @@ def test_cocolm_copy_loss_counts_non_pad_positions_only():
     wide["span_index"] = F.pad(batch["span_index"], (0, 8), value=-1)
     model_wide = tiny_model({"cocolm": 1.0}, dropout=0.0, attention_dropout=0.0)
     assert model_wide(wide)[1]["cocolm/copy_loss"].item() == pytest.approx(metrics["cocolm/copy_loss"].item(), rel=1e-5)
+
+
+# ---- the NCE head's log q (`log_proposal`) and how each objective trains the MLM head -------------
+
+def _counts(seed: int = 0) -> np.ndarray:
+    counts = np.random.RandomState(seed).zipf(1.5, VOCAB).clip(max=10_000)
+    counts[:5] = 0  # special ids, as `unigram_counts` leaves them
+    return counts
+
+
+def _nce_model(options: dict):
+    from pipeline.model.build import fill_unigram_tensors
+
+    model = tiny_model({"mlm-nce": 1.0, "infoword": 1.0}, options, dropout=0.0, attention_dropout=0.0)
+    fill_unigram_tensors(model, _counts(), output_biases=False)
+    return model
+
+
+def test_nce_samplers_hold_log_q_as_a_persistent_float32_buffer_outside_the_loss():
+    from pipeline.model.build import unigram_bias
+
+    model = _nce_model({"mlm-nce": {"num_negatives": 16, "negatives": "uniform"}, "infoword": {"num_negatives": 16}})
+    state = model.state_dict()
+    log_q = unigram_bias(_counts())
+    assert log_q.std() > 1.0  # frequent and rare ids far apart: not a no-op
+    assert torch.equal(state["objectives.infoword.sampler.log_proposal"], log_q)  # unigram pool: log q
+    assert state["objectives.mlm-nce.sampler.log_proposal"].dtype == torch.float32
+    assert not state["objectives.mlm-nce.sampler.log_proposal"].any()  # uniform pool: q constant
+    assert not model.cls.predictions.decoder.bias.detach().any()  # log q is not an output bias
+    # the loss is the paper's: log q does not enter it (same batch, same stream, with and without it)
+    batch = make_batch(seed=3)
+    loss, metrics = model(batch, sampling_seed=11)
+    for sampler in (model.objectives["mlm-nce"].sampler, model.objectives["infoword"].sampler):
+        sampler.log_proposal.zero_()
+    loss_without, metrics_without = model(batch, sampling_seed=11)
+    assert torch.equal(loss, loss_without) and metrics == metrics_without
+
+
+def test_a_checkpoint_from_before_log_q_still_loads_strictly():
+    """A run written before the buffer existed resumes: the buffer keeps the value the run model was
+    built with; every other key is still checked strictly."""
+    model = _nce_model({})
+    built = model.objectives["mlm-nce"].sampler.log_proposal.clone()
+    old = {k: v for k, v in tiny_model({"mlm-nce": 1.0, "infoword": 1.0}, seed=5).state_dict().items()
+           if not k.endswith("log_proposal")}
+    model.load_state_dict(old, strict=True)
+    assert torch.equal(model.objectives["mlm-nce"].sampler.log_proposal, built) and built.any()
+    assert torch.equal(model.bert.embeddings.word_embeddings.weight, old["bert.embeddings.word_embeddings.weight"])
+    del old["cls.predictions.decoder.bias"]
+    with pytest.raises(RuntimeError, match="cls.predictions.decoder.bias"):
+        model.load_state_dict(old, strict=True)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_objectives_declare_how_they_train_the_mlm_head(name):
+    """`Objective.mlm_head` (read by conversion) matches what the objective does: it is set exactly when
+    the objective calls the shared MLM head, and says sampled softmax exactly for the NCE objectives."""
+    from pipeline.objectives.base import FULL_SOFTMAX, SAMPLED_SOFTMAX
+
+    model = tiny_model({name: 1.0}, FAST)
+    calls = []
+    model.cls.register_forward_hook(lambda *_: calls.append(1))
+    model(make_batch())
+    declared = OBJECTIVES[name].mlm_head
+    assert (declared is not None) == bool(calls), f"{name}: mlm_head={declared!r}, head called {len(calls)} times"
+    assert declared == {"mlm-nce": SAMPLED_SOFTMAX, "infoword": SAMPLED_SOFTMAX}.get(
+        name, FULL_SOFTMAX if calls else None)

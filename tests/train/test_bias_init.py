@@ -1,4 +1,6 @@
-"""`model.mlm_bias_init=unigram`: the vocabulary output biases start at the shards' log unigram frequencies."""
+"""The model's unigram-derived tensors (`pipeline.model.build.fill_unigram_tensors`):
+`model.mlm_bias_init=unigram` starts the vocabulary output biases at the shards' log unigram frequencies,
+and the NCE objectives' log q (`log_proposal`) holds the same values for the whole run."""
 from __future__ import annotations
 
 import numpy as np
@@ -11,6 +13,7 @@ from pipeline.data.reader import ShardDataset
 from pipeline.eval.health import unigram_counts
 from pipeline.model.build import unigram_bias
 from pipeline.train.loop import build_run_model
+from tests.train.runs import metric_rows, module_state, run_inprocess, tag_dir
 
 
 def test_unigram_bias_is_the_centred_log_of_the_smoothed_frequencies():
@@ -44,3 +47,28 @@ def test_a_fresh_start_sets_every_vocabulary_bias_and_a_resume_does_not(tiny_sha
 def test_an_unknown_value_is_a_config_error(tiny_shards_dir):
     with pytest.raises(ConfigError, match="model.mlm_bias_init='log'"):
         _cfg(tiny_shards_dir, "log")
+
+
+def test_nce_log_q_is_the_shards_log_unigram_frequency_and_no_output_bias(tiny_shards_dir):
+    expected = unigram_bias(unigram_counts(ShardDataset(tiny_shards_dir)))
+    cfg = load_config("tiny-infoword", [f"data.shards_dir={tiny_shards_dir}"])
+    plan = check_run(cfg, 1, False)
+    for warm_start in (True, False):  # resuming, the checkpoint's value replaces it (below); older ones have none
+        model = build_run_model(cfg, plan, warm_start=warm_start)
+        assert torch.equal(model.objectives["infoword"].sampler.log_proposal, expected)
+        assert not model.cls.predictions.decoder.bias.detach().any()  # model.mlm_bias_init=zero still holds
+
+
+def test_nce_log_q_is_set_at_a_fresh_start_and_the_same_after_a_resume(tiny_shards_dir, tmp_path):
+    """A fresh 2-step `mlm-nce` run checkpoints log q = unigram_bias(unigram_counts(shards)); a run
+    resumed from its step 1 writes the same at step 2 (and repeats step 2 bit for bit)."""
+    steps = ["train.total_steps=2", "optim.warmup_steps=1", "train.checkpoint_every=1", "train.keep_last=2"]
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    assert run_inprocess("tiny-mlm-nce", tiny_shards_dir, full, *steps) == 0
+    assert run_inprocess("tiny-mlm-nce", tiny_shards_dir, resumed, *steps, f"train.resume={tag_dir(full, 1)}") == 0
+    expected = unigram_bias(unigram_counts(ShardDataset(tiny_shards_dir)))
+    key = "objectives.mlm-nce.sampler.log_proposal"
+    for tag in (tag_dir(full, 1), tag_dir(full, 2), tag_dir(resumed, 2)):
+        saved = module_state(tag)[key]
+        assert saved.dtype == torch.float32 and torch.equal(saved, expected), tag
+    assert metric_rows(resumed)[2] == metric_rows(full)[2]
