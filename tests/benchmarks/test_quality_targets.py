@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.quality_targets import EvalPoint, first_reaching, mean_curve, seed_time_to_target, time_to_target
 from benchmarks.report import line_chart
-from benchmarks.stats import format_ci, mean_ci, t_quantile
+from benchmarks.stats import difference_ci, format_ci, mean_ci, t_quantile
 
 
 def curve(values: list[float], metric: str = "acc", hours_per_step: float = 0.01) -> list[EvalPoint]:
@@ -90,3 +90,17 @@ def test_line_chart_draws_bands_and_reference_lines(tmp_path: Path) -> None:
     line_chart({"mlm": [(1.0, 0.2, 0.1, 0.3), (2.0, 0.4, None, None)], "taco": [(1.0, 0.3)]}, path, "t", "hours",
                "acc", hline=(0.3, "target"), hlines=[(0.25, "random init")])
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_welch_difference_interval_matches_a_hand_computation() -> None:
+    a, b = [0.705, 0.711, 0.683], [0.493, 0.708, 0.667]
+    va, vb = 0.000217333 / 3, 0.013030333 / 3  # sample variances / n, computed by hand
+    nu = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 2)  # 2.07 -> 2 degrees of freedom
+    ci = difference_ci(a, b)
+    assert ci["df"] == math.floor(nu) == 2
+    assert ci["mean"] == pytest.approx(sum(a) / 3 - sum(b) / 3)
+    assert ci["half_width"] == pytest.approx(t_quantile(0.95, 2) * math.sqrt(va + vb), rel=1e-5)
+    assert ci["lo"] < 0 < ci["mean"]  # the study's floor spreads too widely for its gain to count
+    assert difference_ci([0.8, 0.81, 0.79], [0.5, 0.51, 0.49])["lo"] > 0.25
+    single = difference_ci(a, [0.5])
+    assert single["mean"] == pytest.approx(sum(a) / 3 - 0.5) and single["lo"] is None
