@@ -11,8 +11,10 @@ tokenizer; `benchmarks.ttq_eval.heldout_metrics`):
   trained on, fresh masks: the plateau in the corpus's own domain; `corpus_*`),
 
 beside the training-time health metrics of the run's last logged step (`health/token_cosine`,
-`*/positive_cosine`) and the number of logged steps flagged `health/collapsed`. Writes
-`<out>/demo_health.{json,md}` with the device, versions and command.
+`*/positive_cosine`) and the number of logged steps flagged `health/collapsed`. `--seeds` repeats
+each objective with other demo seeds (a recipe at the edge of collapse shows it on some seeds
+only). Writes `<out>/demo_health.{json,md}` with the device, versions and command; the demo outputs
+stay in `<work>/seed_<seed>/<objective>` (a finished one is reused).
 """
 from __future__ import annotations
 
@@ -31,17 +33,17 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable f
 from benchmarks.bench_throughput import parse_list  # noqa: E402
 
 
-def measure(objective: str, args: argparse.Namespace, work: Path) -> dict:
-    """One demo run and its health numbers (cached in `<work>/<objective>/health.json`)."""
+def measure(objective: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
+    """One demo run and its health numbers (cached in `<work>/seed_<seed>/<objective>.health.json`)."""
     from benchmarks.ttq_eval import cached, heldout_metrics, top_token_of
     from data_prep.build_shards import build_shards
     from demo.run import main as demo_main
     from pipeline.train.metrics import read_jsonl
 
-    out = work / objective
+    out = work / f"seed_{seed}" / objective
 
     def run() -> dict:
-        argv = ["--objective", objective, "--out", str(out), "--seed", str(args.seed), *shlex.split(args.demo_args)]
+        argv = ["--objective", objective, "--out", str(out), "--seed", str(seed), *shlex.split(args.demo_args)]
         if args.steps:
             argv += ["--steps", str(args.steps)]
         if demo_main(argv) != 0:
@@ -72,7 +74,7 @@ def measure(objective: str, args: argparse.Namespace, work: Path) -> dict:
                 "corpus_unigram_acc": m["unigram_acc"]}
 
     row = cached(out.parent / f"{objective}.health.json", run)
-    return {**row, **cached(out.parent / f"{objective}.corpus.json", in_domain)}
+    return {"objective": objective, "seed": seed, **row, **cached(out.parent / f"{objective}.corpus.json", in_domain)}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -82,9 +84,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.demo_health", description=__doc__.split("\n\n")[0])
     p.add_argument("--heldout", required=True, help="held-out text (e.g. WikiText-2 test)")
-    p.add_argument("--objectives", default="mlm,taco,capt,cocolm,infoword")
+    p.add_argument("--objectives", default="all", help="comma-separated, or all (default: every objective the "
+                   "demo offers)")
     p.add_argument("--steps", type=int, default=0, help=f"demo steps (default: the demo's own, {DEFAULT_STEPS})")
-    p.add_argument("--seed", type=int, default=1234, help="the demo's --seed (its default: 1234)")
+    p.add_argument("--seeds", default="1234", help="the demo's --seed, one run per seed (comma-separated; "
+                   "default: the demo's own, 1234)")
     p.add_argument("--eval-sequences", type=int, default=512)
     p.add_argument("--demo-args", default="", help='further demo.run arguments (e.g. "--corpus DIR"; default: none)')
     p.add_argument("--work", required=True, help="demo outputs (one directory per objective; finished ones are reused)")
@@ -93,7 +97,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not Path(args.heldout).is_file():
         print(f"error: --heldout {args.heldout}: not a file", file=sys.stderr)
         return 2
-    objectives = parse_list(args.objectives)
+    objectives = demo_objectives() if args.objectives == "all" else parse_list(args.objectives)
+    try:
+        seeds = [int(s) for s in parse_list(args.seeds)]
+    except ValueError:
+        print(f"error: --seeds {args.seeds!r}: comma-separated integers", file=sys.stderr)
+        return 2
     unknown = sorted(set(objectives) - set(demo_objectives()))
     if unknown:
         print(f"error: --objectives {unknown}: the demo offers {demo_objectives()}", file=sys.stderr)
@@ -103,16 +112,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     try:
-        rows = [measure(o, args, work) for o in objectives]
+        rows = [measure(o, seed, args, work) for seed in seeds for o in objectives]
     except (RuntimeError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     notes = [f"demo recipe: tiny-<objective> + {' '.join(DEMO_OVERRIDES)}, {args.steps or DEFAULT_STEPS} steps, "
-             f"seed {args.seed}, {('demo arguments ' + args.demo_args) if args.demo_args else 'default corpus'}",
+             f"seeds {seeds}, {('demo arguments ' + args.demo_args) if args.demo_args else 'default corpus'}",
              f"held-out: {args.heldout} with each demo's tokenizer; {args.eval_sequences} sequences; collapsed = "
              f"mean token cosine > {COLLAPSE_COSINE}; unigram_acc = always answering the demo corpus's most "
              "frequent token at the same masked positions",
-             f"collapsed runs: {[r['objective'] for r in rows if r['collapsed']] or 'none'}"]
+             f"collapsed runs: {[(r['objective'], r['seed']) for r in rows if r['collapsed']] or 'none'}"]
     paths = write_report("demo_health", rows, args.out, "Demo recipe health, every objective", notes=notes,
                          extra={"wall_seconds": round(time.perf_counter() - started, 1)})
     print("\n".join(notes))

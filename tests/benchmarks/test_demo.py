@@ -83,7 +83,9 @@ def test_demo_health_measures_the_real_demo_and_reuses_finished_objectives(tmp_p
     assert row["objective"] == "mlm" and row["steps"] == 2 and row["logged_steps"] >= 1
     assert -1.0 <= row["heldout_token_cosine"] <= 1.0 and row["collapsed"] == (row["heldout_token_cosine"] > 0.9)
     assert row["acc_minus_unigram"] == pytest.approx(row["heldout_mlm_acc"] - row["unigram_acc"])
-    demo_json = tmp_path / "work" / "mlm" / SUMMARY_FILE
+    assert row["seed"] == 1234  # the demo's own default seed
+    demo_json = tmp_path / "work" / "seed_1234" / "mlm" / SUMMARY_FILE
     stamp = demo_json.stat().st_mtime_ns
     assert health_main(argv) == 0 and demo_json.stat().st_mtime_ns == stamp  # finished: not re-run
     assert health_main([*argv[:2], "--objectives", "nope", *argv[4:]]) == 2
+    assert health_main([*argv, "--seeds", "1,x"]) == 2
