@@ -211,7 +211,8 @@ def write_study_report(study: dict, args, data_notes: list[str], out: Path, extr
              "seed; a mean is given only when every seed reached it",
              "device_hours = summed training step time x world size (no start-up, evaluation or checkpoint time)",
              "held-out MLM favours MLM-style heads (COCO-LM's main model never sees [MASK]; InfoWord and BERT-NCE "
-             "train a sampled softmax); SST-2 is the comparison that is fair to every objective",
+             "train a sampled softmax, read here through the head conversion exports: scores + log q); SST-2 is the "
+             "comparison that is fair to every objective",
              *data_notes]
     rows = summary_rows(study, curves, floor)
     targets = target_rows(curves, health)
