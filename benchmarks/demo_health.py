@@ -13,8 +13,8 @@ tokenizer; `benchmarks.ttq_eval.heldout_metrics`):
 beside the training-time health metrics of the run's last logged step (`health/token_cosine`,
 `*/positive_cosine`) and the number of logged steps flagged `health/collapsed`. `--seeds` repeats
 each objective with other demo seeds (a recipe at the edge of collapse shows it on some seeds
-only). Writes `<out>/demo_health.{json,md}` with the device, versions and command; the demo outputs
-stay in `<work>/seed_<seed>/<objective>` (a finished one is reused).
+only). Writes `<out>/<name>.{json,md}` (default `demo_health`) with the device, versions and
+command; the demo outputs stay in `<work>/seed_<seed>/<objective>` (a finished one is reused).
 """
 from __future__ import annotations
 
@@ -93,6 +93,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--demo-args", default="", help='further demo.run arguments (e.g. "--corpus DIR"; default: none)')
     p.add_argument("--work", required=True, help="demo outputs (one directory per objective; finished ones are reused)")
     p.add_argument("--out", default="benchmarks/results", help="report directory")
+    p.add_argument("--name", default="demo_health", help="report file stem (default: demo_health)")
     args = p.parse_args(argv)
     if not Path(args.heldout).is_file():
         print(f"error: --heldout {args.heldout}: not a file", file=sys.stderr)
@@ -122,7 +123,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              f"mean token cosine > {COLLAPSE_COSINE}; unigram_acc = always answering the demo corpus's most "
              "frequent token at the same masked positions",
              f"collapsed runs: {[(r['objective'], r['seed']) for r in rows if r['collapsed']] or 'none'}"]
-    paths = write_report("demo_health", rows, args.out, "Demo recipe health, every objective", notes=notes,
+    paths = write_report(args.name, rows, args.out, "Demo recipe health", notes=notes,
                          extra={"wall_seconds": round(time.perf_counter() - started, 1)})
     print("\n".join(notes))
     print(f"wrote {paths['json']} and {paths['md']}")
