@@ -92,8 +92,7 @@ def difference_ci(a: Iterable[Optional[float]], b: Iterable[Optional[float]], co
     run of a random model says nothing about how much random models vary."""
     xs = [float(v) for v in a if v is not None and not math.isnan(float(v))]
     ys = [float(v) for v in b if v is not None and not math.isnan(float(v))]
-    out = {"mean": None, "lo": None, "hi": None, "half_width": None, "df": None, "n": (len(xs), len(ys)),
-           "missing": 0}
+    out = {"mean": None, "lo": None, "hi": None, "half_width": None, "df": None, "n": (len(xs), len(ys))}
     if not xs or not ys:
         return out
     out["mean"] = statistics.fmean(xs) - statistics.fmean(ys)

@@ -196,7 +196,7 @@ def downstream_at(key: RunKey, step: int, data: StudyData, args, work: Path, fin
     def one_seed(seed: int) -> dict:
         return cached(point / f"seed_{seed}.json", lambda: finetune_sst2(
             run_dir / "hf" / f"step_{step}", data.sst2_dir, data.select_file, args,
-            point / f"seed_{seed}.finetune.json", with_test=final_test, random_init=random_init, seeds=[seed]))
+            point / f"seed_{seed}.finetune.json", [seed], with_test=final_test, random_init=random_init))
 
     return merge_finetune_summaries([one_seed(seed) for seed in args.finetune_seeds])
 

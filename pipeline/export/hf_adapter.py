@@ -39,6 +39,7 @@ from pipeline.model.heads import PredictionHeadTransform
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.objectives.base import SAMPLED_SOFTMAX
 from pipeline.objectives.mlm_nce import LOG_PROPOSAL, log_proposal_samplers
+from pipeline.objectives.registry import mlm_head_training
 
 #: HF ties these to other tensors; they are never written (safetensors refuses shared storage).
 _HF_TIED = ("cls.predictions.decoder.weight",)
@@ -277,8 +278,8 @@ def head_bias_correction(model: PretrainModel, state: Mapping[str, Tensor]) -> O
     corrected, with the reason as the note, when a full-softmax objective trains the same head (its
     scores are then a mix of a masked LM's logits and log p - log q), when the checkpoint has no
     log q (written before the buffer existed), or when the NCE objectives' log q differ."""
-    training = {name: type(obj).mlm_head for name, obj in model.objectives.items()
-                if type(obj).mlm_head and model.weights.get(name, 1.0) != 0}  # a zero weight trains nothing
+    training = {name: how for name, how in mlm_head_training(model.objectives).items()
+                if model.weights.get(name, 1.0) != 0}  # a zero weight trains nothing
     sampled = sorted(n for n, how in training.items() if how == SAMPLED_SOFTMAX)
     if not sampled:
         return None
