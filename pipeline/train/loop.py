@@ -48,7 +48,8 @@ from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.eval.health import CollapseMonitor, unigram_counts
 from pipeline.model.build import build_pretrain_model
 from pipeline.model.pretrainer import PretrainModel
-from pipeline.objectives.base import StepProgress
+from pipeline.objectives.base import SAMPLED_SOFTMAX, StepProgress
+from pipeline.objectives.registry import mlm_head_training
 from pipeline.train.checkpoint import (
     CHECKPOINT_DIR,
     CheckpointError,
@@ -146,10 +147,11 @@ def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> P
     (and, `warm_start`, i.e. not resuming, with `model.mlm_bias_init=unigram`, the output biases from
     the shards' token frequencies), then (`warm_start`) from `model.init_from`'s weights when set.
 
-    The shards' token counts (a bounded row sample, `unigram_counts`) are read once, here: they give the
-    model's `health_top_token` (the unigram plateau of `health/unigram_accuracy`), the output biases
-    when asked, and an NCE objective's log q (`log_proposal`, `pipeline.objectives.mlm_nce`), which is
-    filled on a resume too: the
+    The shards' token counts (a bounded row sample, `unigram_counts`) are read here when either the
+    output biases or an NCE objective's log q (`log_proposal`, `pipeline.objectives.mlm_nce`) need
+    them, without the hash check: this runs before the process group exists, and `start` checks every
+    shard's bytes (`open_dataset`, a clear error on every rank) before any step. log q is filled on a
+    resume too: the
     checkpoint's value then replaces it (persistent buffer). Where the checkpoint gives none (a run from
     before the buffer, or DeepSpeed's universal loading, which restores parameters only) it stays the
     value computed here: the one the run started with, as long as the shards are the same (a changed
@@ -157,16 +159,16 @@ def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> P
     manifest = plan.manifest
     encoder_config = cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)
     bias_init = cfg.model.mlm_bias_init if warm_start else "zero"  # a resume loads its biases
-    from pipeline.data.reader import ShardDataset
+    counts = None
+    if bias_init == "unigram" or SAMPLED_SOFTMAX in mlm_head_training(cfg.objectives).values():
+        from pipeline.data.reader import ShardDataset
 
-    counts = unigram_counts(ShardDataset(cfg.data.shards_dir))
-    model = build_pretrain_model(encoder_config, cfg.objectives, manifest.special_tokens, cfg.objective_options,
-                                 seed=cfg.train.seed, kernels=cfg.model.kernels,
-                                 init_from=cfg.model.init_from if warm_start else None,
-                                 attention=cfg.model.attention, compile_layers=cfg.model.compile,
-                                 unigram_counts=counts, mlm_bias_init=bias_init)
-    model.health_top_token = int(counts.argmax())
-    return model
+        counts = unigram_counts(ShardDataset(cfg.data.shards_dir, verify=False))
+    return build_pretrain_model(encoder_config, cfg.objectives, manifest.special_tokens, cfg.objective_options,
+                                seed=cfg.train.seed, kernels=cfg.model.kernels,
+                                init_from=cfg.model.init_from if warm_start else None,
+                                attention=cfg.model.attention, compile_layers=cfg.model.compile, unigram_counts=counts,
+                                mlm_bias_init=bias_init)
 
 
 def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = None,
@@ -257,6 +259,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dataset = open_dataset(cfg.data.shards_dir, cfg.data.verify_shards)  # every rank checks the shards' bytes
+    # the unigram plateau (`health/unigram_accuracy`): the most frequent token of a bounded row sample
+    model.health_top_token = int(unigram_counts(dataset).argmax())
 
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))

@@ -39,7 +39,10 @@ def test_every_shard_has_its_xxh3_hash_in_the_manifest(tiny_shards_dir):
     assert all(s.xxh3_64 == xxh3_file(tiny_shards_dir / s.name) and len(s.xxh3_64) == 16 for s in manifest.shards)
 
 
-def test_a_flipped_byte_stops_training_before_any_compute(tiny_shards_dir, tmp_path, capsys):
+# The two others read a row sample of the shards while the model is built (before the hash check).
+@pytest.mark.parametrize("preset, extra", [("tiny-mlm", ()), ("tiny-mlm-nce", ()),
+                                           ("tiny-mlm", ("model.mlm_bias_init=unigram",))])
+def test_a_flipped_byte_stops_training_before_any_compute(tiny_shards_dir, tmp_path, capsys, preset, extra):
     shards = _copy(tiny_shards_dir, tmp_path)
     victim = shards / read_manifest(shards).shards[1].name
     _flip_a_byte(victim)
@@ -48,7 +51,7 @@ def test_a_flipped_byte_stops_training_before_any_compute(tiny_shards_dir, tmp_p
     ShardDataset(shards, verify=False).open()  # data.verify_shards=false: no full read (sizes and rows still checked)
 
     out = tmp_path / "run"
-    assert run_inprocess("tiny-mlm", shards, out, "train.total_steps=3") == 2
+    assert run_inprocess(preset, shards, out, "train.total_steps=3", *extra) == 2
     err = capsys.readouterr().err
     assert f"data.shards_dir={shards}: {victim}: its xxh3-64 hash differs" in err and "nothing was computed" in err
     assert "data.verify_shards=false skips this check" in err
