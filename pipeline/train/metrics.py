@@ -61,7 +61,7 @@ def mlm_step_flops(batch: int, seq: int, hidden: int, ffn: int, layers: int, pre
 
     (N predicted rows, V vocabulary; backward = 2x forward). What `FlopCounter` counts for an MLM
     step of our model; applied to any implementation of the same model (the Hugging Face baseline
-    of `benchmarks/bench_throughput.py`), it gives MFU on the same useful work.
+    of `benchmarks/throughput/bench_throughput.py`), it gives MFU on the same useful work.
     """
     return 3.0 * (layers * layer_forward_flops(batch, seq, hidden, ffn) + 2.0 * predicted * hidden * hidden
                   + 2.0 * predicted * hidden * vocab)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_throughput import (
+from benchmarks.throughput.bench_throughput import (
     MFU_FORMULA,
     BenchCase,
     add_hf_ratios,
@@ -18,7 +18,7 @@ from benchmarks.bench_throughput import (
     summarize_records,
     train_overrides,
 )
-from benchmarks.synthetic_shards import SPECIAL_TOKENS, write_synthetic_shards
+from benchmarks.data.synthetic_shards import SPECIAL_TOKENS, write_synthetic_shards
 from pipeline.config.run import load_config
 
 REPO = Path(__file__).resolve().parents[2]

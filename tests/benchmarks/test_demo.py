@@ -65,7 +65,7 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
 
 @pytest.mark.timeout(300)
 def test_demo_health_measures_the_real_demo_and_reuses_finished_objectives(tmp_path: Path, monkeypatch) -> None:
-    from benchmarks.demo_health import main as health_main
+    from benchmarks.health.demo_health import main as health_main
 
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("PYTHONPATH", str(REPO))

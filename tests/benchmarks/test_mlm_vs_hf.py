@@ -1,4 +1,4 @@
-"""`benchmarks.mlm_vs_hf`: the real `pipeline.train` MLM and `BertForMaskedLM` in a plain loop agree step
+"""`benchmarks.throughput.mlm_vs_hf`: the real `pipeline.train` MLM and `BertForMaskedLM` in a plain loop agree step
 for step from the same weights and batches, and the comparison catches a real training difference."""
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.mlm_vs_hf import main
-from benchmarks.mlm_vs_hf_arms import agree, compare, recipe_overrides, run_pipeline, train_hf
+from benchmarks.throughput.mlm_vs_hf import main
+from benchmarks.throughput.mlm_vs_hf_arms import agree, compare, recipe_overrides, run_pipeline, train_hf
 
 STEPS = 5
 #: A model small enough for seconds on one core; dropout off (HF and our layers draw dropout masks

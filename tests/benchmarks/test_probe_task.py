@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.probe_task import main, scramble, sentences_from_text, word_order_task
+from benchmarks.quality.probe_task import main, scramble, sentences_from_text, word_order_task
 from pipeline.eval.glue import resolve_task
 
 WIKI_STYLE = [

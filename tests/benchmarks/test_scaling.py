@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.scaling import load_rows, main, scaling_rows
+from benchmarks.throughput.scaling import load_rows, main, scaling_rows
 
 BASE = dict(objective="mlm", preset="large", seq_len=128, zero=2, precision="bf16", micro_batch=32)
 

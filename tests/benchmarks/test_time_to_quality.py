@@ -8,12 +8,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.quality_targets import EvalPoint
-from benchmarks.time_to_quality import ALL_OBJECTIVES, parse_args
-from benchmarks.ttq_data import prepare_sst2, split_halves
-from benchmarks.ttq_eval import cached, heldout_metrics, merge_finetune_summaries, top_token_of
-from benchmarks.ttq_report import baseline_health, target_rows
-from benchmarks.ttq_study import RunKey, check_study_args, cumulative_hours, downstream_at, select_lrs, train_run
+from benchmarks.quality.quality_targets import EvalPoint
+from benchmarks.quality.time_to_quality import ALL_OBJECTIVES, parse_args
+from benchmarks.quality.ttq_data import prepare_sst2, split_halves
+from benchmarks.quality.ttq_eval import cached, heldout_metrics, merge_finetune_summaries, top_token_of
+from benchmarks.quality.ttq_report import baseline_health, target_rows
+from benchmarks.quality.ttq_study import RunKey, check_study_args, cumulative_hours, downstream_at, select_lrs, train_run
 
 
 def test_arguments_are_checked_before_any_work(tmp_path: Path, capsys) -> None:
@@ -151,7 +151,7 @@ def test_cached_results_are_not_recomputed(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_finished_run_is_skipped_on_a_rerun(tiny_shards_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from benchmarks.ttq_data import StudyData
+    from benchmarks.quality.ttq_data import StudyData
 
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)
@@ -225,8 +225,8 @@ def _check_heldout_against_direct(model_dir: Path, shards: Path, top: int, metri
 
 def test_namespace_fields_the_study_reads_exist() -> None:
     """`DEFINING_ARGS` names only real flags (a typo would silently drop a setting from the check)."""
-    from benchmarks.time_to_quality import build_parser
-    from benchmarks.ttq_study import DEFINING_ARGS
+    from benchmarks.quality.time_to_quality import build_parser
+    from benchmarks.quality.ttq_study import DEFINING_ARGS
 
     dests = {a.dest for a in build_parser()._actions if isinstance(a, argparse.Action)}
     assert set(DEFINING_ARGS) <= dests

@@ -1,10 +1,10 @@
-"""benchmarks.bench_prep runs end to end on a tiny corpus (a smoke test; timings are not checked)."""
+"""benchmarks.data.bench_prep runs end to end on a tiny corpus (a smoke test; timings are not checked)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from benchmarks.bench_prep import main
+from benchmarks.data.bench_prep import main
 from tests.fixtures_data import stdlib_documents, write_corpus
 
 

@@ -17,7 +17,7 @@ def test_small_mode_writes_report(tmp_path: Path) -> None:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
     ops = "linear_cross_entropy,token_contrastive_loss,sequence_contrastive_loss"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_kernels", "--small", "--device", "cpu", "--impls", "torch,triton",
+        [sys.executable, "-m", "benchmarks.kernels.bench_kernels", "--small", "--device", "cpu", "--impls", "torch,triton",
          "--ops", ops, "--warmup", "1", "--repeats", "1", "--out", str(tmp_path), "--name", "smoke"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
@@ -40,7 +40,7 @@ def test_small_mode_writes_report(tmp_path: Path) -> None:
 
 def test_full_shapes_are_refused_on_cpu(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_kernels", "--device", "cpu", "--out", str(tmp_path)],
+        [sys.executable, "-m", "benchmarks.kernels.bench_kernels", "--device", "cpu", "--out", str(tmp_path)],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and "use --small" in proc.stderr

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.bench_kernels import SHAPES, build_case
+from benchmarks.kernels.bench_kernels import SHAPES, build_case
 from pipeline.kernels import get_op
 from pipeline.objectives import functional
 

@@ -49,7 +49,7 @@ def test_unknown_mode_and_missing_kernel_are_refused():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_no_grad_calls_give_the_same_loss(name, device):
-    from benchmarks.bench_kernels import SHAPES, build_case
+    from benchmarks.kernels.bench_kernels import SHAPES, build_case
 
     case = name.removesuffix("_with_accuracy")  # the accuracy variant takes the plain op's inputs
     args, _, kwargs = build_case(case, SHAPES["small"], device, torch.float32)

@@ -33,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.bench_throughput import last_error_line
-from benchmarks.ttq_data import StudyData
-from benchmarks.ttq_eval import (cached, convert_once, finetune_sst2, heldout_metrics, merge_finetune_summaries,
+from benchmarks.throughput.bench_throughput import last_error_line
+from benchmarks.quality.ttq_data import StudyData
+from benchmarks.quality.ttq_eval import (cached, convert_once, finetune_sst2, heldout_metrics, merge_finetune_summaries,
                                  write_json)
 
 #: pipeline.train exit code of the non-finite loss guard (a run that diverged: recorded, not fatal).

@@ -11,7 +11,7 @@ Per-device micro-batch size stays fixed across the sweep (weak scaling: the glob
 with the world size), so 1.0 means perfect scaling and communication overhead shows up as < 1.
 
 CLI:
-    python -m benchmarks.scaling RESULT.json [RESULT.json ...] --out DIR [--name scaling]
+    python -m benchmarks.throughput.scaling RESULT.json [RESULT.json ...] --out DIR [--name scaling]
 """
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.report import line_chart, write_report  # noqa: E402
+from benchmarks.common.report import line_chart, write_report  # noqa: E402
 
 #: Row fields that identify one measured configuration across node counts.
 CONFIG_KEYS = ("objective", "preset", "seq_len", "zero", "precision", "micro_batch")

@@ -1,9 +1,9 @@
-"""Does the demo's default recipe collapse? `python -m benchmarks.demo_health --heldout TEXT --out DIR`.
+"""Does the demo's default recipe collapse? `python -m benchmarks.health.demo_health --heldout TEXT --out DIR`.
 
 For each objective this runs the demo exactly as a user does (`demo.run`, i.e. `bash
 scripts/demo.sh --objective X`: default corpus, `DEMO_OVERRIDES`, `DEFAULT_STEPS`), then measures
 the converted model on held-out text the demo never trained on (shards built with the demo's own
-tokenizer; `benchmarks.ttq_eval.heldout_metrics`):
+tokenizer; `benchmarks.quality.ttq_eval.heldout_metrics`):
 
 * mean token cosine of the last hidden states (eval mode; collapsed above `COLLAPSE_COSINE`),
 * held-out masked-LM accuracy against the unigram plateau at the same masked positions (the
@@ -28,14 +28,14 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_throughput import parse_list  # noqa: E402
+from benchmarks.throughput.bench_throughput import parse_list  # noqa: E402
 
 
 def measure(objective: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     """One demo run and its health numbers (cached in `<work>/seed_<seed>/<objective>.health.json`)."""
-    from benchmarks.ttq_eval import cached, heldout_metrics, top_token_of
+    from benchmarks.quality.ttq_eval import cached, heldout_metrics, top_token_of
     from data_prep.build_shards import build_shards
     from demo.run import main as demo_main
     from pipeline.train.metrics import read_jsonl
@@ -78,11 +78,11 @@ def measure(objective: str, seed: int, args: argparse.Namespace, work: Path) -> 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from benchmarks.report import write_report
+    from benchmarks.common.report import write_report
     from demo.run import DEFAULT_STEPS, DEMO_OVERRIDES, demo_objectives
     from pipeline.eval.health import COLLAPSE_COSINE
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.demo_health", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.health.demo_health", description=__doc__.split("\n\n")[0])
     p.add_argument("--heldout", required=True, help="held-out text (e.g. WikiText-2 test)")
     p.add_argument("--objectives", default="all", help="comma-separated, or all (default: every objective the "
                    "demo offers)")

@@ -1,4 +1,4 @@
-"""The two arms of `benchmarks.mlm_vs_hf`: our real training command and `BertForMaskedLM` in a plain loop.
+"""The two arms of `benchmarks.throughput.mlm_vs_hf`: our real training command and `BertForMaskedLM` in a plain loop.
 
 * `run_pipeline`: `python -m pipeline.train --config tiny-mlm <overrides>` in a child process (DeepSpeed
   ZeRO-1, exactly what a user runs), then `pipeline.export.convert` of its final checkpoint;
@@ -22,7 +22,7 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PRESET = "tiny-mlm"
 THRESHOLDS = (1e-5, 1e-4, 1e-3, 1e-2)
 WINDOWS = (10, 50)

@@ -9,13 +9,13 @@ process per configuration keeps peak memory per configuration and lets one failu
 memory) be recorded while the sweep goes on. MLM is measured in the same invocation, so
 `overhead_vs_mlm = step time / MLM's step time` compares runs taken side by side.
 
-    python benchmarks/bench_throughput.py --objectives mlm,taco,capt,cocolm,infoword --sizes tiny \\
+    python benchmarks/throughput/bench_throughput.py --objectives mlm,taco,capt,cocolm,infoword --sizes tiny \\
         --seq-lens 128 --zero 1 --precision fp32 --steps 10 --out benchmarks/results/cpu
-    python benchmarks/bench_throughput.py --sizes large --seq-lens 128,512 --precision bf16 \\
+    python benchmarks/throughput/bench_throughput.py --sizes large --seq-lens 128,512 --precision bf16 \\
         --micro-batch 32 --options paper --out results/h100            # one GPU, synthetic data
 
 Data: `--shards DIR` (repeatable; one directory per sequence length, e.g. built by
-`data_prep.build_shards`), otherwise synthetic shards (`benchmarks/synthetic_shards.py`,
+`data_prep.build_shards`), otherwise synthetic shards (`benchmarks/data/synthetic_shards.py`,
 vocabulary `--vocab-size`) written under `<out>/data/` - speed does not depend on token values.
 
 Objective options: `--options tiny` keeps the tiny presets' small settings (TACO 8 negatives,
@@ -27,12 +27,12 @@ Multi-rank / multi-node (the SLURM sweep, `slurm/bench.sbatch`): `--launcher` re
 in the training command, e.g. `--launcher "torchrun --nproc_per_node 2"` or
 `--launcher "srun --ntasks-per-node 8 slurm/run_rank.sh LOGDIR python3"`; `--world-size` (default
 `$SLURM_NTASKS` or 1) sets the global batch to micro x world size (weak scaling), `--nodes`
-(default `$SLURM_JOB_NUM_NODES` or 1) is recorded for `benchmarks/scaling.py`, which turns the
+(default `$SLURM_JOB_NUM_NODES` or 1) is recorded for `benchmarks/throughput/scaling.py`, which turns the
 JSON files of several node counts into scaling efficiency.
 
 Hugging Face baseline: `--hf-baseline` adds, per size x length x precision x micro-batch, a row
 `hf-bert`: `transformers.BertForMaskedLM` with SDPA attention in a plain torch loop with fused
-AdamW, on the same shards, micro-batches and precision (`benchmarks/hf_baseline.py`, one rank).
+AdamW, on the same shards, micro-batches and precision (`benchmarks/throughput/hf_baseline.py`, one rank).
 Every pipeline row then gets `vs_hf_bert` = its tokens/s / hf-bert's tokens/s, printed with the
 MFU formula (`MFU_FORMULA`) next to the table.
 
@@ -56,9 +56,9 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.report import bar_chart, write_report  # noqa: E402
+from benchmarks.common.report import bar_chart, write_report  # noqa: E402
 
 OPTIONS_MODES = ("tiny", "paper")
 HF_ROW = "hf-bert"
@@ -257,7 +257,7 @@ def resolve_shards(args: argparse.Namespace, out: Path) -> dict[int, Path]:
         if missing:
             raise ValueError(f"--seq-lens {missing}: no --shards directory has that seq_len (have {sorted(by_len)})")
         return by_len
-    from benchmarks.synthetic_shards import write_synthetic_shards
+    from benchmarks.data.synthetic_shards import write_synthetic_shards
 
     rows = max(256, 2 * args.world_size * max(args.micro_batches) * (args.warmup + args.steps))
     by_len = {}

@@ -18,9 +18,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.quality_targets import EvalPoint, mean_curve, time_to_target
-from benchmarks.report import line_chart, write_report
-from benchmarks.stats import difference_ci, format_ci, mean_ci
+from benchmarks.quality.quality_targets import EvalPoint, mean_curve, time_to_target
+from benchmarks.common.report import line_chart, write_report
+from benchmarks.common.stats import difference_ci, format_ci, mean_ci
 from pipeline.eval.health import COLLAPSE_COSINE
 
 #: curve metric -> (higher is better, or None for a health number with no target)

@@ -1,4 +1,4 @@
-"""Does our MLM train like `transformers.BertForMaskedLM`? `python -m benchmarks.mlm_vs_hf [--steps 250] [--seeds 1234,1,2]`.
+"""Does our MLM train like `transformers.BertForMaskedLM`? `python -m benchmarks.throughput.mlm_vs_hf [--steps 250] [--seeds 1234,1,2]`.
 
 For every seed, two arms start from the same initial weights and see the same micro-batches:
 
@@ -7,11 +7,11 @@ For every seed, two arms start from the same initial weights and see the same mi
   DeepSpeed ZeRO-1, every step logged;
 * **hf**: `BertForMaskedLM` (SDPA attention) in a plain torch loop, with the pipeline's learning-rate
   schedule, AdamW groups / betas / eps / weight decay, clipping and per-step seeding
-  (`benchmarks.mlm_vs_hf_arms`).
+  (`benchmarks.throughput.mlm_vs_hf_arms`).
 
 Reported per seed: the first step where |loss_ours - loss_hf| exceeds 1e-5 / 1e-4 / 1e-3 / 1e-2, its
 maximum over steps 1-10 / 1-50 / all, the step-1 gradient-norm difference, and for each arm's final
-model the held-out numbers of `benchmarks.ttq_eval.heldout_metrics` (mean token cosine of the last
+model the held-out numbers of `benchmarks.quality.ttq_eval.heldout_metrics` (mean token cosine of the last
 hidden states, `pipeline.eval.health`; masked accuracy against the unigram plateau at the same
 positions). The pretraining data: a WordPiece tokenizer and shards built from `--text` with
 `data_prep`; the held-out shards from `--heldout` with the same tokenizer.
@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.mlm_vs_hf_arms import (  # noqa: E402
+from benchmarks.throughput.mlm_vs_hf_arms import (  # noqa: E402
     THRESHOLDS,
     WINDOWS,
     agree,
@@ -47,7 +47,7 @@ DATA = Path("/work/shared/data/wikitext-2")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.mlm_vs_hf", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.throughput.mlm_vs_hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--text", default=str(DATA / "valid.txt"), help="pretraining text (tokenizer and shards)")
     p.add_argument("--heldout", default=str(DATA / "test.txt"), help="held-out text for the final metrics")
     p.add_argument("--seeds", default="1234,1,2", help="comma-separated train.seed values")
@@ -80,7 +80,7 @@ def build_data(text: Path, heldout: Path, work: Path, vocab_size: int, seq_len: 
 
 def run_seed(seed: int, args: argparse.Namespace, train_shards: Path, heldout_shards: Path, top_token: int) -> dict:
     """Both arms for one seed: their curves, the comparison and each final model's held-out metrics."""
-    from benchmarks.ttq_eval import heldout_metrics
+    from benchmarks.quality.ttq_eval import heldout_metrics
 
     work = Path(args.work) / f"seed{seed}"
     overrides = recipe_overrides(train_shards, seed, args.steps, work / "run", args.set)
@@ -114,7 +114,7 @@ def plot(curves: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from benchmarks.report import _save_figure
+    from benchmarks.common.report import _save_figure
 
     fig, axes = plt.subplots(2, len(curves), figsize=(4.5 * len(curves), 6), squeeze=False)
     for col, (seed, arms) in enumerate(curves.items()):
@@ -137,7 +137,7 @@ def plot(curves: dict, path: Path) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from benchmarks.report import write_report
+    from benchmarks.common.report import write_report
 
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
@@ -158,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(key, "1")
-    from benchmarks.ttq_eval import top_token_of
+    from benchmarks.quality.ttq_eval import top_token_of
 
     started = time.perf_counter()
     work = Path(args.work)
@@ -181,7 +181,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
              "collapsed; unigram_acc = always answering the training text's most frequent token"]
     out = Path(args.out)
     paths = write_report(NAME, rows, out, "Our MLM (pipeline.train) vs transformers.BertForMaskedLM", notes=notes,
-                         extra={"exact_command": shlex.join(["python", "-m", "benchmarks.mlm_vs_hf", *argv]),
+                         extra={"exact_command": shlex.join(["python", "-m", "benchmarks.throughput.mlm_vs_hf", *argv]),
                                 "pipeline_commands": {str(s): r["pipeline_command"] for s, r in results.items()},
                                 "curves": {str(s): r["curves"] for s, r in results.items()},
                                 "wall_seconds": round(time.perf_counter() - started, 1)})

@@ -1,7 +1,7 @@
 """Data-path throughput, measured side by side in one run.
 
-    python -m benchmarks.bench_prep                       # wikitext-2 (valid+test) x 4, 2 processes
-    python -m benchmarks.bench_prep --repeat 8 --num-proc 8 --out benchmarks/results
+    python -m benchmarks.data.bench_prep                       # wikitext-2 (valid+test) x 4, 2 processes
+    python -m benchmarks.data.bench_prep --repeat 8 --num-proc 8 --out benchmarks/results
 
 1. Preprocessing: `data_prep.build_shards` against the Hugging Face `run_mlm` recipe (a "text"
    dataset, `datasets.map(tokenize, batched=True, num_proc=N)` then `datasets.map(group_texts)`
@@ -143,7 +143,7 @@ def bench_reader(shards: Path, batch: int, seconds: float, seed: int = 0) -> lis
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.bench_prep", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.data.bench_prep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS, help="directory with valid.txt / test.txt")
     parser.add_argument("--repeat", type=int, default=4, help="concatenate the corpus this many times")
     parser.add_argument("--num-proc", type=int, default=os.cpu_count() or 1, help="processes for both pipelines")
@@ -152,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=2, help="runs of each pipeline; the best is reported")
     parser.add_argument("--batch", type=int, default=64, help="reader micro-batch size")
     parser.add_argument("--reader-seconds", type=float, default=5.0, help="time per reader measurement")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     args = parser.parse_args(argv)
     if not (args.corpus / "valid.txt").is_file():
         print(f"skipping: benchmark corpus {args.corpus}/valid.txt not found")
         return 0
-    from benchmarks.report import write_report
+    from benchmarks.common.report import write_report
     from data_prep.train_tokenizer import train_tokenizer
 
     with tempfile.TemporaryDirectory(prefix="bench_prep_") as tmp:

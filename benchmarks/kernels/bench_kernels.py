@@ -1,7 +1,7 @@
 """Fused Triton loss kernels against the torch reference: time and peak memory, side by side.
 
-    python -m benchmarks.bench_kernels                # CUDA, BERT-large shapes, bf16
-    python -m benchmarks.bench_kernels --small        # tiny shapes; on CPU the kernels run in the
+    python -m benchmarks.kernels.bench_kernels                # CUDA, BERT-large shapes, bf16
+    python -m benchmarks.kernels.bench_kernels --small        # tiny shapes; on CPU the kernels run in the
                                                       # Triton interpreter (a smoke test, not a timing)
 
 Each op (`pipeline.objectives.functional.<op>` vs `pipeline.kernels.<file>.<op>`) runs forward +
@@ -14,7 +14,7 @@ checked from the ratios measured in this one run and printed at the end (and sto
 BERT-large shapes (issue 5): batch x length 128 x 512, 15% of tokens predicted (9,830 rows),
 vocabulary 30,522, hidden 1,024, K = 50 negatives (TACO: every token of the batch is an anchor),
 sequence contrast over B = 128 pairs with a queue of 8,192 fp32 rows (CAPT's queue is fp32).
-Output: `<out>/<name>.json`, `.md`, `.png` via `benchmarks.report.write_report`.
+Output: `<out>/<name>.json`, `.md`, `.png` via `benchmarks.common.report.write_report`.
 """
 from __future__ import annotations
 
@@ -240,7 +240,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         notes.append(line)
         print(line)
 
-    from benchmarks.report import write_report
+    from benchmarks.common.report import write_report
 
     name = args.name or f"kernels{'_small' if args.small else ''}_{device}"
     paths = write_report(name, rows, args.out, title=f"Fused loss kernels vs torch ({shape_name} shapes, {dtype}, {device})",

@@ -1,22 +1,22 @@
 """Time to quality, tuned fairly: every objective, MLM included, with the same learning-rate sweep,
 selected on a held-out split, several pretraining seeds, SST-2 downstream and a random-init floor.
 
-    python benchmarks/time_to_quality.py --text ../shared/data/wikitext-2/valid.txt \\
+    python benchmarks/quality/time_to_quality.py --text ../shared/data/wikitext-2/valid.txt \\
         --heldout ../shared/data/wikitext-2/test.txt --sst2 ../shared/data/glue/SST-2 \\
         --out benchmarks/results/time_to_quality_cpu --work-dir ~/ttq-work
 
-The study (`benchmarks/ttq_study.py`): every objective of `--objectives` and MLM train with the
+The study (`benchmarks/quality/ttq_study.py`): every objective of `--objectives` and MLM train with the
 real command (`python -m pipeline.train --config tiny-<objective>`, the same model, batch,
 schedule, number of steps and therefore tokens) once per learning rate of `--lrs` (first seed);
 the learning rate with the best SST-2 accuracy on a selection split (train examples never
 fine-tuned on; without SST-2: the masked-LM loss on one held-out half) is kept, and the remaining
 `--seeds` run at it. Every checkpoint (`--eval-every`) is converted and evaluated on the other
 held-out half (masked-LM loss and accuracy, the unigram plateau at the same positions, the mean
-token cosine: `benchmarks/ttq_eval.py`) and, for the selected runs, fine-tuned on SST-2
+token cosine: `benchmarks/quality/ttq_eval.py`) and, for the selected runs, fine-tuned on SST-2
 (`pipeline.eval.finetune`, `--finetune-seeds`, dev accuracy). The labelled SST-2 test split is
 scored once, at the end, for the selected runs and the randomly initialised floor.
 
-The report (`benchmarks/ttq_report.py`) gives every figure as a mean with a 95% t-interval over
+The report (`benchmarks/quality/ttq_report.py`) gives every figure as a mean with a 95% t-interval over
 pretraining seeds, every run's health, the MLM baseline's health check, and refuses the
 time-to-target ratios when that check fails. Outputs: `<out>/time_to_quality*.{json,md}` and PNG
 curves of quality against device-hours with their bands.
@@ -37,9 +37,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.bench_throughput import parse_list  # noqa: E402
+from benchmarks.throughput.bench_throughput import parse_list  # noqa: E402
 
 #: pipeline.train keys the study sets per run (a --set of them would silently defeat the sweep).
 STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_steps", "train.checkpoint_every",
@@ -126,10 +126,10 @@ def _stop(signum, frame) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from benchmarks.ttq_data import prepare
-    from benchmarks.ttq_eval import top_token_of
-    from benchmarks.ttq_report import write_study_report
-    from benchmarks.ttq_study import check_study_args, run_study
+    from benchmarks.quality.ttq_data import prepare
+    from benchmarks.quality.ttq_eval import top_token_of
+    from benchmarks.quality.ttq_report import write_study_report
+    from benchmarks.quality.ttq_study import check_study_args, run_study
 
     args = parse_args(argv)
     out = Path(args.out)

@@ -15,7 +15,7 @@ pretraining steps, 0.95 after 1,000 and 0.96 after 3,000 - a curve that rises wi
 Permuting only 4 or 8 consecutive words stays within 0.50-0.57 at this model size: too close to
 chance to rank checkpoints, though a better probe for bigger models (`--window`). The
 time-to-quality study uses SST-2; this task stays as an extra, offline check
-(`python -m benchmarks.probe_task --text FILE --out DIR`, then `pipeline.eval.finetune --task-dir DIR`).
+(`python -m benchmarks.quality.probe_task --text FILE --out DIR`, then `pipeline.eval.finetune --task-dir DIR`).
 
 Output: `train.tsv` and `dev.tsv` with a `sentence<TAB>label` header (`pipeline.eval.glue` reads them as
 a `generic` single-sentence classification task), written atomically.
@@ -94,12 +94,12 @@ def word_order_task(text_file: str | os.PathLike, out_dir: str | os.PathLike, n_
 
 
 def main(argv=None) -> int:
-    """`python -m benchmarks.probe_task --text FILE --out DIR`: write the task (an extra downstream
+    """`python -m benchmarks.quality.probe_task --text FILE --out DIR`: write the task (an extra downstream
     check: fine-tune on it with `python -m pipeline.eval.finetune --task-dir DIR`)."""
     import argparse
     import json
 
-    p = argparse.ArgumentParser(prog="python -m benchmarks.probe_task", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.quality.probe_task", description=__doc__.split("\n\n")[0])
     p.add_argument("--text", required=True, help="held-out text the pretraining never saw")
     p.add_argument("--out", required=True, help="task directory to write (train.tsv, dev.tsv)")
     p.add_argument("--train", type=int, default=2000)

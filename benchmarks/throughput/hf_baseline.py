@@ -1,6 +1,6 @@
 """The `hf-bert` row of `bench_throughput.py --hf-baseline`: `transformers.BertForMaskedLM` in a plain torch loop.
 
-    python benchmarks/hf_baseline.py --shards DIR --size large --seq-len 128 --micro-batch 256 \\
+    python benchmarks/throughput/hf_baseline.py --shards DIR --size large --seq-len 128 --micro-batch 256 \\
         --precision bf16 --steps 10 --warmup 3 --out RUN_DIR
 
 Same model shape (`model.size` preset, the shards' vocabulary and length), same data (our reader
@@ -30,7 +30,7 @@ from typing import Optional, Sequence
 import torch
 
 if __package__ in (None, ""):  # run as a script: make `pipeline` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.train.engine import PRECISIONS  # noqa: E402
 

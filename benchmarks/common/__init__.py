@@ -1,0 +1,1 @@
+"""Shared report writing and statistics for every benchmark."""

@@ -1,0 +1,1 @@
+"""Recipe health benchmarks (collapse checks)."""

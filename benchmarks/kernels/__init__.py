@@ -1,0 +1,1 @@
+"""Fused loss kernel benchmarks."""

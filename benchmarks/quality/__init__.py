@@ -1,0 +1,1 @@
+"""Time-to-quality benchmarks (pretraining to a held-out/downstream target)."""

@@ -1,0 +1,1 @@
+"""Training throughput benchmarks (tokens/s, MFU, scaling, MLM vs BertForMaskedLM)."""
