@@ -29,8 +29,10 @@ SHAPES = {
     "full": dict(batch=128, seq_len=512, mask_rate=0.15, vocab=30522, hidden=1024, k=50, pairs=128, queue=8192),
     "small": dict(batch=2, seq_len=24, mask_rate=0.5, vocab=1001, hidden=48, k=7, pairs=5, queue=40),
 }
-OPS = ("linear_cross_entropy", "corrective_lm_loss", "sampled_softmax_cross_entropy",
-       "token_contrastive_loss", "sequence_contrastive_loss")
+OPS = ("linear_cross_entropy", "linear_cross_entropy_with_accuracy", "corrective_lm_loss",
+       "sampled_softmax_cross_entropy", "sampled_softmax_shared", "token_contrastive_loss", "sequence_contrastive_loss")
+#: Cases that are another layout of a `functional` op: case name -> op (the rest are named after their op).
+CASE_OPS = {"sampled_softmax_shared": "sampled_softmax_cross_entropy"}
 IMPLS = ("torch", "compile", "triton")
 #: (op, metric, minimum) from issue 5; metric = "mem" (eager peak / triton peak) or "speed" (eager ms / triton ms).
 TARGETS = (
@@ -55,11 +57,14 @@ def build_case(op: str, shape: dict, device, dtype, seed: int = 0) -> tuple[list
 
     tokens, hidden, vocab, k = shape["batch"] * shape["seq_len"], shape["hidden"], shape["vocab"], shape["k"]
     rows = max(1, int(tokens * shape["mask_rate"]))
-    if op in ("linear_cross_entropy", "corrective_lm_loss", "sampled_softmax_cross_entropy"):
+    if op in ("linear_cross_entropy", "linear_cross_entropy_with_accuracy", "corrective_lm_loss",
+              "sampled_softmax_cross_entropy", "sampled_softmax_shared"):
         head = [randn(rows, hidden), randn(vocab, hidden, scale=0.05), randn(vocab, scale=0.02)]
         targets = ids(vocab, rows)
-        if op == "linear_cross_entropy":
+        if op in ("linear_cross_entropy", "linear_cross_entropy_with_accuracy"):
             return head + [targets], [0, 1, 2], {}
+        if op == "sampled_softmax_shared":
+            return head + [targets, *_shared_negatives(targets, shape["batch"], vocab, gen, device)], [0, 1, 2], {}
         if op == "corrective_lm_loss":
             copy_prob = torch.rand(rows, generator=gen).to(device)
             corrupted = torch.where(torch.rand(rows, generator=gen).to(device) < 0.5, targets, ids(vocab, rows))
@@ -76,9 +81,26 @@ def build_case(op: str, shape: dict, device, dtype, seed: int = 0) -> tuple[list
     raise ValueError(f"unknown op {op!r}; choose from {OPS}")
 
 
+def _shared_negatives(targets, groups: int, vocab: int, gen, device) -> tuple:
+    """InfoWord's "every token of the other sequences" (`num_negatives: all`) in the shared layout:
+    the rows split into `groups` sequences; each row's negatives are the ids of all other sequences,
+    as (negative_ids [U] distinct, negative_counts [G, U] = batch count - own count, anchor_groups [N])."""
+    import torch
+
+    rows = targets.shape[0]
+    anchor_groups = torch.arange(rows) * groups // rows
+    tokens = torch.randint(0, vocab, (rows,), generator=gen)  # the batch's token ids, one per row
+    negative_ids, inverse = torch.unique(tokens, return_inverse=True)
+    own = torch.zeros(groups, negative_ids.numel(), dtype=torch.long)
+    own.index_put_((anchor_groups, inverse), torch.ones(rows, dtype=torch.long), accumulate=True)
+    counts = own.sum(0, keepdim=True) - own
+    return negative_ids.to(device), counts.to(device), anchor_groups.to(device)
+
+
 def implementation(op: str, impl: str) -> Callable:
     from pipeline.objectives import functional
 
+    op = CASE_OPS.get(op, op)
     reference = getattr(functional, op)
     if impl == "torch":
         return reference
@@ -103,7 +125,8 @@ def measure(fn: Callable, args: list, grad_positions: list[int], kwargs: dict, d
     def step() -> None:
         for i in grad_positions:
             leaves[i].grad = None
-        fn(*leaves, **kwargs).backward()
+        out = fn(*leaves, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).backward()  # (loss, accuracy): the metric has no gradient
 
     cuda = device.type == "cuda"
     for _ in range(warmup):

@@ -47,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="measured steps")
     p.add_argument("--warmup", type=int, default=3, help="steps before them (allocator, cuBLAS heuristics)")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.999), help="AdamW betas (the preset's optim.betas)")
+    p.add_argument("--eps", type=float, default=1e-8, help="AdamW eps (the preset's optim.eps)")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (the preset's)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (the run's grad_accum)")
     p.add_argument("--seed", type=int, default=0, help="data order and masking seed (the pipeline's train.seed)")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader collation workers")
     p.add_argument("--out", required=True, help="run directory: metrics.jsonl is written there")
@@ -60,15 +64,18 @@ def precision_context(precision: str, device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def fused_adamw(params, lr: float, device: torch.device) -> torch.optim.Optimizer:
+def fused_adamw(params, lr: float, device: torch.device, betas: Sequence[float] = (0.9, 0.999), eps: float = 1e-8,
+                weight_decay: float = 0.01) -> torch.optim.Optimizer:
     """torch's fused AdamW (one kernel for all parameters); the for-each version where fused is unsupported."""
+    params = list(params)
+    hyper = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
     try:
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=True)
+        return torch.optim.AdamW(params, **hyper, fused=True)
     except (RuntimeError, TypeError) as err:
         if device.type == "cuda":
             raise
         print(f"note: fused AdamW unavailable on {device.type} ({err}); using the for-each version", file=sys.stderr)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, foreach=True)
+        return torch.optim.AdamW(params, **hyper, foreach=True)
 
 
 def run(args: argparse.Namespace) -> list[dict]:
@@ -91,10 +98,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     torch.manual_seed(args.seed)
     model = BertForMaskedLM._from_config(bert_config(encoder, dataset.special_tokens), attn_implementation="sdpa")
     model.to(device).train()
-    optimizer = fused_adamw(model.parameters(), args.lr, device)
+    accum = getattr(args, "grad_accum", 1)
+    optimizer = fused_adamw(model.parameters(), args.lr, device, getattr(args, "betas", (0.9, 0.999)),
+                            getattr(args, "eps", 1e-8), getattr(args, "weight_decay", 0.01))
     scaler = torch.amp.GradScaler(device.type) if args.precision == "fp16" else None
     collator = CorruptionCollator(("masked",), dataset.special_tokens, dataset.vocab_size, args.seed)
-    batches = PretrainBatches(dataset, collator, BatchPlan(args.micro_batch, 1, 1), 0, args.seed,
+    batches = PretrainBatches(dataset, collator, BatchPlan(args.micro_batch, accum, 1), 0, args.seed,
                               num_workers=args.num_workers, pin_memory=cuda)
     peak = device_peak_flops(args.precision)
     writer = MetricsWriter(args.out, enabled=True, resume_step=0, tensorboard=False)
@@ -102,28 +111,29 @@ def run(args: argparse.Namespace) -> list[dict]:
     try:
         for step in range(1, args.warmup + args.steps + 1):
             started = time.perf_counter()
-            batch = next(batches)
-            tokens = int(batch["attention_mask"].sum())  # host tensors: no device sync
-            predicted = int(batch["mlm_positions"].numel())
-            batch = move_batch(batch, device)
-            with precision_context(args.precision, device):
-                loss = model(input_ids=batch["masked_ids"], attention_mask=batch["attention_mask"],
-                             labels=batch["mlm_labels"]).loss
+            tokens = predicted = 0
+            for _ in range(accum):  # gradients summed over the micro-batches, each loss scaled by 1/accum
+                batch = next(batches)
+                tokens += int(batch["attention_mask"].sum())  # host tensors: no device sync
+                predicted += int(batch["mlm_positions"].numel())
+                batch = move_batch(batch, device)
+                with precision_context(args.precision, device):
+                    loss = model(input_ids=batch["masked_ids"], attention_mask=batch["attention_mask"],
+                                 labels=batch["mlm_labels"]).loss
+                (scaler.scale(loss / accum) if scaler is not None else loss / accum).backward()
             if scaler is not None:
-                scaler.scale(loss).backward()
                 scaler.step(optimizer)
                 scaler.update()
             else:
-                loss.backward()
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if cuda:
                 torch.cuda.synchronize()
             elapsed = time.perf_counter() - started
-            flops = mlm_step_flops(args.micro_batch, args.seq_len, encoder.hidden_size, encoder.ffn_size,
+            flops = mlm_step_flops(args.micro_batch * accum, args.seq_len, encoder.hidden_size, encoder.ffn_size,
                                    encoder.num_layers, predicted, encoder.vocab_size)
             record = {"loss": float(loss.detach()), "step_time_s": elapsed, "tokens_per_s": tokens / elapsed,
-                      "samples_per_s": args.micro_batch / elapsed, "tflops_per_device": flops / elapsed / 1e12,
+                      "samples_per_s": args.micro_batch * accum / elapsed, "tflops_per_device": flops / elapsed / 1e12,
                       **peak_memory_gb()}
             if peak:
                 record["mfu"] = flops / elapsed / peak

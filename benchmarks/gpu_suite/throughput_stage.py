@@ -1,0 +1,231 @@
+"""Stages `throughput-128` and `throughput-512`: BERT-large, bf16, one GPU; MLM, TACO, CAPT, COCO-LM,
+InfoWord and `hf-bert`, all rows of one length in one warm process.
+
+Each pipeline row is the real training loop (`pipeline.train.loop.train`: DeepSpeed engine, ZeRO-2,
+the objective's own large recipe for its options and optimizer, `model.size=large`) called in this
+process one after the other, so the CUDA context, DeepSpeed's fused-op build, Triton's autotuning
+and the allocator are warm after the first row, not paid per row as with a process per row
+(`benchmarks/throughput/bench_throughput.py`). Every row has the same micro-batch (16,384 tokens:
+128 x 128 or 32 x 512; 32 is capt-large's micro-batch) and gradient accumulation (2 micro-batches
+per optimizer step), `WARMUP` steps then `STEPS` timed ones, measured by the loop's own metrics
+(`bench_throughput.summarize_records`); peak memory is reset before each row. The global batch is
+micro x accumulation, not the presets' 8,192 sequences (one GPU would need 256 micro-batches a step).
+`hf-bert` is `benchmarks/throughput/hf_baseline.py` (transformers' BertForMaskedLM, SDPA, fused
+AdamW with the MLM preset's betas / eps / weight decay, the same micro-batch and accumulation) in
+the same process. Data: synthetic shards of the BERT vocabulary (30,522) written here (speed does
+not depend on token values; InfoWord's shared negative set is then close to its largest).
+
+MFU: `bench_throughput.MFU_FORMULA`, the training loop's FLOP counter (every encoder pass an
+objective makes) over the H100/H200 bf16 dense peak. The queue InfoNCE's share of the MLM step is
+the CAPT loss (Triton kernel, one pair per sequence of the micro-batch, queue 8,192) timed here over
+the MLM step time per micro-batch.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import shutil
+import tempfile
+import time
+from argparse import Namespace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from benchmarks.gpu_suite import targets as T
+from benchmarks.gpu_suite.stage_io import StageContext
+
+OBJECTIVES = {"mlm": "mlm-capt-large", "taco": "taco-base", "capt": "capt-large", "cocolm": "cocolm-large",
+              "infoword": "infoword-large"}
+HF_ROW = "hf-bert"
+MICRO_BATCH = {128: 128, 512: 32}
+GRAD_ACCUM = 2
+WARMUP, STEPS = 8, 30
+VOCAB = 30522
+#: The rehearsal: tiny model, short sequences, a few steps (CPU, fp32).
+DRY = dict(size="tiny", seq_len={128: 32, 512: 64}, micro_batch=2, warmup=1, steps=2, vocab=1001)
+
+
+def settings(length: int, dry_run: bool) -> dict[str, Any]:
+    if dry_run:
+        return dict(size=DRY["size"], seq_len=DRY["seq_len"][length], micro_batch=DRY["micro_batch"],
+                    accum=GRAD_ACCUM, warmup=DRY["warmup"], steps=DRY["steps"], vocab=DRY["vocab"], precision="fp32",
+                    workers=0)
+    return dict(size="large", seq_len=length, micro_batch=MICRO_BATCH[length], accum=GRAD_ACCUM, warmup=WARMUP,
+                steps=STEPS, vocab=VOCAB, precision="bf16", workers=2)
+
+
+def overrides(s: dict[str, Any], shards: Path, run_dir: Path) -> list[str]:
+    total = s["warmup"] + s["steps"]
+    return [f"model.size={s['size']}", f"data.shards_dir={shards}", f"data.seq_len={s['seq_len']}",
+            f"data.micro_batch_size={s['micro_batch']}", f"data.global_batch_size={s['micro_batch'] * s['accum']}",
+            "deepspeed.config=zero2", f"deepspeed.precision={s['precision']}", f"train.total_steps={total}",
+            "train.log_every=1", f"train.checkpoint_every={total}", "train.keep_last=1", "train.resume=never",
+            "train.tensorboard=false", "train.progress_bar=false", f"train.output_dir={run_dir}",
+            f"data.num_workers={s['workers']}", f"optim.warmup_steps={max(1, s['warmup'])}"]
+
+
+def _fresh_memory() -> dict[str, float]:
+    """Free what the last row left and reset the peak; returns what is still allocated (GiB)."""
+    import torch
+
+    gc.collect()
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return {"resident_before_gb": round(torch.cuda.memory_allocated() / 2**30, 2)}
+
+
+def pipeline_row(objective: str, s: dict[str, Any], shards: Path, work: Path) -> dict[str, Any]:
+    from benchmarks.throughput.bench_throughput import summarize_records
+    from pipeline.config.run import load_config
+    from pipeline.train.loop import train
+    from pipeline.train.metrics import read_jsonl
+
+    run_dir = work / objective
+    shutil.rmtree(run_dir, ignore_errors=True)
+    row: dict[str, Any] = {"row": objective, "preset": OBJECTIVES[objective], **_fresh_memory()}
+    started = time.monotonic()
+    cfg = load_config(OBJECTIVES[objective], overrides(s, shards, run_dir))
+    row["optim"] = {"lr": cfg.optim.lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
+                    "weight_decay": cfg.optim.weight_decay}
+    code = train(cfg)
+    if code != 0:
+        raise RuntimeError(f"pipeline.train exit {code}")
+    row.update(summarize_records(read_jsonl(run_dir / "metrics.jsonl"), s["warmup"]))
+    row["wall_s"] = round(time.monotonic() - started, 1)
+    shutil.rmtree(run_dir, ignore_errors=True)  # a BERT-large checkpoint is GBs
+    return row
+
+
+def hf_row(s: dict[str, Any], shards: Path, work: Path, optim: dict[str, Any]) -> dict[str, Any]:
+    from benchmarks.throughput import hf_baseline
+    from benchmarks.throughput.bench_throughput import summarize_records
+
+    row: dict[str, Any] = {"row": HF_ROW, "preset": "BertForMaskedLM (sdpa)", **_fresh_memory()}
+    started = time.monotonic()
+    args = Namespace(shards=str(shards), size=s["size"], seq_len=s["seq_len"], micro_batch=s["micro_batch"],
+                     precision=s["precision"], steps=s["steps"], warmup=s["warmup"], lr=optim["lr"],
+                     betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"],
+                     grad_accum=s["accum"], seed=1234, num_workers=s["workers"], out=str(work / HF_ROW))
+    row.update(summarize_records(hf_baseline.run(args), s["warmup"]), optim=optim)
+    row["wall_s"] = round(time.monotonic() - started, 1)
+    return row
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    by = {r["row"]: r for r in rows}
+    mlm, hf = by.get("mlm", {}), by.get(HF_ROW, {})
+    for r in rows:
+        r["tokens_vs_mlm"] = T.ratio(r.get("tokens_per_s"), mlm.get("tokens_per_s"))
+        r["mfu_vs_mlm"] = T.ratio(r.get("mfu"), mlm.get("mfu"))
+        r["tokens_vs_hf_bert"] = T.ratio(r.get("tokens_per_s"), hf.get("tokens_per_s"))
+
+
+def queue_infonce_ms(s: dict[str, Any], device) -> float:
+    """Median ms of CAPT's queue InfoNCE (Triton) forward + backward for one micro-batch of pairs."""
+    import torch
+
+    from benchmarks.kernels.bench_kernels import SHAPES, build_case, implementation, measure
+
+    full = SHAPES["small" if device.type == "cpu" else "full"]
+    shape = {**full, "pairs": s["micro_batch"]}
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    args, grads, kwargs = build_case("sequence_contrastive_loss", shape, device, dtype)
+    ms, _ = measure(implementation("sequence_contrastive_loss", "triton"), args, grads, kwargs, device,
+                    *((3, 20) if device.type == "cuda" else (1, 1)))
+    return ms
+
+
+def judge(rows: list[dict[str, Any]], length: int, queue_share: Optional[float], applicable: bool) -> list[dict]:
+    by = {r["row"]: r for r in rows}
+    out = [T.target(f"L={length} MLM MFU", by.get("mlm", {}).get("mfu"), ">=", T.MFU_MLM[length], applicable),
+           T.target(f"L={length} MLM tokens/s vs hf-bert", by.get("mlm", {}).get("tokens_vs_hf_bert"), ">=",
+                    T.MLM_VS_HF, applicable)]
+    for objective in OBJECTIVES:
+        if objective != "mlm":
+            out.append(T.target(f"L={length} {objective} MFU / MLM's", by.get(objective, {}).get("mfu_vs_mlm"), ">=",
+                                T.OBJECTIVE_MFU_VS_MLM, applicable))
+    out.append(T.target(f"L={length} queue InfoNCE share of the MLM step", queue_share, "<=",
+                        T.QUEUE_SHARE_OF_MLM_STEP, applicable, "CAPT loss per micro-batch / MLM step time per micro-batch"))
+    return out
+
+
+def charts(rows: list[dict[str, Any]], length: int) -> dict[str, Callable]:
+    from benchmarks.common.report import bar_chart
+
+    done = [r for r in rows if r.get("tokens_per_s")]
+    out = {"tokens": lambda p: bar_chart(done, "row", "tokens_per_s", p, f"BERT-large L={length}: tokens/s")}
+    if any(r.get("mfu") for r in done):
+        out["mfu"] = lambda p: bar_chart(done, "row", "mfu", p, f"BERT-large L={length}: MFU")
+    return out
+
+
+def run_length(ctx: StageContext, length: int) -> int:
+    from benchmarks.data.synthetic_shards import write_synthetic_shards
+    from benchmarks.gpu_suite.env_stage import require_environment
+    from benchmarks.throughput.bench_throughput import MFU_FORMULA
+
+    require_environment(ctx)
+    s = settings(length, ctx.dry_run)
+    work = Path(tempfile.mkdtemp(prefix=f"gpu_suite_{ctx.stage.name}_"))
+    rows: list[dict[str, Any]] = []
+    try:
+        shards = work / "shards"
+        rows_needed = max(256, 2 * s["micro_batch"] * s["accum"] * (s["warmup"] + s["steps"]))
+        write_synthetic_shards(shards, s["vocab"], s["seq_len"], rows=rows_needed)
+        mlm_optim = None
+        for name in [*OBJECTIVES, HF_ROW]:
+            if not ctx.has_time(25):
+                ctx.skip(f"row {name}", "stage budget spent")
+                continue
+            try:
+                if name == HF_ROW:
+                    if mlm_optim is None:
+                        raise RuntimeError("no MLM row: the hf-bert row takes its optimizer settings from it")
+                    row = hf_row(s, shards, work, mlm_optim)
+                else:
+                    row = pipeline_row(name, s, shards, work)
+                    mlm_optim = row["optim"] if name == "mlm" else mlm_optim
+            except Exception as err:  # noqa: BLE001 - an OOM or a failed run is that row's result
+                row = {"row": name, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"}
+            rows.append(row)
+            print(f"row {name}: " + json.dumps({k: v for k, v in row.items() if k != "optim"}, default=str), flush=True)
+        add_ratios(rows)
+        queue_share = None
+        mlm = next((r for r in rows if r["row"] == "mlm" and r.get("step_time_s")), None)
+        if mlm is not None and ctx.has_time(10):
+            ms = queue_infonce_ms(s, ctx.device)
+            queue_share = ms / (mlm["step_time_s"] * 1e3 / s["accum"])
+            ctx.notes.append(f"queue InfoNCE: {ms:.3f} ms per micro-batch of {s['micro_batch']} pairs (queue 8,192)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    targets = judge(rows, length, queue_share, applicable=not ctx.dry_run)
+    ctx.notes += [MFU_FORMULA, f"settings: {s}; every row {s['steps']} timed steps after {s['warmup']} warm-up steps, "
+                  f"one process"]
+    if ctx.dry_run:
+        ctx.notes.append("dry run: tiny model, short sequences, fp32 on the CPU; times are not performance, nothing judged")
+
+    def profile() -> None:  # two MLM steps of the same recipe
+        from pipeline.config.run import load_config
+        from pipeline.train.loop import train
+
+        pwork = Path(tempfile.mkdtemp(prefix="gpu_suite_profile_"))
+        try:
+            short = {**s, "warmup": 1, "steps": 1}
+            write_synthetic_shards(pwork / "shards", s["vocab"], s["seq_len"], rows=256)
+            train(load_config(OBJECTIVES["mlm"], overrides(short, pwork / "shards", pwork / "run")))
+        finally:
+            shutil.rmtree(pwork, ignore_errors=True)
+
+    ctx.write({f"BERT-large L={length}" if not ctx.dry_run else f"tiny L={s['seq_len']} (dry run)": rows}, targets,
+              charts=charts(rows, length), profile=profile, extra={"settings": s, "seq_len": length})
+    return 0
+
+
+def run_128(ctx: StageContext) -> int:
+    return run_length(ctx, 128)
+
+
+def run_512(ctx: StageContext) -> int:
+    return run_length(ctx, 512)
