@@ -94,6 +94,13 @@ def run_stage(stage, out: Path, dry_run: bool) -> int:
         ctx.write({}, [])
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except Exception as err:  # noqa: BLE001 - the files still come back, saying what broke
+        import traceback
+
+        traceback.print_exc()
+        ctx.notes.append(f"stage failed: {type(err).__name__}: {err}")
+        ctx.write({}, [])
+        return 1
     from benchmarks.gpu_suite.stage_io import print_targets
     import json
 

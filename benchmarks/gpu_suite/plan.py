@@ -49,11 +49,11 @@ class Stage:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("env", "environment and kernel correctness", 180, 60, "benchmarks.gpu_suite.env_stage:run"),
-    Stage("kernels", "fused losses against eager, compile and peers", 390, 60, "benchmarks.gpu_suite.kernels_stage:run"),
-    Stage("throughput-128", "BERT-large throughput at L=128", 230, 90, "benchmarks.gpu_suite.throughput_stage:run_128"),
-    Stage("throughput-512", "BERT-large throughput at L=512", 230, 90, "benchmarks.gpu_suite.throughput_stage:run_512"),
-    Stage("sanity", "base-size training sanity on WikiText-2", 210, 90, "benchmarks.gpu_suite.sanity_stage:run"),
+    Stage("env", "environment and kernel correctness", 150, 60, "benchmarks.gpu_suite.env_stage:run"),
+    Stage("kernels", "fused losses against eager, compile and peers", 360, 60, "benchmarks.gpu_suite.kernels_stage:run"),
+    Stage("throughput-128", "BERT-large throughput at L=128", 270, 90, "benchmarks.gpu_suite.throughput_stage:run_128"),
+    Stage("throughput-512", "BERT-large throughput at L=512", 270, 90, "benchmarks.gpu_suite.throughput_stage:run_512"),
+    Stage("sanity", "base-size training sanity on WikiText-2", 180, 90, "benchmarks.gpu_suite.sanity_stage:run"),
 )
 
 

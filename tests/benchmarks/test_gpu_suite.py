@@ -1,0 +1,192 @@
+"""The GPU suite's CPU rehearsal (`--dry-run`), its plan check and the filing of results.
+
+The rehearsal runs every stage at tiny shapes on the CPU in its own process, as the device commands
+do, and must write the same files; the plan check must fail a stage over its budget. The README's
+performance table must be exactly what the committed results give (today: "not measured yet").
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.gpu_suite import plan
+from benchmarks.gpu_suite.collect import (
+    NOT_MEASURED,
+    TABLE_END,
+    TABLE_START,
+    CollectError,
+    collect,
+    regenerate_readme,
+    render_table,
+    tracked_payloads,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("dry")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)  # the suite must switch the interpreter on itself
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_suite", "--dry-run", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    return out, proc
+
+
+def payload(out: Path, stage: str) -> dict:
+    return json.loads((out / stage / f"{stage}.json").read_text())
+
+
+def test_dry_run_runs_every_stage_and_the_plan_fits(rehearsal):
+    out, proc = rehearsal
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dry run: every stage ran and the plan fits" in proc.stdout
+    for stage in plan.STAGES:
+        data = payload(out, stage.name)
+        assert data["dry_run"] is True and data["device"]["name"] == "cpu"
+        files = sorted(p.name for p in (out / stage.name).iterdir())
+        assert files == sorted(data["files"]) and len(files) <= plan.MAX_STAGE_FILES
+        assert data["wall_s"] <= stage.dry_budget_s
+        assert data["source"]["commit"] and data["versions"]["torch"]
+        assert "--dry-run" in data["command"]
+        md = (out / stage.name / f"{stage.name}.md").read_text()
+        assert md.startswith(f"# GPU suite: {stage.name}") and "Commit:" in md
+        # performance targets are never judged on the CPU
+        assert all(t["met"] is None for t in data["targets"] if not t["name"].startswith(("correct", "pytest",
+                   "training exits", "resumed", "converted")))
+
+
+def test_dry_run_env_checks_every_kernel_case(rehearsal):
+    from benchmarks.kernels.bench_kernels import OPS
+
+    data = payload(rehearsal[0], "env")
+    rows = data["tables"]["kernel correctness (kernel vs fp32 reference)"]
+    assert [r["case"] for r in rows] == list(OPS)
+    assert all(r["ok"] and r["grad_rel_err_max"] < 1e-5 for r in rows), rows
+    assert {r["requirement"] for r in data["tables"]["requirements"]} >= {"torch", "triton", "deepspeed", "transformers"}
+    assert data["tables"]["pytest -m gpu"][0]["exit"] == 0  # on the CPU every gpu test is collected and skipped
+
+
+def test_dry_run_kernels_has_every_case_and_implementation(rehearsal):
+    from benchmarks.kernels.bench_kernels import OPS
+
+    data = payload(rehearsal[0], "kernels")
+    rows = data["tables"]["fused losses: forward + backward"]
+    measured = {(r["size"], r["case"], r["impl"]) for r in rows if r.get("ms")}
+    for size in ("16k", "64k"):
+        for case in OPS:
+            for impl in ("triton", "eager_fp32", "eager_bf16", "compile"):
+                assert (size, case, impl) in measured, (size, case, impl)
+    skipped = {s["what"]: s["reason"] for s in data["skipped"]}
+    assert skipped["16k/linear_cross_entropy/liger"] == skipped["64k/linear_cross_entropy/cce"] == "dry run: peers need CUDA"
+    assert "16k/token_contrastive_loss/liger" not in skipped  # no peer computes it: no row, not a skip
+    assert {t["name"] for t in data["targets"]} >= {"64k fused linear CE time / Liger's",
+                                                    "16k token InfoNCE speed-up over eager"}
+
+
+@pytest.mark.parametrize("stage", ["throughput-128", "throughput-512"])
+def test_dry_run_throughput_has_every_row_in_one_process(rehearsal, stage):
+    data = payload(rehearsal[0], stage)
+    (rows,) = data["tables"].values()
+    assert [r["row"] for r in rows] == ["mlm", "hf-bert", "taco", "capt", "cocolm", "infoword"]
+    for r in rows:
+        assert "error" not in r, r
+        assert r["measured_steps"] == data["settings"]["steps"] and r["tokens_per_s"] > 0
+    mlm = rows[0]
+    assert mlm["tokens_vs_mlm"] == pytest.approx(1.0)
+    hf = rows[1]
+    assert hf["optim"] == mlm["optim"]  # the baseline uses the MLM preset's AdamW settings
+    assert rows[2]["tokens_vs_hf_bert"] == pytest.approx(rows[2]["tokens_per_s"] / hf["tokens_per_s"])
+    assert any("MFU = FLOPs" in n for n in data["notes"])
+    assert (rehearsal[0] / stage / f"{stage}_profile.md").read_text().count("\n|") >= 3
+
+
+def test_dry_run_sanity_resumes_exactly_and_converts(rehearsal):
+    data = payload(rehearsal[0], "sanity")
+    (facts,) = data["tables"]["training sanity"]
+    assert facts["exit_a"] == facts["exit_b"] == 0 and facts["nonfinite_losses"] == 0
+    assert facts["resume_rel_diff"] == 0.0  # bitwise on the CPU
+    assert facts["logits_rel_err"] < 1e-5 and facts["logits_std"] > 1e-3
+    verdicts = {t["name"]: t["met"] for t in data["targets"]}
+    assert verdicts["resumed step-N loss: relative difference"] is True
+    assert verdicts["converted logits: relative error"] is True
+
+
+def test_collect_refuses_a_dry_run(rehearsal, tmp_path):
+    with pytest.raises(CollectError, match="dry run"):
+        collect([rehearsal[0] / "env"], root=tmp_path)
+    assert not (tmp_path / "benchmarks").exists()
+
+
+def test_collect_names_a_missing_field(tmp_path):
+    (tmp_path / "env.json").write_text(json.dumps({"stage": "env", "dry_run": False}))
+    with pytest.raises(CollectError, match=r"env.json: missing field\(s\) \['created'"):
+        collect([tmp_path], root=tmp_path)
+
+
+def test_the_real_plan_fits_every_limit():
+    assert plan.check_plan() == []
+    assert all(len(s.command()) <= plan.COMMAND_LIMIT for s in plan.STAGES)
+    assert sum(plan.INSTALL_S + s.budget_s for s in plan.STAGES) <= plan.PLAN_LIMIT_S
+
+
+def test_check_plan_fails_a_stage_over_its_budget():
+    over = plan.check_plan(measured_s={"kernels": plan.stage_named("kernels").dry_budget_s + 1}, dry_run=True)
+    assert len(over) == 1 and over[0].startswith("kernels: took") and "dry-run budget" in over[0]
+    assert plan.check_plan(measured_s={"kernels": plan.stage_named("kernels").dry_budget_s - 1}, dry_run=True) == []
+    gpu_over = plan.check_plan(measured_s={"env": plan.stage_named("env").budget_s + 5})
+    assert gpu_over and gpu_over[0].startswith("env: took")
+
+
+def test_check_plan_fails_each_limit():
+    big = plan.Stage("big", "too long", plan.STAGE_LIMIT_S, 1, "x:y")
+    problems = plan.check_plan([big, big, big, big])
+    assert any(p.startswith("big: budget") for p in problems)
+    assert any(p.startswith("plan:") for p in problems)
+    wordy = plan.Stage("x" * plan.COMMAND_LIMIT, "long name", 1, 1, "x:y")
+    assert any("characters" in p for p in plan.check_plan([wordy]))
+    assert plan.check_plan(carry_bytes=plan.CARRY_LIMIT_BYTES + 1)[0].startswith("carry:")
+    assert plan.check_plan(files_written={"env": plan.MAX_STAGE_FILES + 1})[0].startswith("env: wrote")
+    with pytest.raises(KeyError, match="no such stage"):
+        plan.check_plan(measured_s={"nope": 1})
+
+
+def _gpu_payload(mfu: float) -> dict:
+    return {"stage": "throughput-512", "dry_run": False, "created": "2026-11-25T00:00:00+00:00", "seq_len": 512,
+            "command": "cmd", "source": {"commit": "abc1234def"}, "versions": {"torch": "2.11", "triton": "3.6"},
+            "device": {"name": "NVIDIA H100 80GB HBM3", "cuda_available": True},
+            "tables": {"BERT-large L=512": [{"row": "mlm", "tokens_per_s": 1000.0, "mfu": mfu}]},
+            "targets": [{"name": "L=512 MLM MFU", "measured": mfu, "target": ">= 0.5", "met": mfu >= 0.5}]}
+
+
+def test_table_shows_only_gpu_results():
+    dry = {**_gpu_payload(0.6), "dry_run": True}
+    assert render_table([("benchmarks/results/gpu/x/throughput-512.json", dry)]) == NOT_MEASURED + "\n"
+    table = render_table([("benchmarks/results/gpu/nvidia-h100-80gb-hbm3-2026-11-25/throughput-512.json",
+                           _gpu_payload(0.42))])
+    assert "NVIDIA H100 80GB HBM3" in table and "42.0%" in table and "MISSED" in table and "abc1234def" in table
+
+
+def test_readme_table_is_regenerated_between_the_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"before\n{TABLE_START}\nstale 99% MFU\n{TABLE_END}\nafter\n")
+    assert regenerate_readme(readme, []) is True
+    text = readme.read_text()
+    assert "stale" not in text and NOT_MEASURED in text and text.startswith("before\n") and text.endswith("after\n")
+    assert regenerate_readme(readme, []) is False
+    (tmp_path / "other.md").write_text("no markers\n")
+    with pytest.raises(CollectError, match="markers"):
+        regenerate_readme(tmp_path / "other.md", [])
+
+
+def test_readme_table_matches_the_committed_results(tmp_path):
+    """No GPU number in the README unless a committed results file holds it."""
+    copy = tmp_path / "README.md"
+    copy.write_text((ROOT / "README.md").read_text())
+    assert regenerate_readme(copy, tracked_payloads(ROOT)) is False
