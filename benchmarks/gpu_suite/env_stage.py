@@ -75,12 +75,18 @@ def require_environment(ctx: StageContext) -> None:
 
 
 def run_gpu_tests(ctx: StageContext) -> dict[str, Any]:
-    """`pytest -m gpu` in a subprocess bounded by the stage's remaining budget; its summary line."""
-    paths = ["tests/kernels"] if ctx.dry_run else ["tests"]
+    """`pytest -m gpu` over the test files that hold a gpu marker (collecting every test module would
+    import the dev extras the image may lack), in a subprocess bounded by the remaining budget."""
+    from benchmarks.gpu_suite.plan import REPO
+
+    paths = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+                   if "mark.gpu" in p.read_text(errors="replace"))
+    if ctx.dry_run:  # the rehearsal: the kernel tests only (every file would cost minutes of imports on one core)
+        paths = [p for p in paths if p.startswith("tests/kernels/")]
     timeout = max(30.0, ctx.time_left() * 0.5)
     cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *paths]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     except subprocess.TimeoutExpired:
         return {"command": " ".join(cmd[2:]), "exit": None, "summary": f"timed out after {timeout:.0f} s"}
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
@@ -156,7 +162,7 @@ def run(ctx: StageContext) -> int:
     tests = run_gpu_tests(ctx)
     tables["pytest -m gpu"] = [tests]
     applicable = True  # correctness is judged on the rehearsal too (tiny shapes, the interpreter)
-    targets.append(target("pytest -m gpu passes", None if tests["exit"] is None else float(tests["exit"] in (0, 5)),
+    targets.append(target("pytest -m gpu passes", None if tests["exit"] is None else float(tests["exit"] == 0),
                           ">=", 1.0, applicable, tests["summary"]))
     rows = correctness_rows(ctx)
     tables["kernel correctness (kernel vs fp32 reference)"] = rows

@@ -31,7 +31,7 @@ from benchmarks.gpu_suite.stage_io import StageContext
 
 PRESET = "mlm-cocolm-base"
 SHARDS = f"{CARRY_DIR}/shards-wikitext-L128"
-STEPS, MICRO_BATCH = 1200, 64
+STEPS, MICRO_BATCH = 1000, 64
 DRY_STEPS, DRY_MICRO_BATCH = 6, 4
 FALL = 0.9
 RESUME_TOL = 1e-6
