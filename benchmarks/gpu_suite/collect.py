@@ -38,6 +38,8 @@ class CollectError(ValueError):
 
 def read_stage_files(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
     """The stage JSON files of one returned folder (searched two levels deep, as results come back)."""
+    if not folder.is_dir():
+        raise CollectError(f"{folder}: not a folder (give the folder a device command's files came back to)")
     found = []
     names = {s.name for s in STAGES}
     for path in sorted(list(folder.glob("*.json")) + list(folder.glob("*/*.json"))):
@@ -137,7 +139,9 @@ def render_table(payloads: list[tuple[str, dict[str, Any]]]) -> str:
                                     "vs hf-bert": _n(r.get("tokens_vs_hf_bert"), 2), "error": r.get("error", "")}
                                    for r in rows]
         if throughput:
-            lines += [markdown_table(throughput)]
+            from benchmarks.throughput.bench_throughput import MFU_FORMULA
+
+            lines += [markdown_table(throughput), f"{MFU_FORMULA}.", ""]
         targets = [{"stage": d["stage"], "target": t["name"], "measured": _n(t.get("measured"), 3),
                     "needs": t["target"], "result": verdict(t.get("met")), "file": f"[json]({p})"}
                    for p, d in sorted(run, key=lambda x: [s.name for s in STAGES].index(x[1]["stage"]))

@@ -171,6 +171,7 @@ def test_table_shows_only_gpu_results():
     table = render_table([("benchmarks/results/gpu/nvidia-h100-80gb-hbm3-2026-11-25/throughput-512.json",
                            _gpu_payload(0.42))])
     assert "NVIDIA H100 80GB HBM3" in table and "42.0%" in table and "MISSED" in table and "abc1234def" in table
+    assert "MFU = FLOPs / (step time" in table
 
 
 def test_readme_table_is_regenerated_between_the_markers(tmp_path):

@@ -44,3 +44,28 @@ def test_full_shapes_are_refused_on_cpu(tmp_path: Path) -> None:
         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and "use --small" in proc.stderr
+
+
+def test_shared_negative_case_counts_every_token_of_the_other_sequences() -> None:
+    """`sampled_softmax_shared`: InfoWord's `num_negatives: all` layout, checked against a direct count."""
+    import torch
+
+    from benchmarks.kernels.bench_kernels import SHAPES, build_case
+
+    shape = {**SHAPES["small"], "batch": 3}
+    args, grads, _ = build_case("sampled_softmax_shared", shape, torch.device("cpu"), torch.float32, seed=3)
+    hidden, weight, bias, targets, negative_ids, counts, groups = args
+    assert grads == [0, 1, 2] and hidden.shape[0] == targets.shape[0] == groups.shape[0]
+    assert torch.equal(negative_ids, negative_ids.unique())  # distinct, sorted
+    assert sorted(groups.unique().tolist()) == [0, 1, 2]
+    # rebuild the batch's tokens from the same generator stream and count them per other group
+    gen = torch.Generator().manual_seed(3)
+    rows = targets.shape[0]
+    torch.randn(rows, shape["hidden"], generator=gen), torch.randn(shape["vocab"], shape["hidden"], generator=gen)
+    torch.randn(shape["vocab"], generator=gen), torch.randint(0, shape["vocab"], (rows,), generator=gen)
+    tokens = torch.randint(0, shape["vocab"], (rows,), generator=gen)
+    for g in range(3):
+        others = tokens[groups != g]
+        expected = torch.stack([(others == u).sum() for u in negative_ids])
+        assert torch.equal(counts[g], expected)
+    assert counts.sum() == 2 * rows  # each token is a negative for the two other sequences
