@@ -50,7 +50,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     if args.plan:
         print(plan.describe())
-        problems = plan.check_plan(carry_bytes=plan.travelling_bytes())
+        from benchmarks.gpu_suite.prepare import carry_problems
+
+        problems = plan.check_plan(carry_bytes=plan.travelling_bytes()) + carry_problems()
         for line in problems:
             print(f"plan check: {line}")
         print("plan check: fits every limit" if not problems else "plan check: FAILED")

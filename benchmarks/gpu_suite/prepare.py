@@ -109,3 +109,22 @@ def prepare(shared_arg: Optional[str]) -> int:
         print(f"plan check: {line}")
     print("plan check: fits every limit" if not problems else "plan check: FAILED")
     return 1 if problems else 0
+
+
+def carry_problems() -> list[str]:
+    """What `--plan` must warn about the carried folders: missing, or recording another commit than HEAD."""
+    from benchmarks.gpu_suite.stage_io import source_info
+
+    problems = []
+    if not any((plan.REPO / plan.WHEELS_DIR).glob("deepspeed-*.whl")):
+        problems.append(f"{plan.WHEELS_DIR}/ has no DeepSpeed wheel: run --prepare")
+    recorded = plan.REPO / plan.CARRY_DIR / SOURCE_FILE
+    if not recorded.is_file():
+        problems.append(f"{recorded.relative_to(plan.REPO)} missing: run --prepare")
+    else:
+        now, then = source_info(), json.loads(recorded.read_text())
+        if (now.get("commit"), now.get("dirty")) != (then.get("commit"), then.get("dirty")):
+            problems.append(f"{recorded.relative_to(plan.REPO)} records commit {then.get('commit')} (dirty: "
+                            f"{then.get('dirty')}), the tree is at {now.get('commit')} (dirty: {now.get('dirty')}): "
+                            "run --prepare again so the results name the code that ran")
+    return problems
