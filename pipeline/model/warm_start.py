@@ -71,8 +71,9 @@ def read_base_config(directory: str | os.PathLike, arch: str = "bert") -> dict[s
     model_type = raw.get("model_type")
     if model_type != arch:
         hint = f"; set model.arch={model_type}" if model_type in ("bert", "modernbert") else ""
-        raise ConfigError(f"{file}: model_type={model_type!r} but model.arch={arch}: model.init_from takes "
-                          f"{arch} checkpoints (model_type {arch!r}) only{hint}")
+        name = "ModernBERT" if arch == "modernbert" else "BERT"
+        raise ConfigError(f"{file}: model_type={model_type!r}; model.init_from takes {name} checkpoints "
+                          f"(model_type {arch!r}) only with model.arch={arch}{hint}")
     if arch == "modernbert":
         return _read_modernbert_config(raw, file)
     checks = (("hidden_act", "gelu", "the encoder implements exact (erf) GELU, Hugging Face's 'gelu'"),

@@ -115,9 +115,9 @@ def test_step_one_loss_is_hugging_face_loss_and_tiny_lr_exports_the_input(modern
 def test_family_mismatch_and_unsupported_fields_are_named(modernbert_dir, bert_dir, modernbert_shards, tmp_path):
     from pipeline.model.config import ModelConfig
 
-    with pytest.raises(ConfigError, match=r"model_type='modernbert' but model.arch=bert.*set model.arch=modernbert"):
+    with pytest.raises(ConfigError, match=r"model_type='modernbert'; model.init_from takes BERT checkpoints.*set model.arch=modernbert"):
         ModelConfig(init_from=str(modernbert_dir)).encoder_config(100, 64, {"pad": 0})
-    with pytest.raises(ConfigError, match=r"model_type='bert' but model.arch=modernbert.*set model.arch=bert"):
+    with pytest.raises(ConfigError, match=r"model_type='bert'; model.init_from takes ModernBERT checkpoints.*set model.arch=bert"):
         ModelConfig(arch="modernbert", init_from=str(bert_dir)).encoder_config(100, 64, {"pad": 0})
     silu = save_tiny_modernbert(tmp_path / "silu", modernbert_dir, hidden_activation="silu")
     with pytest.raises(ConfigError, match=r"silu/config.json: hidden_activation='silu' is not supported"):
