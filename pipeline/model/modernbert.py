@@ -156,6 +156,14 @@ def window_bias(length: int, window: int, dtype: torch.dtype, device: torch.devi
     return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(far, torch.finfo(dtype).min)
 
 
+def window_pairs(length: int, window: int) -> int:
+    """Number of (i, j) pairs with |i - j| <= window in a sequence of `length`: s (2w + 1) - w (w + 1)
+    when s > w, else s^2 (every pair)."""
+    if length <= window:
+        return length * length
+    return length * (2 * window + 1) - window * (window + 1)
+
+
 def flash_usable(q: Tensor) -> bool:
     """Can the flash kernel take q [T, heads, D] (CUDA, fp16/bf16, head size a multiple of 8 up to 256)?"""
     return q.is_cuda and q.dtype in _HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
@@ -273,7 +281,20 @@ class ModernBertLayerStack(nn.Module):
         self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps, bias=cfg.norm_bias)
         self.attention = "auto"
         self.last_work: tuple[int, int] = (0, 0)
+        self.last_flops = 0.0  # forward FLOPs of the last pass (`pass_flops`), read by the training metrics
         self._compiled: Optional[list[nn.Module]] = None  # a plain list: the state dict keeps its names
+
+    def pass_flops(self, lengths: list[int]) -> float:
+        """Forward FLOPs of the layers over sequences of `lengths` real tokens (Megatron's count with a
+        GeGLU MLP and windowed local attention; see `pipeline.train.metrics`):
+
+            sum_l [ 2 T (4 h^2 + 3 h f) + 4 h P_l ],   T = sum_b s_b,
+            P_l = sum_b s_b^2 (global),  sum_b window_pairs(s_b, w) (local)."""
+        cfg = self.config
+        h, f, w = cfg.hidden_size, cfg.ffn_size, cfg.window
+        tokens = float(sum(lengths))
+        pairs = {True: float(sum(s * s for s in lengths)), False: float(sum(window_pairs(s, w) for s in lengths))}
+        return sum(2.0 * tokens * (4 * h * h + 3 * h * f) + 4.0 * h * pairs[layer.is_global] for layer in self.layers)
 
     def compile_layers(self) -> None:
         """`torch.compile` every layer (static shapes); used on the passes whose shape the collator fixes."""
@@ -286,6 +307,9 @@ class ModernBertLayerStack(nn.Module):
         batch, length = x.shape[0], x.shape[1]
         plan = plan_attention(x, attention_mask, seqlens, self.attention, cfg.head_dim)
         self.last_work = (plan.tokens, plan.sum_sq)
+        # host-side lengths (seqlens is a CPU tensor): the varlen pass's real rows, else B full rows
+        self.last_flops = self.pass_flops([int(n) for n in seqlens.tolist()] if plan.kind == "varlen" and seqlens is not None
+                                          else [length] * batch)
         layers = self.layers
         if plan.kind == "varlen":
             assert plan.layout is not None
