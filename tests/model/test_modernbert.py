@@ -158,3 +158,41 @@ def test_flops_of_a_pass_count_geglu_and_the_window():
     expected = sum(2 * tokens * (4 * h * h + 3 * h * f) + 4 * h * sum(
         s * s if CFG.is_global(layer) else window_pairs(s, 4) for s in lengths.tolist()) for layer in range(5))
     assert counter.pop() == pytest.approx(expected)  # no-grad pass: forward only
+
+
+def test_compiled_layers_equal_eager_values_and_gradients():
+    """`model.compile=true` on ModernBERT (COCO-LM: main stack and generator): values and gradients as eager."""
+    cfg = dataclasses.replace(CFG, num_layers=3, max_position=48)
+    models = [build_pretrain_model(cfg, {"cocolm": 1.0}, SPECIAL, {"cocolm": {"generator_layers": 1}}, seed=3,
+                                   kernels="torch", compile_layers=flag) for flag in (False, True)]
+    assert models[1].bert.encoder._compiled is not None and models[1].objectives["cocolm"].generator._compiled is not None
+    ids, mask, lengths = _padded_batch(cfg.vocab_size)
+    full = ids[[0, 3]]
+    grads = []
+    for m in models:
+        out = m.cls(m.bert(full).last_hidden).square().mean()
+        out.backward()
+        grads.append((out.detach(), m.bert.encoder.layers[1].attn.Wqkv.weight.grad.clone()))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_window_paths_match_the_fp32_masked_reference(dtype):
+    """CUDA, half precision: local layers run the flash kernel with a window (dense rows and unpadded rows);
+    the result matches the fp32 masked reference within half-precision error."""
+    model = _perturbed_model(CFG).cuda()
+    ids, mask, lengths = (t.cuda() for t in _padded_batch(CFG.vocab_size))
+    with torch.no_grad():
+        model.bert.encoder.attention = "masked"
+        reference = model.bert(ids, mask).last_hidden.float()
+        reference_full = model.bert(ids[[0, 3]]).last_hidden.float()
+        model.to(dtype)
+        model.bert.encoder.attention = "auto"
+        varlen = model.bert(ids, mask, seqlens=lengths.cpu()).last_hidden.float()
+        dense = model.bert(ids[[0, 3]]).last_hidden.float()
+    real = mask.bool()
+    torch.testing.assert_close(varlen[real], reference[real], rtol=0, atol=0.1)
+    torch.testing.assert_close(dense, reference_full, rtol=0, atol=0.1)
+    assert (varlen[real] - reference[real]).abs().mean() < 0.02
