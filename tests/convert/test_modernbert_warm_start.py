@@ -130,3 +130,22 @@ def test_family_mismatch_and_unsupported_fields_are_named(modernbert_dir, bert_d
         ModelConfig(arch="modernbert", init_from=str(silu)).encoder_config(100, 64, {"pad": 0})
     with pytest.raises(ConfigError, match=r"model.num_layers=3 disagrees with num_hidden_layers=4"):
         ModelConfig(arch="modernbert", init_from=str(modernbert_dir), num_layers=3).encoder_config(100, 64, {"pad": 0})
+
+
+def test_legacy_config_json_fields_are_read():
+    """config.json files written by transformers 4.x (the Hub's ModernBERT-base) spell the layer pattern and
+    rotary bases as `global_attn_every_n_layers`, `global_rope_theta`, `local_rope_theta`."""
+    from pipeline.export.modernbert_adapter import modernbert_fields_from_hf
+
+    legacy = {"model_type": "modernbert", "vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152,
+              "num_hidden_layers": 22, "num_attention_heads": 12, "max_position_embeddings": 8192, "norm_eps": 1e-5,
+              "global_attn_every_n_layers": 3, "local_attention": 128, "global_rope_theta": 160000.0,
+              "local_rope_theta": 10000.0, "hidden_activation": "gelu", "decoder_bias": True, "norm_bias": False}
+    fields = modernbert_fields_from_hf(legacy, "config.json")
+    assert fields["global_attn_every_n_layers"] == 3 and fields["local_attention"] == 128
+    assert (fields["global_rope_theta"], fields["local_rope_theta"]) == (160000.0, 10000.0)
+    assert (fields["num_layers"], fields["ffn_size"], fields["max_position"]) == (22, 1152, 8192)
+    with pytest.raises(ValueError, match=r"config.json: decoder_bias=False is not supported"):
+        modernbert_fields_from_hf({**legacy, "decoder_bias": False}, "config.json")
+    with pytest.raises(ValueError, match=r"rope_parameters.full_attention=.*RoPE scaling"):
+        modernbert_fields_from_hf({**legacy, "rope_parameters": {"full_attention": {"rope_type": "yarn"}}}, "config.json")

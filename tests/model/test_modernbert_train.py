@@ -92,3 +92,25 @@ def test_unpadded_path_matches_masked_reference_in_training(doc_shards_dir, tmp_
     for a, b in zip(runs["varlen"], runs["masked"]):
         for key in ("loss", "mlm/loss", "taco/loss"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_long_context_preset_accepts_the_8192_token_shards_the_data_stage_builds(tmp_path, tiny_corpus_file,
+                                                                              tiny_tokenizer_dir):
+    """`modernbert-long`: `build_shards --seq-len 8192` writes rows the preset's model takes (max_position 8192,
+    rotary: no position table to outgrow); the preset's plan checks pass against those shards."""
+    from data_prep.build_shards import build_shards
+    from pipeline.config.run import check_run, load_config
+    from pipeline.model.modernbert import ModernBertConfig
+
+    shards = tmp_path / "long"
+    build_shards([tiny_corpus_file], tiny_tokenizer_dir, shards, seq_len=8192, shard_size_mb=1, num_proc=1,
+                 progress=False)
+    cfg = load_config("modernbert-long", [f"data.shards_dir={shards}", "deepspeed.precision=fp32",
+                                          "data.global_batch_size=4", "data.micro_batch_size=1"])
+    plan = check_run(cfg, world_size=1, cuda_available=False)
+    assert plan.manifest.seq_len == 8192 and plan.manifest.total_sequences >= 5
+    encoder = cfg.model.encoder_config(plan.manifest.vocab_size, plan.manifest.seq_len, plan.manifest.special_tokens)
+    assert isinstance(encoder, ModernBertConfig) and encoder.max_position == 8192 and encoder.num_layers == 22
+    with pytest.raises(Exception, match=r"model.max_position=1024 < shard seq_len=8192"):
+        load_config("modernbert-long", [f"data.shards_dir={shards}", "model.max_position=1024"]).model.encoder_config(
+            plan.manifest.vocab_size, 8192, plan.manifest.special_tokens)
