@@ -310,9 +310,6 @@ def convert(
     state, source = consolidate_fp32_weights(tag_dir)
     state = fuse_qkv(state)  # checkpoints written before Q, K and V were fused hold them separately
     check_state_dict(model, state, str(tag_dir))
-    if with_generator and is_modernbert(encoder):
-        raise ExportError("--with-generator: a separate generator model is exported for model.arch=bert only; "
-                          "a ModernBERT run's generator weights are in objective_heads.safetensors")
     export = (split_modernbert_for_hf if is_modernbert(encoder) else split_for_hf)(model, state)
     if with_generator and export.generator is None:
         raise ExportError(f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")

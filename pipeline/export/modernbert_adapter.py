@@ -18,17 +18,19 @@ scaling, a layer pattern that is not "global every n").
 Conversion sorts objective parameters exactly as for BERT (`pipeline.export.hf_adapter`): the MLM head
 goes to the model, the objectives' own heads to `objective_heads.safetensors`, and the NCE head
 correction (`head_bias_correction`) is applied to `decoder.bias`. A COCO-LM generator of this family
-is exported among the objective heads (under its training names), not as a second model.
+becomes a second `ModernBertForMaskedLM` (`--with-generator`; `_generator_export`).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import replace
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor
 
-from pipeline.export.hf_adapter import ExportError, HFExport, head_bias_correction
-from pipeline.model.modernbert import ModernBertConfig
+from pipeline.export.hf_adapter import ExportError, GeneratorExport, HFExport, head_bias_correction
+from pipeline.model.heads import PredictionHeadTransform
+from pipeline.model.modernbert import ModernBertConfig, ModernBertLayerStack
 from pipeline.model.pretrainer import PretrainModel
 
 #: (our prefix, HF prefix), most specific first.
@@ -95,8 +97,48 @@ def from_modernbert_hf(hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor
     return out, unused
 
 
+def _generator_export(model: PretrainModel, state: Mapping[str, Tensor], main: Mapping[str, Tensor],
+                      params: Mapping[str, Any]) -> tuple[Optional[GeneratorExport], set[str]]:
+    """A generator of this family inside an objective (COCO-LM: a `ModernBertLayerStack` and a head with a
+    `PredictionHeadTransform` and its own bias) as a second `ModernBertForMaskedLM`, and the keys it used.
+
+    It shares the main model's embeddings (copied). Its head transform has biases (the objective's BERT-style
+    head): exported with `classifier_bias` and `norm_bias` true, the bias-free norms of its layers and of the
+    embeddings getting zero biases — the same function."""
+    found = []
+    for obj_name, objective in model.objectives.items():
+        stacks = [n for n, m in objective.named_modules() if isinstance(m, ModernBertLayerStack)]
+        transforms = [n for n, m in objective.named_modules() if isinstance(m, PredictionHeadTransform)]
+        if stacks:
+            if len(stacks) > 1 or len(transforms) != 1 or not transforms[0].endswith(".transform"):
+                raise ExportError(f"objective {obj_name!r}: {len(stacks)} layer stacks and {len(transforms)} MLM head "
+                                  "transforms; cannot tell the generator")
+            found.append((obj_name, stacks[0], transforms[0][: -len(".transform")]))
+    if not found:
+        return None, set()
+    if len(found) > 1:
+        raise ExportError(f"objectives {[f[0] for f in found]} both hold a generator")
+    obj_name, stack_name, head_name = found[0]
+    stack_prefix, head_prefix = f"objectives.{obj_name}.{stack_name}.", f"objectives.{obj_name}.{head_name}."
+    used = {k for k in params if k.startswith((stack_prefix, head_prefix))}
+    gen = {k: v for k, v in main.items() if k.startswith("model.embeddings.")}
+    gen.update({"model." + k[len(stack_prefix):]: state[k] for k in params if k.startswith(stack_prefix)})
+    for key in [k for k in gen if k.endswith("norm.weight")]:
+        gen[key[: -len("weight")] + "bias"] = gen.get(key[: -len("weight")] + "bias", torch.zeros_like(gen[key]))
+    transform = head_prefix + "transform."
+    gen.update({"head." + k[len(transform):].replace("LayerNorm.", "norm."): state[k]
+                for k in params if k.startswith(transform)})
+    if head_prefix + "bias" not in state:
+        raise ExportError(f"generator head {head_prefix[:-1]}: no output bias")
+    gen[HF_DECODER_BIAS] = state[head_prefix + "bias"]
+    stack = model.objectives[obj_name].get_submodule(stack_name)
+    config = replace(model.config, num_layers=len(stack.layers), norm_bias=True, classifier_bias=True)
+    return GeneratorExport(obj_name, config, gen), used
+
+
 def split_modernbert_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
-    """Sort a consolidated training state dict into the `ModernBertForMaskedLM` tensors and objective heads."""
+    """Sort a consolidated training state dict into the `ModernBertForMaskedLM` tensors, the generator
+    (a second `ModernBertForMaskedLM`, if an objective holds one) and the objective heads."""
     params = dict(model.named_parameters(remove_duplicate=False))
     main = to_modernbert_hf({k: state[k] for k in params if k in state})
     head_bias = head_bias_correction(model, state)
@@ -106,13 +148,15 @@ def split_modernbert_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> H
     first_name: dict[int, str] = {}
     for key, p in params.items():
         first_name.setdefault(id(p), key)
-    heads = {k: state[k] for k in params if first_name[id(params[k])] == k and not k.startswith(("bert.", "cls."))}
+    generator, used = _generator_export(model, state, main, params)
+    heads = {k: state[k] for k in params if first_name[id(params[k])] == k and k not in used
+             and not k.startswith(("bert.", "cls."))}
     unknown = sorted(k for k in heads if not k.startswith("objectives."))
     if unknown:
         raise ExportError(f"parameters outside bert.*, cls.* and objectives.*: {unknown}")
     folded = set(head_bias.buffers) if head_bias is not None and head_bias.corrected else set()
     dropped = sorted(k for k in dict(model.named_buffers()) if k not in folded)
-    return HFExport(main=main, generator=None, objective_heads=heads, dropped_buffers=dropped, head_bias=head_bias)
+    return HFExport(main=main, generator=generator, objective_heads=heads, dropped_buffers=dropped, head_bias=head_bias)
 
 
 def modernbert_hf_config(encoder: ModernBertConfig, special_tokens: Mapping[str, int]):

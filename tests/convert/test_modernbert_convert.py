@@ -93,11 +93,38 @@ def test_export_tensors_and_card(modernbert_run, modernbert_export):
     assert "token_type_embeddings" not in card  # BERT's segment-B advice does not apply
 
 
-def test_with_generator_is_refused_with_a_reason(modernbert_run, tmp_path):
-    from pipeline.export.convert import main
+def test_cocolm_generator_exports_as_a_second_modernbert(tiny_shards_dir, tmp_path):
+    """COCO-LM on ModernBERT: `--with-generator` writes `generator/`, a plain `ModernBertForMaskedLM` that
+    computes the training generator's logits (shared embeddings -> generator layers + final norm -> its own
+    head, tied projection, its own bias); the main export still equals the main model."""
+    from transformers import AutoModelForMaskedLM
 
-    assert main([str(modernbert_run), str(tmp_path / "out"), "--with-generator"]) == 2
-    assert not (tmp_path / "out").exists()
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-cocolm", tiny_shards_dir, out, ARCH, "train.total_steps=3",
+                         "train.checkpoint_every=3") == 0
+    exported = convert(out, tmp_path / "hf", with_generator=True)
+    ours = _ours(out)
+    objective = ours.objectives["cocolm"]
+    generator = AutoModelForMaskedLM.from_pretrained(str(exported / "generator"), attn_implementation="sdpa").eval()
+    main = AutoModelForMaskedLM.from_pretrained(str(exported), attn_implementation="sdpa").eval()
+    assert generator.config.num_hidden_layers == 1 and main.config.num_hidden_layers == 3
+    heads = load_file(exported / "objective_heads.safetensors")
+    assert not any(".generator." in k or ".generator_head." in k for k in heads)  # exported as a model instead
+    assert any(k.startswith("objectives.cocolm.copy_head.") for k in heads)
+    ids, mask, lengths = _probe(generator.config.vocab_size, generator.config.pad_token_id)
+    real = mask.bool()
+    with torch.no_grad():
+        for mode, seqlens in (("masked", None), ("varlen", lengths)):
+            objective.generator.attention = mode
+            h = objective.generator(ours.bert.embeddings(ids), mask, seqlens)
+            head = objective.generator_head
+            logits = torch.nn.functional.linear(head.transform(h), ours.bert.embeddings.tok_embeddings.weight, head.bias)
+            reference = generator(input_ids=ids, attention_mask=mask).logits
+            torch.testing.assert_close(logits[real], reference[real], rtol=0, atol=1e-4, msg=mode)
+        main_logits = ours.cls(ours.bert(ids, mask).last_hidden)
+        torch.testing.assert_close(main_logits[real], main(input_ids=ids, attention_mask=mask).logits[real],
+                                   rtol=0, atol=1e-4)
+    assert "COCO-LM auxiliary generator" in (exported / "generator" / "README.md").read_text()
 
 
 @pytest.mark.slow
