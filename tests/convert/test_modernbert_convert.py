@@ -141,3 +141,26 @@ def test_finetune_on_the_export(modernbert_export, tmp_path, capsys):
     result = json.loads(output.read_text())
     assert result["problem"] == "classification" and result["n_train"] == 160
     assert result["runs"][0]["metrics"]["accuracy"] >= 0.75, result["runs"]  # chance: 0.5
+
+
+@pytest.mark.slow
+def test_zero3_two_ranks_train_and_convert(tiny_shards_dir, tmp_path):
+    """ZeRO-3 on 2 ranks (parameters partitioned: the tied projection and COCO-LM's shared embeddings are
+    gathered inside their modules' forwards): COCO-LM + MLM trains with finite losses, the partitioned
+    checkpoint consolidates and converts (main model and generator), and both load as plain ModernBERTs."""
+    from transformers import AutoModelForMaskedLM
+
+    from pipeline.train.metrics import read_jsonl
+    from tests.train.runs import run_torchrun
+
+    out = tmp_path / "run"
+    run_torchrun("tiny-cocolm", tiny_shards_dir, out, ARCH, "deepspeed.config=zero3", "train.total_steps=3",
+                 "train.checkpoint_every=3", "objectives={mlm: 1.0, cocolm: 1.0}")
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3] and all(torch.isfinite(torch.tensor(r["loss"])) for r in rows)
+    exported = convert(out, tmp_path / "hf", with_generator=True)
+    for directory in (exported, exported / "generator"):
+        model = AutoModelForMaskedLM.from_pretrained(str(directory)).eval()
+        ids, mask, _ = _probe(model.config.vocab_size, model.config.pad_token_id)
+        with torch.no_grad():
+            assert torch.isfinite(model(input_ids=ids, attention_mask=mask).logits).all()
