@@ -84,6 +84,9 @@ class ModelConfig:
                 raise ConfigError(f"model.{name}={value}: only for model.arch=modernbert")
             if value is not None and (not isinstance(value, int) or value <= 0):
                 raise ConfigError(f"model.{name}={value!r}: must be a positive integer")
+        if self.arch == "modernbert" and self.layernorm == "apex":
+            raise ConfigError("model.layernorm=apex: apex's FusedLayerNorm carries a bias, ModernBERT's norms have "
+                              "none; use model.layernorm=torch with model.arch=modernbert")
         if self.local_attention is not None and self.local_attention % 2:
             raise ConfigError(f"model.local_attention={self.local_attention}: must be even (the window is "
                               "|i - j| <= local_attention / 2)")

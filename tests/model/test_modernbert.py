@@ -123,6 +123,7 @@ def test_initialisation_and_no_biases():
     (dict(arch="modernbert", local_attention=15), r"model.local_attention=15: must be even"),
     (dict(arch="modernbert", hidden_size=66, num_heads=6), r"model.hidden_size / model.num_heads = 11 is odd; rotary"),
     (dict(arch="modernbrt"), r"model.arch='modernbrt'"),
+    (dict(arch="modernbert", layernorm="apex"), r"model.layernorm=apex: .*use model.layernorm=torch"),
 ])
 def test_config_errors_name_the_field(fields, message):
     with pytest.raises(ConfigError, match=message):
