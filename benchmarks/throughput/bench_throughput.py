@@ -283,7 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--objectives", default="mlm,taco,capt,cocolm,infoword", help="comma-separated objective names")
     p.add_argument("--no-mlm", dest="with_mlm", action="store_false", help="do not add the MLM baseline")
-    p.add_argument("--sizes", default="tiny", help="model size presets (tiny, taco-small, capt-small, base, large)")
+    p.add_argument("--sizes", default="tiny", help="model size presets (tiny, taco-small, capt-small, base, large; "
+                                                   "with --set model.arch=modernbert: tiny, small, base, large, large-24)")
     p.add_argument("--seq-lens", default="128", help="sequence lengths, e.g. 128,512")
     p.add_argument("--zero", default="1", help="ZeRO stages, e.g. 1,2,3")
     p.add_argument("--precision", default="fp32", help="fp32, bf16, fp16 (comma-separated)")
@@ -324,12 +325,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     from pipeline.config.loader import available_presets
     from pipeline.train.engine import PRECISIONS
     from pipeline.model.encoder import SIZE_PRESETS
+    from pipeline.model.modernbert import MODERNBERT_SIZES
 
     bad = [o for o in args.objectives if f"tiny-{o}" not in available_presets()]
     if bad:
         known = sorted(p[5:] for p in available_presets() if p.startswith("tiny-"))
         parser.error(f"--objectives {bad}: no tiny-<objective> preset; choose from {known}")
-    for flag, values, allowed in (("--sizes", args.sizes, sorted(SIZE_PRESETS)), ("--zero", args.zero, [1, 2, 3]),
+    # `--set model.arch=modernbert` takes that family's size names (pipeline.model.modernbert.MODERNBERT_SIZES)
+    sizes = MODERNBERT_SIZES if "model.arch=modernbert" in args.set else SIZE_PRESETS
+    for flag, values, allowed in (("--sizes", args.sizes, sorted(sizes)), ("--zero", args.zero, [1, 2, 3]),
                                   ("--precision", args.precision, list(PRECISIONS))):
         if any(v not in allowed for v in values):
             parser.error(f"{flag} {values}: each must be one of {allowed}")

@@ -55,8 +55,11 @@ from pipeline.export.hf_adapter import (
 from pipeline.export.health_check import HealthReport, announce, check_health
 from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
+from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
+from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.model.build import model_from_meta
-from pipeline.model.encoder import EncoderConfig, fuse_qkv
+from pipeline.model.encoder import fuse_qkv
+from pipeline.model.modernbert import is_modernbert
 from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
 
@@ -134,7 +137,7 @@ def consolidate_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], st
     return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}, source
 
 
-def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], encoder: EncoderConfig):
+def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], encoder: AnyEncoderConfig):
     """The run's tokenizer, checked against the special-token ids the model was trained with."""
     from transformers import AutoTokenizer
 
@@ -165,12 +168,13 @@ def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], en
 
 
 def _write_hf_model(
-    directory: Path, state: dict[str, torch.Tensor], encoder: EncoderConfig, meta: RunMeta, tokenizer
+    directory: Path, state: dict[str, torch.Tensor], encoder: AnyEncoderConfig, meta: RunMeta, tokenizer
 ) -> None:
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    bert_config(encoder, meta.special_tokens).save_pretrained(str(directory))
+    hf_config = modernbert_hf_config if is_modernbert(encoder) else bert_config  # `model.arch`
+    hf_config(encoder, meta.special_tokens).save_pretrained(str(directory))
     save_file(contiguous_copies(state), str(directory / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(directory))
     clean_tokenizer_config(directory)
@@ -188,7 +192,7 @@ def clean_tokenizer_config(directory: Path) -> None:
 def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, tag_dir: Path, model,
                  with_generator: bool, card: CardInputs) -> None:
     """Everything OUT_DIR holds, written into `directory` (`model`: the training model of the meta)."""
-    encoder = EncoderConfig(**meta.encoder_config)
+    encoder = encoder_config_from_dict(meta.encoder_config)
     _write_hf_model(directory, export.main, encoder, meta, tokenizer)
     if export.objective_heads:
         write_objective_heads(directory / OBJECTIVE_HEADS_FILE, model, export.objective_heads, meta)
@@ -299,14 +303,14 @@ def convert(
     _check_out_dir(out_dir, overwrite)
     tag_dir = resolve_tag_dir(checkpoint_dir)
     meta = RunMeta.read(tag_dir)
-    encoder = EncoderConfig(**meta.encoder_config)
+    encoder = encoder_config_from_dict(meta.encoder_config)
     tokenizer = load_tokenizer(meta, tokenizer_dir, encoder)
     model = model_from_meta(meta)
 
     state, source = consolidate_fp32_weights(tag_dir)
     state = fuse_qkv(state)  # checkpoints written before Q, K and V were fused hold them separately
     check_state_dict(model, state, str(tag_dir))
-    export = split_for_hf(model, state)
+    export = (split_modernbert_for_hf if is_modernbert(encoder) else split_for_hf)(model, state)
     if with_generator and export.generator is None:
         raise ExportError(f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")
     if export.head_bias is not None and not export.head_bias.corrected:

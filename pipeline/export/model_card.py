@@ -18,7 +18,8 @@ import yaml
 from pipeline.eval.health import COLLAPSE_COSINE, POSITIVE_COSINE_PINNED
 from pipeline.export.health_check import HealthReport
 from pipeline.export.hf_adapter import CORRECTED_HEAD_FORMULA, HFExport
-from pipeline.model.encoder import EncoderConfig
+from pipeline.model.arch import arch_of, encoder_config_from_dict
+from pipeline.model.modernbert import is_modernbert
 from pipeline.train.run_meta import META_FILE, RunMeta
 
 _OBJECTIVE_TITLES = {
@@ -79,7 +80,7 @@ def _license(meta: RunMeta, inputs: CardInputs) -> tuple[str, str]:
 def front_matter(meta: RunMeta, inputs: CardInputs, generator_card: bool) -> str:
     front: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "fill-mask",
                              "license": _license(meta, inputs)[0],
-                             "tags": ["bert", "contrastive-pretraining", *meta.objectives]}
+                             "tags": [meta.encoder_config.get("arch", "bert"), "contrastive-pretraining", *meta.objectives]}
     base = inputs.base_model or meta.base_model.get("name")
     if base:
         front["base_model"] = base
@@ -157,6 +158,26 @@ def health_section(health: Optional[HealthReport]) -> list[str]:
     return ["", "## Health check (at conversion)", "", _table(rows, ("measure", "value", "verdict"))]
 
 
+_FAMILY_TITLES = {"bert": "BERT", "modernbert": "ModernBERT-style"}
+_FAMILY_ROWS = {
+    "bert": "BERT (`BertForMaskedLM`): learned absolute positions, post-LayerNorm, GELU FFN",
+    "modernbert": "ModernBERT (`ModernBertForMaskedLM`, `model.arch=modernbert`): rotary positions, pre-LayerNorm "
+                  "without biases, GeGLU, alternating global / sliding-window attention, final norm, tied MLM head",
+}
+
+
+def modernbert_usage_section() -> list[str]:
+    """Fine-tuning notes of a `model.arch=modernbert` export (no segment embeddings, no pooler)."""
+    return [
+        "", "## Fine-tuning", "",
+        "`AutoModelForSequenceClassification` builds `ModernBertForSequenceClassification`: its `model.*` and `head.*` "
+        "(the MLM head's transform, [CLS] pooling by default) load from these weights, only `classifier` is new. "
+        "There are no segment embeddings: pass no `token_type_ids` (the tokenizer of this directory returns none "
+        "only if told: `return_token_type_ids=False`). Local layers see +-"
+        "`local_attention / 2` tokens; [CLS] sees the whole row only through the global layers.",
+    ]
+
+
 def usage_section(meta: RunMeta) -> list[str]:
     warm = bool(meta.base_model)
     segment_b = ("still holds the base model's value (this run did not update it)" if warm else
@@ -219,12 +240,12 @@ def files_section(export: HFExport) -> list[str]:
 
 def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, generator_card: bool) -> str:
     """The README.md written beside the weights."""
-    enc = EncoderConfig(**meta.encoder_config)
+    enc = encoder_config_from_dict(meta.encoder_config)
     if generator_card:
         assert export.generator is not None
         enc = export.generator.config
     title = ("COCO-LM auxiliary generator" if generator_card
-             else "BERT encoder pretrained with " + " + ".join(meta.objectives))
+             else _FAMILY_TITLES[arch_of(enc)] + " encoder pretrained with " + " + ".join(meta.objectives))
     lines = [front_matter(meta, inputs, generator_card), f"# {title}", ""]
     problems = inputs.health.problems() if inputs.health and not generator_card else []
     if problems:
@@ -242,13 +263,19 @@ def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, gener
               _table([(k, f"{v:.4f}" if isinstance(v, (int, float)) else v) for k, v in sorted(meta.last_metrics.items())])
               if meta.last_metrics else "(none recorded)"]
     if not generator_card:
-        lines += head_section(export) + health_section(inputs.health) + usage_section(meta)
+        usage = modernbert_usage_section() if is_modernbert(enc) else usage_section(meta)
+        lines += head_section(export) + health_section(inputs.health) + usage
     lines += ["", "## Architecture", "", _table([
+        ("family", _FAMILY_ROWS[arch_of(enc)]),
         ("layers / hidden / heads / FFN", f"{enc.num_layers} / {enc.hidden_size} / {enc.num_heads} / {enc.ffn_size}"),
         ("vocabulary", enc.vocab_size),
         ("max positions", enc.max_position),
-        ("activation", "exact GELU (erf)"),
+        ("activation", "GeGLU with exact GELU (erf)" if is_modernbert(enc) else "exact GELU (erf)"),
         ("layer norm eps", enc.layer_norm_eps),
+        *([("attention", f"global every {enc.global_attn_every_n_layers} layers (layer 0 first), otherwise a "
+                         f"sliding window of {enc.local_attention} tokens (|i - j| <= {enc.window})"),
+           ("positions", f"rotary, base {enc.global_rope_theta:g} (global layers) / {enc.local_rope_theta:g} (local)")]
+          if is_modernbert(enc) else []),
     ])]
     if not generator_card:
         lines += files_section(export)

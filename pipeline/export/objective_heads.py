@@ -102,12 +102,12 @@ def load_objective_heads(model_dir: str | os.PathLike) -> dict[str, nn.Module]:
 
     A parameter held directly by an objective (no objective has one today) comes back as a module
     whose attribute `value` is that parameter."""
-    from pipeline.model.encoder import EncoderConfig
+    from pipeline.model.arch import encoder_config_from_dict
     from pipeline.objectives.registry import build_objective
 
     path = Path(model_dir) / OBJECTIVE_HEADS_FILE
     tensors, info = read_objective_heads(model_dir)
-    encoder = EncoderConfig(**info["encoder_config"])
+    encoder = encoder_config_from_dict(info["encoder_config"])
     options = info.get("objective_options", {})
     built: dict[str, nn.Module] = {}
     heads: dict[str, nn.Module] = {}

@@ -14,13 +14,13 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from pipeline.model.encoder import EncoderConfig
+from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.objectives.mlm_nce import LOG_PROPOSAL, log_proposal_samplers
 from pipeline.seeding import seed_init
 
 
-def build_pretrain_model(encoder_config: EncoderConfig, objectives: Mapping[str, float],
+def build_pretrain_model(encoder_config: AnyEncoderConfig, objectives: Mapping[str, float],
                          special_tokens: Mapping[str, int], objective_options: Mapping[str, Mapping[str, Any]],
                          seed: int = 0, kernels: str = "auto", init_from: Optional[str] = None,
                          attention: str = "auto", compile_layers: bool = False,
@@ -89,5 +89,5 @@ def model_from_meta(meta: Any) -> PretrainModel:
     built on CPU rather than the `meta` device because objectives may compute real tensors in
     their constructors (e.g. sampling tables).
     """
-    return build_pretrain_model(EncoderConfig(**meta.encoder_config), meta.objectives, meta.special_tokens,
+    return build_pretrain_model(encoder_config_from_dict(meta.encoder_config), meta.objectives, meta.special_tokens,
                                 meta.objective_options, seed=int(meta.config.get("train", {}).get("seed", 0)))

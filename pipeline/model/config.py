@@ -6,18 +6,28 @@ from typing import Any, Mapping, Optional
 
 from pipeline.config.checks import ConfigError, check_choice, did_you_mean
 from pipeline.kernels import KERNEL_MODES
+from pipeline.model.arch import ARCHS, AnyEncoderConfig
 from pipeline.model.attention import ATTENTION_MODES
 from pipeline.model.encoder import SIZE_PRESETS, EncoderConfig
+from pipeline.model.modernbert import MODERNBERT_SIZES, ModernBertConfig
 
 LAYERNORM_IMPLS = ("torch", "apex")
 MLM_BIAS_INITS = ("zero", "unigram")
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "ffn_size")
+#: `model.*` fields of the ModernBERT family only (None: the size preset's / HF's default).
+MODERNBERT_FIELDS = ("local_attention", "global_attn_every_n_layers")
 
 
 @dataclass
 class ModelConfig:
+    arch: str = "bert"
+    """Encoder family (`pipeline.model.arch`): `bert` (the 2018 BERT architecture), or `modernbert`
+    (`pipeline.model.modernbert`: rotary positions, GeGLU, pre-LN without biases, alternating global /
+    sliding-window attention; converts to Hugging Face `ModernBertForMaskedLM`). Every objective runs on both."""
     size: str = "tiny"
-    """Size preset from `pipeline.model.encoder.SIZE_PRESETS`: tiny, taco-small, capt-small, base, large."""
+    """Size preset: for `arch=bert` from `pipeline.model.encoder.SIZE_PRESETS` (tiny, taco-small, capt-small,
+    base, large); for `arch=modernbert` from `pipeline.model.modernbert.MODERNBERT_SIZES` (tiny, small, base,
+    large, large-24)."""
     num_layers: Optional[int] = None
     """Override of the preset's layer count."""
     hidden_size: Optional[int] = None
@@ -27,7 +37,12 @@ class ModelConfig:
     ffn_size: Optional[int] = None
     """Override of the preset's feed-forward inner size."""
     max_position: Optional[int] = None
-    """Position-embedding table size; default: the shards' `seq_len`."""
+    """Position-embedding table size (ModernBERT: the longest row it accepts); default: the shards' `seq_len`."""
+    local_attention: Optional[int] = None
+    """`arch=modernbert` only: sliding-window width of the local layers (tokens attend to |i - j| <= w / 2;
+    HF's `local_attention`); default: the size preset's (128 from base up)."""
+    global_attn_every_n_layers: Optional[int] = None
+    """`arch=modernbert` only: layer l attends globally when l % n == 0, else in the window; default 3."""
     dropout: float = 0.1
     """Hidden dropout probability."""
     attention_dropout: float = 0.1
@@ -58,9 +73,23 @@ class ModelConfig:
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""
-        if self.size not in SIZE_PRESETS:
-            raise ConfigError(f"model.size={self.size!r}: unknown{did_you_mean(self.size, list(SIZE_PRESETS))}; "
-                              f"choose one of {sorted(SIZE_PRESETS)}")
+        check_choice(self.arch, ARCHS, "model.arch")
+        presets = self.size_presets()
+        if self.size not in presets:
+            raise ConfigError(f"model.size={self.size!r}: unknown for model.arch={self.arch}"
+                              f"{did_you_mean(self.size, list(presets))}; choose one of {sorted(presets)}")
+        for name in MODERNBERT_FIELDS:
+            value = getattr(self, name)
+            if value is not None and self.arch != "modernbert":
+                raise ConfigError(f"model.{name}={value}: only for model.arch=modernbert")
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise ConfigError(f"model.{name}={value!r}: must be a positive integer")
+        if self.arch == "modernbert" and self.layernorm == "apex":
+            raise ConfigError("model.layernorm=apex: apex's FusedLayerNorm carries a bias, ModernBERT's norms have "
+                              "none; use model.layernorm=torch with model.arch=modernbert")
+        if self.local_attention is not None and self.local_attention % 2:
+            raise ConfigError(f"model.local_attention={self.local_attention}: must be even (the window is "
+                              "|i - j| <= local_attention / 2)")
         check_choice(self.kernels, KERNEL_MODES, "model.kernels")
         check_choice(self.layernorm, LAYERNORM_IMPLS, "model.layernorm")
         check_choice(self.attention, ATTENTION_MODES, "model.attention")
@@ -78,6 +107,9 @@ class ModelConfig:
         if shape["hidden_size"] % shape["num_heads"]:
             raise ConfigError(f"model.hidden_size={shape['hidden_size']} is not divisible by "
                               f"model.num_heads={shape['num_heads']}")
+        if self.arch == "modernbert" and (shape["hidden_size"] // shape["num_heads"]) % 2:
+            raise ConfigError(f"model.hidden_size / model.num_heads = {shape['hidden_size'] // shape['num_heads']} "
+                              "is odd; rotary position embeddings need an even head size")
 
     def check_device(self, cuda: bool) -> None:
         """Stage-2 checks: the switches this machine must support."""
@@ -90,11 +122,15 @@ class ModelConfig:
             raise ConfigError("model.layernorm=apex needs NVIDIA apex (built from github.com/NVIDIA/apex, never the "
                               "PyPI package 'apex') on a GPU machine")
 
-    def shape(self) -> dict[str, int]:
-        """Layers / hidden / heads / FFN: the size preset with this config's overrides."""
-        return {**SIZE_PRESETS[self.size], **{k: getattr(self, k) for k in SHAPE_FIELDS if getattr(self, k) is not None}}
+    def size_presets(self) -> dict[str, dict[str, int]]:
+        return MODERNBERT_SIZES if self.arch == "modernbert" else SIZE_PRESETS
 
-    def encoder_config(self, vocab_size: int, seq_len: int, special_tokens: Mapping[str, int]) -> EncoderConfig:
+    def shape(self) -> dict[str, int]:
+        """Layers / hidden / heads / FFN (ModernBERT: and its window): the size preset with this config's overrides."""
+        fields = SHAPE_FIELDS + (MODERNBERT_FIELDS if self.arch == "modernbert" else ())
+        return {**self.size_presets()[self.size], **{k: getattr(self, k) for k in fields if getattr(self, k) is not None}}
+
+    def encoder_config(self, vocab_size: int, seq_len: int, special_tokens: Mapping[str, int]) -> AnyEncoderConfig:
         """The encoder this config describes for shards of `vocab_size` / `seq_len` (the one place a
         run's model shape is decided): the size preset with its overrides, or with `init_from` the
         base model's config.json."""
@@ -106,19 +142,20 @@ class ModelConfig:
         fields: dict[str, Any] = dict(self.shape(), vocab_size=vocab_size, max_position=max_position,
                                       dropout=self.dropout, attention_dropout=self.attention_dropout,
                                       pad_token_id=special_tokens["pad"])
-        return EncoderConfig(**fields)
+        return ModernBertConfig(**fields) if self.arch == "modernbert" else EncoderConfig(**fields)
 
-    def _base_encoder_config(self, vocab_size: int, seq_len: int, special_tokens: Mapping[str, int]) -> EncoderConfig:
+    def _base_encoder_config(self, vocab_size: int, seq_len: int, special_tokens: Mapping[str, int]) -> AnyEncoderConfig:
         from pipeline.export.hf_adapter import HF_CONFIG_FIELDS
         from pipeline.model.warm_start import CONFIG_FILE, base_encoder_fields
 
         assert self.init_from
-        base = base_encoder_fields(self.init_from)
+        base = base_encoder_fields(self.init_from, self.arch)
         where = f"{self.init_from}/{CONFIG_FILE}"
-        for name in (*SHAPE_FIELDS, "max_position"):
+        extra = MODERNBERT_FIELDS if self.arch == "modernbert" else ()
+        for name in (*SHAPE_FIELDS, "max_position", *extra):
             value = getattr(self, name)
             if value is not None and value != base[name]:
-                raise ConfigError(f"model.{name}={value} disagrees with {HF_CONFIG_FIELDS[name]}={base[name]} in "
+                raise ConfigError(f"model.{name}={value} disagrees with {HF_CONFIG_FIELDS.get(name, name)}={base[name]} in "
                                   f"{where}; a warm start takes its shape from config.json: drop the override")
         if base["max_position"] < seq_len:
             raise ConfigError(f"{where}: max_position_embeddings={base['max_position']} is shorter than the shards' "
@@ -127,8 +164,9 @@ class ModelConfig:
             raise ConfigError(f"{where}: vocab_size={base['vocab_size']} is smaller than the shards' vocabulary "
                               f"({vocab_size} tokens); build the shards with this model's tokenizer "
                               f"(`python -m data_prep.build_shards --tokenizer {self.init_from}`)")
-        return EncoderConfig(**base, dropout=self.dropout, attention_dropout=self.attention_dropout,
-                             pad_token_id=special_tokens["pad"])
+        cls = ModernBertConfig if self.arch == "modernbert" else EncoderConfig
+        return cls(**base, dropout=self.dropout, attention_dropout=self.attention_dropout,
+                   pad_token_id=special_tokens["pad"])
 
     def check_init_from(self, manifest: Any, shards_dir: str, fresh_start: bool) -> None:
         """Stage-2 checks of `init_from` against the shards (and its weights, for a fresh start)."""

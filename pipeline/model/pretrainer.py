@@ -16,8 +16,7 @@ from torch import Tensor, nn
 from pipeline import seeding
 from pipeline.batch import STRUCTURE_TOKENS, special_ids
 from pipeline.eval.health import step_health
-from pipeline.model.encoder import BertEncoder, EncoderConfig, configure_layer_stacks, init_bert_weights
-from pipeline.model.heads import MLMHead
+from pipeline.model.arch import AnyEncoderConfig, build_encoder_and_head, configure_stacks, init_weights
 from pipeline.objectives.base import StepContext, StepProgress
 from pipeline.objectives.registry import build_objective
 
@@ -25,7 +24,7 @@ from pipeline.objectives.registry import build_objective
 class PretrainModel(nn.Module):
     def __init__(
         self,
-        encoder_config: EncoderConfig,
+        encoder_config: AnyEncoderConfig,
         objectives: Mapping[str, float],
         special_tokens: Mapping[str, int],
         objective_options: Mapping[str, Mapping[str, Any]] | None = None,
@@ -46,8 +45,8 @@ class PretrainModel(nn.Module):
         if not objectives:
             raise ValueError("objectives: at least one objective is required")
         self.config = encoder_config
-        self.bert = BertEncoder(encoder_config)
-        self.cls = MLMHead(encoder_config, self.bert.embeddings.word_embeddings)
+        # `model.arch` (`pipeline.model.arch`): BERT, or ModernBERT under the same `bert` / `cls` slots
+        self.bert, self.cls = build_encoder_and_head(encoder_config)
         options = dict(objective_options or {})
         self.weights = dict(objectives)
         self.objectives = nn.ModuleDict(
@@ -62,12 +61,12 @@ class PretrainModel(nn.Module):
                              persistent=False)
         #: most frequent training token (`health/unigram_accuracy`); set by the training loop, None: not logged
         self.health_top_token: Optional[int] = None
-        init_bert_weights(self, encoder_config.initializer_range)
+        init_weights(self, encoder_config)
         for obj in self.objectives.values():
             reset = getattr(obj, "reset_parameters", None)
             if reset is not None:
                 reset()
-        configure_layer_stacks(self, attention, compile_layers)
+        configure_stacks(self, encoder_config, attention, compile_layers)
 
     @property
     def views(self) -> set[str]:

@@ -1,5 +1,9 @@
 """`model.init_from=DIR`: start pretraining from a local Hugging Face BERT directory (warm start).
 
+With `model.arch=modernbert` DIR is a Hugging Face ModernBERT directory instead (`ModernBertForMaskedLM`
+or `ModernBertModel` weights, `model_type: modernbert`); its names and config.json fields are mapped by
+`pipeline.export.modernbert_adapter`, everything else below applies unchanged.
+
 Continued, domain-adaptive pretraining starts from an existing BERT. `DIR` is any local Hugging
 Face BERT directory: `config.json`, the weights of a `BertForMaskedLM`, `BertForPreTraining` or
 `BertModel` (`model.safetensors`, `pytorch_model.bin`, or their sharded `*.index.json` forms) and
@@ -34,8 +38,9 @@ from torch import Tensor, nn
 
 from pipeline.config.checks import ConfigError
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES, TOKENIZER_SUBDIR, Manifest, sha256_file
-from pipeline.model.encoder import BertEncoder, EncoderConfig
-from pipeline.model.heads import MLMHead
+from pipeline.model.arch import AnyEncoderConfig, build_encoder_and_head
+from pipeline.model.encoder import EncoderConfig
+from pipeline.model.modernbert import ModernBertConfig, is_modernbert
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,8 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 REQUIRED_SHAPE = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_size", "max_position")
 
 
-def read_base_config(directory: str | os.PathLike) -> dict[str, Any]:
-    """`DIR/config.json`, checked to describe a BERT this encoder implements exactly."""
+def read_base_config(directory: str | os.PathLike, arch: str = "bert") -> dict[str, Any]:
+    """`DIR/config.json`, checked to describe a BERT (`arch=modernbert`: a ModernBERT) this encoder implements exactly."""
     from pipeline.export.hf_adapter import HF_CONFIG_FIELDS, encoder_fields_from_hf
 
     path = Path(directory)
@@ -64,9 +69,13 @@ def read_base_config(directory: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ConfigError(f"{file}: expected a JSON object")
     model_type = raw.get("model_type")
-    if model_type != "bert":
-        raise ConfigError(f"{file}: model_type={model_type!r}; model.init_from takes BERT checkpoints "
-                          "(model_type 'bert') only")
+    if model_type != arch:
+        hint = f"; set model.arch={model_type}" if model_type in ("bert", "modernbert") else ""
+        name = "ModernBERT" if arch == "modernbert" else "BERT"
+        raise ConfigError(f"{file}: model_type={model_type!r}; model.init_from takes {name} checkpoints "
+                          f"(model_type {arch!r}) only with model.arch={arch}{hint}")
+    if arch == "modernbert":
+        return _read_modernbert_config(raw, file)
     checks = (("hidden_act", "gelu", "the encoder implements exact (erf) GELU, Hugging Face's 'gelu'"),
               ("position_embedding_type", "absolute", "only absolute position embeddings are implemented"),
               ("tie_word_embeddings", True, "the MLM head's output projection is tied to the word embeddings"))
@@ -84,11 +93,42 @@ def read_base_config(directory: str | os.PathLike) -> dict[str, Any]:
     return raw
 
 
-def base_encoder_fields(directory: str | os.PathLike) -> dict[str, Any]:
-    """The `EncoderConfig` shape fields of the BERT in `directory` (from its config.json)."""
-    from pipeline.export.hf_adapter import encoder_fields_from_hf
+def _read_modernbert_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
+    from pipeline.export.modernbert_adapter import modernbert_fields_from_hf
 
-    return encoder_fields_from_hf(read_base_config(directory))
+    try:
+        fields = modernbert_fields_from_hf(raw, str(file))
+        missing = [k for k in REQUIRED_SHAPE if k not in fields]
+        if missing:
+            raise ValueError(f"{file}: missing the fields of {missing}")
+        ModernBertConfig(**fields)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(str(err) if str(file) in str(err) else f"{file}: {err}") from err
+    return raw
+
+
+def base_encoder_fields(directory: str | os.PathLike, arch: str = "bert") -> dict[str, Any]:
+    """The encoder config fields of the BERT (or ModernBERT) in `directory` (from its config.json)."""
+    from pipeline.export.hf_adapter import encoder_fields_from_hf
+    from pipeline.export.modernbert_adapter import modernbert_fields_from_hf
+
+    raw = read_base_config(directory, arch)
+    if arch == "modernbert":
+        return modernbert_fields_from_hf(raw, str(Path(directory) / CONFIG_FILE))
+    return encoder_fields_from_hf(raw)
+
+
+def _from_hf(encoder: AnyEncoderConfig, hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
+    """Hugging Face names -> ours for the encoder's family (`model.arch`)."""
+    from pipeline.export.hf_adapter import from_hf
+    from pipeline.export.modernbert_adapter import from_modernbert_hf
+
+    if not is_modernbert(encoder):
+        return from_hf(hf_state)
+    try:
+        return from_modernbert_hf(hf_state)
+    except ValueError as err:
+        raise ConfigError(f"model.init_from: {err}") from err
 
 
 def describe_base(directory: str | os.PathLike) -> dict[str, Any]:
@@ -206,26 +246,26 @@ def _read(file: Path, shapes_only: bool) -> dict[str, Any]:
     return {k: tuple(v.shape) if shapes_only else v for k, v in state.items() if isinstance(v, Tensor)}
 
 
-def expected_shapes(encoder: EncoderConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+def expected_shapes(encoder: AnyEncoderConfig) -> tuple[dict[str, tuple[int, ...]], set[str]]:
     """(our `bert.*` / `cls.*` state-dict names -> shapes, the names of distinct tensors) for `encoder`;
     the second leaves out aliases of tied weights. Built on the meta device: no memory, no init cost."""
     with torch.device("meta"):
         parts = nn.Module()
-        parts.bert = BertEncoder(encoder)
-        parts.cls = MLMHead(encoder, parts.bert.embeddings.word_embeddings)
+        parts.bert, parts.cls = build_encoder_and_head(encoder)
     shapes = {k: tuple(v.shape) for k, v in parts.state_dict().items()}
     return shapes, {k for k, _ in parts.named_parameters()} | {k for k, _ in parts.named_buffers()}
 
 
-def check_weights(directory: str | os.PathLike, encoder: EncoderConfig) -> None:
-    """Every encoder tensor is in DIR's weights with the shape config.json implies (MLM head: all or none)."""
-    from pipeline.export.hf_adapter import from_hf
+_CLASSES = {False: "BertModel / BertForMaskedLM", True: "ModernBertModel / ModernBertForMaskedLM"}
 
+
+def check_weights(directory: str | os.PathLike, encoder: AnyEncoderConfig) -> None:
+    """Every encoder tensor is in DIR's weights with the shape config.json implies (MLM head: all or none)."""
     files = weight_files(directory)
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         shapes.update(_read(file, shapes_only=True))
-    ours, _ = from_hf({k: torch.empty(s, device="meta") for k, s in shapes.items()})
+    ours, _ = _from_hf(encoder, {k: torch.empty(s, device="meta") for k, s in shapes.items()})
     expected, distinct = expected_shapes(encoder)
     where = ", ".join(str(f) for f in files)
     head = [k for k in sorted(distinct) if k.startswith("cls.")]  # (the tied projection is the embeddings)
@@ -234,10 +274,11 @@ def check_weights(directory: str | os.PathLike, encoder: EncoderConfig) -> None:
         missing += [k for k in head if k not in ours]
     if missing:
         raise ConfigError(f"{where}: missing weights {missing[:8]}{' ...' if len(missing) > 8 else ''}; "
-                          "model.init_from needs a complete BertModel / BertForMaskedLM checkpoint")
+                          f"model.init_from needs a complete {_CLASSES[is_modernbert(encoder)]} checkpoint")
     unexpected = sorted(k for k in ours if k not in expected)
     if unexpected:
-        raise ConfigError(f"{where}: tensors {unexpected[:8]} have no place in a BERT encoder")
+        raise ConfigError(f"{where}: tensors {unexpected[:8]} have no place in a "
+                          f"{'ModernBERT' if is_modernbert(encoder) else 'BERT'} encoder")
     for key, value in sorted(ours.items()):
         if tuple(value.shape) != expected[key]:
             raise ConfigError(f"{where}: {key} has shape {tuple(value.shape)} but {Path(directory) / CONFIG_FILE} "
@@ -245,7 +286,7 @@ def check_weights(directory: str | os.PathLike, encoder: EncoderConfig) -> None:
 
 
 def check_base_model(directory: str | os.PathLike, manifest: Manifest, shards_dir: str | os.PathLike,
-                     encoder: EncoderConfig, fresh_start: bool) -> None:
+                     encoder: AnyEncoderConfig, fresh_start: bool) -> None:
     """Stage-2 checks of `model.init_from` (config.json was checked by `ModelConfig.encoder_config`):
     the shards' tokenizer, and — for a fresh start, the only time they are read — the weights."""
     check_tokenizer(directory, shards_dir)
@@ -258,13 +299,11 @@ def load_base_weights(model: nn.Module, directory: str | os.PathLike) -> dict[st
 
     Returns what was done: files, how many tensors, whether the MLM head was loaded, HF tensors
     not used (pooler, next-sentence head, position-id buffer)."""
-    from pipeline.export.hf_adapter import from_hf
-
     files = weight_files(directory)
     hf_state: dict[str, Tensor] = {}
     for file in files:
         hf_state.update(_read(file, shapes_only=False))
-    state, unused = from_hf(hf_state)
+    state, unused = _from_hf(model.config, hf_state)
     missing, unexpected = model.load_state_dict(state, strict=False)
     not_loaded = [k for k in missing if k.startswith("bert.")]
     if unexpected or not_loaded:  # check_weights ran before; this is a directory changed since

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.batch import batch_selected, masked_view_keys
-from pipeline.model.encoder import BertLayerStack, EncoderConfig
+from pipeline.model.arch import layer_stack
+from pipeline.model.encoder import EncoderConfig
 from pipeline.model.heads import PredictionHeadTransform
 from pipeline.objectives.base import FULL_SOFTMAX, Objective, StepContext, register
 from pipeline.objectives.functional import fp32_logits
@@ -165,7 +166,7 @@ class CorrectingContrasting(Objective):
         self.views = (view, "crop")
         self.sample_mode = sample_mode
         self.lambda_copy, self.lambda_gen, self.lambda_scl, self.tau = lambda_copy, lambda_gen, lambda_scl, tau
-        self.generator = BertLayerStack(encoder_config, num_layers=layers)
+        self.generator = layer_stack(encoder_config, num_layers=layers)  # the main model's family (`model.arch`)
         self.generator_head = GeneratorHead(encoder_config)
         self.copy_head = nn.Linear(encoder_config.hidden_size, 1)
         self.scl_head = SCLHead(encoder_config)

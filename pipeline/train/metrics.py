@@ -17,7 +17,8 @@ or K + 1 for a sampled softmax that scores K negatives (BERT-NCE). Training cost
 (backward = 2x) for passes that build a graph, 1x for no-grad passes (COCO-LM's sampling pass).
 
 "Every objective's extra passes counted" is done by measurement rather than by bookkeeping: forward
-hooks on every `BertLayerStack` (main encoder, COCO-LM's generator), `PredictionHeadTransform` and
+hooks on every `BertLayerStack` (main encoder, COCO-LM's generator; `ModernBertLayerStack` for
+`model.arch=modernbert`, counted by its own `pass_flops`), `PredictionHeadTransform` and
 `TiedVocabProjection` add up the formula for each call with its real shapes, so CAPT's second
 encoder pass, COCO-LM's generator + crop passes and InfoWord's n-gram pass are all included with
 no per-objective code. Embedding lookups, small objective heads (CAPT's aggregation MLP, TACO's
@@ -41,6 +42,7 @@ from torch import nn
 
 from pipeline.model.encoder import BertLayerStack
 from pipeline.model.heads import PredictionHeadTransform, TiedVocabProjection
+from pipeline.model.modernbert import ModernBertHeadTransform, ModernBertLayerStack
 
 
 def layer_work_flops(tokens: int, sum_sq_len: int, hidden: int, ffn: int) -> float:
@@ -82,7 +84,8 @@ class FlopCounter:
         self.flops = 0.0
         self._handles = []
         for module in model.modules():
-            if isinstance(module, (BertLayerStack, PredictionHeadTransform, TiedVocabProjection)):
+            if isinstance(module, (BertLayerStack, ModernBertLayerStack, PredictionHeadTransform, ModernBertHeadTransform,
+                                   TiedVocabProjection)):
                 self._handles.append(module.register_forward_hook(self._hook))
 
     def _hook(self, module: nn.Module, inputs: tuple, _output: Any) -> None:
@@ -92,7 +95,9 @@ class FlopCounter:
             tokens, sum_sq = module.last_work  # what the pass processed (unpadded passes: fewer tokens)
             ffn = module.layer[0].intermediate.dense.out_features
             self.flops += factor * len(module.layer) * layer_work_flops(tokens, sum_sq, x.shape[-1], ffn)
-        elif isinstance(module, PredictionHeadTransform):
+        elif isinstance(module, ModernBertLayerStack):  # model.arch=modernbert: GeGLU, windowed local layers
+            self.flops += factor * module.last_flops
+        elif isinstance(module, (PredictionHeadTransform, ModernBertHeadTransform)):
             rows, hidden = x.reshape(-1, x.shape[-1]).shape
             self.flops += factor * 2.0 * rows * hidden * hidden
         else:  # TiedVocabProjection(hidden, fn, *args): a full softmax, or K sampled negatives
