@@ -17,7 +17,8 @@ stderr, before compute); 3 stopped by the non-finite / divergence guard (no chec
 non-finite or exploded weights is written; the message names the last good one); 4 the run's
 output cannot be written (disk full, quota, I/O error at any save, the first included: the
 previous checkpoint stays `latest`; or, before compute, `train.output_dir` is a file, read-only or
-not creatable);
+not creatable); 5 another rank died or hung (the message names it; a dead rank is noticed at the next
+collective, a hung one after `train.dist_timeout_s`);
 75 (`REQUEUE_EXIT_CODE`) SIGTERM/SIGUSR1: checkpointed for requeue (or, during start-up, nothing
 new to save). Signals: `pipeline.train.preemption`.
 """
@@ -81,6 +82,7 @@ log = logging.getLogger("pipeline.train")
 EXIT_CONFIG_ERROR = 2
 EXIT_NONFINITE = 3
 EXIT_SAVE_FAILED = 4
+EXIT_RANK_LOST = 5
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -111,6 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.help_config:
         print(describe_run_config())
         return 0
+    cfg: Optional[RunConfig] = None
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -129,6 +132,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CheckpointWriteError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_SAVE_FAILED
+    except RuntimeError as err:  # a dead or hung rank: one line naming it, not gloo's traceback
+        from pipeline.distributed import lost_ranks_message
+
+        message = lost_ranks_message(err, cfg.train.dist_timeout_s) if cfg is not None else ""
+        if not message:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_RANK_LOST
 
 
 def export_mpi4py_ranks() -> None:
