@@ -68,3 +68,15 @@ def test_requeue_code_passes_through_torchrun(tiny_shards_dir, tmp_path):
     log = output_of(launcher)
     assert code == REQUEUE_EXIT_CODE, log[-3000:]
     assert latest(out) is not None and "exit code 75 of every rank" in log
+
+
+def test_the_wrappers_exit_code_rules():
+    from types import SimpleNamespace
+
+    from pipeline.launch_requeue import exit_code_of
+
+    def failures(*codes):
+        return {rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)}
+
+    assert exit_code_of(failures(75, 75)) == 75
+    assert exit_code_of(failures(5)) == 5 and exit_code_of(failures(75, 5)) == 1 and exit_code_of(failures(-9)) == 1
