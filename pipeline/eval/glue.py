@@ -181,8 +181,8 @@ def load_split(table: TsvTable, spec: TaskSpec) -> Split:
         index = {name: i for i, name in enumerate(spec.labels)}
         unknown = sorted(set(raw) - set(index))
         if unknown:
-            raise ValueError(f"{table.path}: {len(unknown)} label value(s) not in the task's label set "
-                             f"{_short(spec.labels)}: {_short(unknown, 3)}")
+            raise ValueError(f"{table.path}: labels {_short(unknown, 3)} not in the task's label set "
+                             f"{_short(spec.labels)}")
         labels = [index[v] for v in raw]
     return Split(list(zip(*columns)), labels, index if "index" in table.columns else None)
 
