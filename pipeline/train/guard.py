@@ -18,7 +18,7 @@ ever written or made `latest`, whatever `max_in_row` is:
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -63,15 +63,17 @@ class NonFiniteGuard:
             f"stopped; nothing from step {step - 1} on was saved as good. Last good checkpoint: {last_good}. Lower "
             "optim.lr or raise optim.warmup_steps, then resume from it with train.resume=<that tag dir>")
 
-    def check_weight_norm(self, counters: "DivergenceCounters", step: int, norm: float, last_good: str) -> None:
+    def check_weight_norm(self, counters: "DivergenceCounters", step: int, norm: float,
+                          last_good: Callable[[], str]) -> None:
         """Raise before saving step `step` when the weights' norm grew more than `max_weight_norm_ratio`
-        x since the previous checkpoint; otherwise record `norm` as the reference for the next one."""
+        x since the previous checkpoint; otherwise record `norm` as the reference for the next one.
+        `last_good()` names the last good checkpoint (called, collectively, only when raising)."""
         previous = counters.weight_norm
         if self.max_weight_norm_ratio and previous > 0 and not norm <= self.max_weight_norm_ratio * previous:
             raise NonFiniteLossError(
                 f"step {step}: the weights' L2 norm {norm:.4g} is {norm / previous:.1f}x the norm {previous:.4g} at the "
                 f"previous checkpoint (train.max_weight_norm_ratio={self.max_weight_norm_ratio:g}): the run diverged and "
-                f"was stopped; the checkpoint of step {step} was not written. Last good checkpoint: {last_good}. Lower "
+                f"was stopped; the checkpoint of step {step} was not written. Last good checkpoint: {last_good()}. Lower "
                 "optim.lr or raise optim.warmup_steps, then resume from it with train.resume=<that tag dir>")
         counters.weight_norm = norm
 

@@ -62,8 +62,8 @@ from pipeline.train.checkpoint import (
     ResumeTarget,
     TrainState,
     check_resume_shapes,
-    last_good_tag,
     find_resume_checkpoint,
+    last_good_tag,
     load_checkpoint,
     newer_tags,
     plan_resume,
@@ -390,7 +390,7 @@ class Run:
                                     step, state.nonfinite_in_row)
                     else:
                         if not state.nonfinite_in_row:  # a preemption save inside a streak judges nothing
-                            self.guard.check_weight_norm(state, step, norm_sq ** 0.5, self.last_good(step))
+                            self.guard.check_weight_norm(state, step, norm_sq ** 0.5, lambda: self.last_good(step))
                         self.checkpoint(last_metrics, healthy=not state.nonfinite_in_row)
                     self.meter.reset()  # keep the save time out of the throughput numbers
                 if preempted and step == total:
