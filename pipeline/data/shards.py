@@ -158,10 +158,13 @@ def content_hash(manifest: Manifest) -> str:
 
 
 def unlisted_shards(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
-    """Names of shard files (`shard_*`, not a `.tmp` of an unfinished write) in `directory` that the
-    manifest does not list: a shard dropped from the manifest."""
+    """Names of shard files in `directory` that the manifest does not list (a shard dropped from the
+    manifest): files with a listed shard's extension (`.arrow`), or named like one (`shard_*`),
+    other than the `.tmp` of an unfinished write. By name only, whatever the files' framing."""
     listed = {info.name for info in manifest.shards}
-    found = (p.name for p in Path(directory).glob("shard_*") if p.is_file() and not p.name.endswith(".tmp"))
+    suffixes = {Path(name).suffix for name in listed} or {Path(shard_name(0)).suffix}
+    found = (p.name for p in Path(directory).iterdir() if p.is_file() and not p.name.endswith(".tmp")
+             and (p.suffix in suffixes or p.name.startswith("shard_")))
     return sorted(name for name in found if name not in listed)
 
 
