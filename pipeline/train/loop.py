@@ -353,6 +353,9 @@ class Run:
         try:
             if state.step < total and self.preempted_during_startup(preemption):
                 return REQUEUE_EXIT_CODE
+            if state.step >= total and self.info.is_main:  # (below total_steps was refused at resume)
+                log.info("the run is already complete at step %d (train.total_steps=%d): nothing to train; to extend "
+                         "it, set train.total_steps higher with train.allow_config_change=true", state.step, total)
             while state.step < total:
                 step = state.step + 1
                 seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
