@@ -259,8 +259,8 @@ def split_own_block(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
 
 
 #: Words by which gloo / c10d report a collective that another rank did not complete.
-_LOST_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "timed out", "timeout", "[gloo",
-                      "broken pipe", "nccl")
+_LOST_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "timed out waiting", "[gloo",
+                      "broken pipe")
 
 
 def lost_ranks_message(err: BaseException, timeout_s: int, grace_s: float = 5.0) -> str:
