@@ -89,12 +89,24 @@ def _fingerprint(inputs: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
+def _describe_sources(old: list, new: list) -> str:
+    """Which input files differ between two builds' `[path, sha256]` lists, by name."""
+    before, after = dict(map(tuple, old or [])), dict(map(tuple, new or []))
+    edited = [p for p in after if p in before and before[p] != after[p]]
+    parts = [f"{p} changed since the build (its sha256 differs)" for p in edited[:3]]
+    parts += [f"{p} is new" for p in after if p not in before][:3]
+    parts += [f"{p} is no longer an input" for p in before if p not in after][:3]
+    if not parts and list(before) != list(after):
+        parts = ["the input files are in another order"]
+    return "input " + ("; ".join(parts) or "files differ")
+
+
 def _describe_difference(old: dict[str, Any], new: dict[str, Any]) -> str:
     changed = []
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key):
             if key == "sources":
-                changed.append("input files or their contents")
+                changed.append(_describe_sources(old.get(key), new.get(key)))
             else:
                 changed.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
     return "; ".join(changed) or "unknown difference"

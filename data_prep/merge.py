@@ -34,7 +34,7 @@ from pipeline.data.shards import (
     Manifest,
     ShardInfo,
     hash_directory,
-    manifest_hash,
+    manifest_file_sha256,
     read_manifest,
     shard_name,
     write_atomic,
@@ -83,7 +83,7 @@ def _merged_manifest(parts: list[Path], manifests: list[Manifest]) -> Manifest:
         for key, value in manifest.stats.items():
             stats[key] = stats.get(key, 0) + int(value)
     part_records = [
-        {"dir": str(part.resolve()), "fingerprint": m.fingerprint, "manifest_sha256": manifest_hash(part), "build_args": m.build_args}
+        {"dir": str(part.resolve()), "fingerprint": m.fingerprint, "manifest_sha256": manifest_file_sha256(part), "build_args": m.build_args}
         for part, m in zip(parts, manifests)
     ]
     fingerprint = hashlib.sha256(json.dumps([r["manifest_sha256"] for r in part_records]).encode()).hexdigest()

@@ -4,7 +4,9 @@
 
 Checks: the manifest against itself and the directory (`pipeline.data.shards.check_layout`:
 sizes, Arrow schemas, row counts, totals, `vocab_size` against the id type and the tokenizer,
-the tokenizer directory's hash), then every shard's full bytes against its sha256 and xxh3-64
+the tokenizer directory's hash, the special-token ids against the tokenizer's, the manifest's
+`content_hash` over every field training reads, and no shard file (`.arrow`) the manifest does not
+list: the same checks training runs at start), then every shard's full bytes against its sha256 and xxh3-64
 hash, that `length` is within [2, seq_len], that each row is `[CLS] ... [SEP]` followed only by
 `[PAD]`, that every id is below the vocabulary size, and the token total.
 """

@@ -256,3 +256,46 @@ def split_own_block(blocks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Ten
     others = [b for r, b in enumerate(blocks) if r != rank]
     own = blocks[rank]
     return own, (torch.cat(others, dim=0) if others else own[:0])
+
+
+#: Words by which gloo / c10d report a collective that another rank did not complete.
+_LOST_PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "timed out waiting", "[gloo",
+                      "broken pipe")
+
+
+def lost_ranks_message(err: BaseException, timeout_s: int, grace_s: float = 5.0) -> str:
+    """One line for a collective that failed because another rank died or hung, or "" when `err` is
+    something else (then it is raised as it is).
+
+    A dead rank (killed, crashed) makes the others' next collective fail at once (gloo: "connection
+    closed by peer"); a hung one (stopped, deadlocked) makes it fail after `train.dist_timeout_s`.
+    To name the lost rank, every rank whose collective failed writes `cpt/failed/<rank>` to the
+    job's rendezvous store (c10d TCP store, on rank 0) and waits up to `grace_s` for the others':
+    the ranks that never write are the ones that stopped answering. When rank 0 itself is gone,
+    its store is too, and that is what the line says. NCCL (GPU) does not come here: its watchdog
+    aborts the process after the same timeout (`TORCH_NCCL_ASYNC_ERROR_HANDLING`)."""
+    import time
+
+    if not multi_rank():
+        return ""
+    text = str(err).strip()
+    distributed_error = isinstance(err, getattr(torch.distributed, "DistError", ()))
+    if not distributed_error and not any(marker in text.lower() for marker in _LOST_PEER_MARKERS):
+        return ""
+    rank, world = rank_and_world()
+    reason = text.splitlines()[0][:160] if text else type(err).__name__
+    try:
+        import torch.distributed.distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+        store.set(f"cpt/failed/{rank}", "1")
+        waiting, deadline = [r for r in range(world) if r != rank], time.monotonic() + grace_s
+        while waiting and time.monotonic() < deadline:
+            waiting = [r for r in waiting if not store.check([f"cpt/failed/{r}"])]
+            time.sleep(0.05)
+        lost = (f"rank(s) {waiting} stopped answering (killed, crashed or hung)" if waiting else
+                "every rank saw the failure (a network problem?)")
+    except Exception:  # noqa: BLE001 - the store lives on rank 0: unreachable means rank 0 is gone
+        lost = "rank 0 stopped answering (its rendezvous store is unreachable: killed, crashed or hung)"
+    return (f"rank {rank}: a collective with the other ranks failed: {lost}; a dead rank ends the job at its next "
+            f"collective, a hung one after train.dist_timeout_s={timeout_s}s ({reason})")

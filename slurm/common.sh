@@ -167,8 +167,9 @@ explain_exit() {
         0) echo "success" ;;
         1) echo "Python error: see the traceback in the rank log" ;;
         2) echo "bad config, data or checkpoint: nothing was computed" ;;
-        3) echo "stopped by the non-finite loss guard: no checkpoint of non-finite weights was written" ;;
-        4) echo "a checkpoint could not be written (disk full?): the previous one is still latest" ;;
+        3) echo "stopped by the non-finite / divergence guard: nothing exploded was saved; the message names the last good checkpoint" ;;
+        4) echo "output not writable (disk full, read-only, not a directory): the previous checkpoint is still latest" ;;
+        5) echo "another rank died or hung: the message names it" ;;
         75) echo "checkpointed for requeue after SIGTERM/SIGUSR1" ;;
         none) echo "no exit status: the rank's shell was killed, or never started" ;;
         *)

@@ -66,6 +66,9 @@ class RunConfig:
         self.optim.check()
         self.deepspeed.check()
         self.train.check()
+        if self.objectives and not any(float(w) != 0 for w in self.objectives.values()):
+            raise ConfigError(f"objectives: every weight is 0 ({dict(self.objectives)}): the run would train nothing "
+                              "(loss 0, unchanged weights); give at least one objective a non-zero weight")
         if self.optim.warmup_steps >= self.train.total_steps and self.train.total_steps > 1:
             raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps} must be < train.total_steps="
                               f"{self.train.total_steps}")
@@ -124,14 +127,15 @@ def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start
 # Identity of a config for resume checks
 # --------------------------------------------------------------------------------------------
 #: Fields that do not change what a step computes, so resuming with a different value is not a
-#: "config change": run control and I/O, the micro-batch split (a new rank count changes it; the
-#: global batch is what matters, and it is checked), the shard path (the manifest hash identifies
-#: the data). `train.total_steps` is NOT here: it shapes the LR decay and CAPT's temperature, so
-#: extending a run is a deliberate change that needs `train.allow_config_change=true`.
+#: "config change": run control and I/O, `data.grad_accum` (derived from the rank count; the global
+#: batch is what matters, and it is checked), the shard path (the manifest hash identifies the
+#: data). NOT here: `train.total_steps` (it shapes the LR decay and CAPT's temperature) and
+#: `data.micro_batch_size`: the objectives draw their samples per micro-batch (the sampling stream
+#: is keyed by its first sample index), take negatives from it, and average the loss over it, so a
+#: new micro-batch size continues on another trajectory. Both need `train.allow_config_change=true`.
 RESUME_IGNORED_FIELDS = (
     "name",
     "data.shards_dir",
-    "data.micro_batch_size",
     "data.grad_accum",
     "data.num_workers",
     "data.verify_shards",
@@ -142,6 +146,8 @@ RESUME_IGNORED_FIELDS = (
     "train.resume",
     "train.allow_config_change",
     "train.max_nonfinite_steps",
+    "train.max_loss_ratio",
+    "train.max_weight_norm_ratio",
     "train.deterministic",
     "train.dist_timeout_s",
     "train.progress_bar",

@@ -22,6 +22,16 @@ docs/data.md), which training checks on every rank when it first opens a shard
 checked against their sha256 (correct, slower). `check_layout` is the cheap part that needs no
 full read (sizes, Arrow footers, row counts, sequence length, vocabulary against the tokenizer),
 run before any model is built.
+
+What training reads from the manifest is covered by `content_hash` (`Manifest.content_hash`,
+written with every manifest): the sha256 of `TRAINING_FIELDS` (sequence length, vocabulary, id
+type, special-token ids, tokenizer hash, packing, totals, and the shard list with each file's
+name, rows, size and hashes). `check_layout` recomputes it, checks the special-token ids against
+the tokenizer beside the shards, and lists shard files in the directory that the manifest does
+not name, so a hand-edited id or a shard dropped from the manifest is refused by training (at
+start) and by `cpt-verify` alike. The hash holds no build settings (`build_args`, `num_proc`, input
+paths) and never reads a shard, so byte-identical builds have the same hash whatever the shard
+file framing; it is the data identity recorded in checkpoints (`manifest_hash`).
 """
 from __future__ import annotations
 
@@ -108,8 +118,11 @@ class Manifest:
     packing: str = "full"  # "full" (documents joined by [SEP]) or "doc" (one document per sequence run)
     stats: dict[str, int] = field(default_factory=dict)  # documents, skipped_empty, replaced_chars, ...
     fingerprint: str = ""  # hash of everything that determines the shard bytes (for resume/refusal)
+    content_hash: str = ""  # `content_hash(self)` when written (empty in manifests from before it)
 
     def to_json(self) -> str:
+        """The manifest file's text, with `content_hash` computed from the fields it covers now."""
+        self.content_hash = content_hash(self)
         return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
 
     @classmethod
@@ -131,6 +144,50 @@ class Manifest:
         return cls(**values)
 
 
+#: The manifest fields training reads (the shard list with every `ShardInfo` field); `content_hash` covers them.
+TRAINING_FIELDS = ("format_version", "seq_len", "vocab_size", "id_dtype", "special_tokens", "tokenizer_hash", "packing",
+                   "total_sequences", "total_tokens", "shards")
+
+
+def content_hash(manifest: Manifest) -> str:
+    """sha256 of the canonical JSON of the manifest's `TRAINING_FIELDS`: what a build produced, not
+    how it ran (no `build_args`, paths or `num_proc`), and computed without reading any shard."""
+    raw = asdict(manifest)
+    blob = json.dumps({name: raw[name] for name in TRAINING_FIELDS}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def unlisted_shards(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """Names of shard files in `directory` that the manifest does not list (a shard dropped from the
+    manifest): files with a listed shard's extension (`.arrow`), or named like one (`shard_*`),
+    other than the `.tmp` of an unfinished write. By name only, whatever the files' framing."""
+    listed = {info.name for info in manifest.shards}
+    suffixes = {Path(name).suffix for name in listed} or {Path(shard_name(0)).suffix}
+    found = (p.name for p in Path(directory).iterdir() if p.is_file() and not p.name.endswith(".tmp")
+             and (p.suffix in suffixes or p.name.startswith("shard_")))
+    return sorted(name for name in found if name not in listed)
+
+
+def check_manifest_fields(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
+    """The manifest against its own `content_hash` and the shard files present (see the module doc)."""
+    problems = []
+    if manifest.content_hash and content_hash(manifest) != manifest.content_hash:
+        problems.append(f"{Path(directory) / MANIFEST_FILE}: edited after the build: the fields training reads "
+                        f"({', '.join(TRAINING_FIELDS)}) no longer match its content_hash; restore it or rebuild the "
+                        "shards")
+    extra = unlisted_shards(directory, manifest)
+    if extra:
+        problems.append(f"{Path(directory) / extra[0]}: in the directory but not in manifest.json ({len(extra)} such "
+                        "file(s)): a shard was dropped from the manifest; restore it or rebuild the shards")
+    return problems
+
+
+def manifest_file_sha256(directory: str | os.PathLike) -> str:
+    """sha256 of the manifest file's bytes: the data identity checkpoints recorded before `content_hash`
+    (it changes with the build settings, e.g. `num_proc`); still accepted on resume."""
+    return sha256_file(Path(directory) / MANIFEST_FILE)
+
+
 def read_manifest(directory: str | os.PathLike) -> Manifest:
     """Parse `<directory>/manifest.json`; a clear error if the directory is not a complete build."""
     path = Path(directory) / MANIFEST_FILE
@@ -147,8 +204,9 @@ def read_manifest(directory: str | os.PathLike) -> Manifest:
 
 
 def manifest_hash(directory: str | os.PathLike) -> str:
-    """sha256 of the manifest file; identifies a dataset build (recorded in checkpoints)."""
-    return sha256_file(Path(directory) / MANIFEST_FILE)
+    """Identity of a dataset build, recorded in checkpoints: `content_hash` of its manifest (the
+    same for byte-identical builds made with any `num_proc`)."""
+    return content_hash(read_manifest(directory))
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -310,6 +368,33 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
     return len(AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True))
 
 
+def special_token_differences(tokenizer_dir: Path, manifest: Manifest) -> list[str]:
+    """`special_tokens.<name>` entries of the manifest that differ from the tokenizer's own ids
+    (`[PAD]`, `[CLS]`, ... as the tokenizer's `tokenizer_config.json` / `special_tokens_map.json`
+    name them): a hand-edited id would make training mask with the wrong token."""
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        return []
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    names: dict[str, str] = {}
+    for config in ("special_tokens_map.json", "tokenizer_config.json"):
+        path = tokenizer_dir / config
+        if path.is_file():
+            try:
+                raw = json.loads(path.read_text())
+            except json.JSONDecodeError:
+                continue
+            for name in SPECIAL_TOKEN_NAMES:
+                token = raw.get(f"{name}_token")
+                token = token.get("content") if isinstance(token, dict) else token
+                if isinstance(token, str):
+                    names.setdefault(name, token)
+    return [f"manifest.json: special_tokens.{name}={manifest.special_tokens[name]}, but the tokenizer's {token} is id "
+            f"{vocab[token]} (the manifest was edited); restore it or rebuild the shards"
+            for name, token in names.items() if token in vocab and vocab[token] != manifest.special_tokens.get(name)]
+
+
 def check_layout(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
     """Every disagreement between a shard directory and its manifest that shows without reading the
     shards' data: missing shards, sizes (truncation), schemas (`seq_len`, id type), row counts,
@@ -331,6 +416,8 @@ def check_layout(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
         elif tokenizer_vocab_size(tokenizer_dir) != manifest.vocab_size:
             problems.append(f"manifest.json: vocab_size {manifest.vocab_size}, but the tokenizer the shards were built "
                             f"with has {tokenizer_vocab_size(tokenizer_dir)} tokens (the manifest was edited)")
+        else:
+            problems += special_token_differences(tokenizer_dir, manifest)
     schema = shard_schema(manifest.seq_len, manifest.id_dtype)
     for info, path in iter_shard_paths(directory, manifest):
         if not path.is_file():
@@ -352,7 +439,7 @@ def check_layout(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
     listed = sum(info.rows for info in manifest.shards)
     if listed != manifest.total_sequences:
         problems.append(f"manifest.json: total_sequences {manifest.total_sequences}, its shards list {listed} rows")
-    return problems
+    return problems + check_manifest_fields(directory, manifest)  # after the specific findings: a catch-all
 
 
 def iter_shard_paths(directory: str | os.PathLike, manifest: Manifest) -> Iterable[tuple[ShardInfo, Path]]:

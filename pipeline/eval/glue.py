@@ -75,7 +75,9 @@ class TsvTable:
 
     def column(self, name: str, flag: str) -> list[str]:
         if name not in self.columns:
-            raise ValueError(f"{self.path}: no column {name!r} (columns: {self.columns}); set {flag}")
+            headerless = any(_is_number(c) for c in self.columns)
+            raise ValueError(f"{self.path}: no column {name!r} (columns: {_short(self.columns)})"
+                             f"{'; its first line looks like data, not a header' if headerless else ''}; set {flag}")
         i = self.columns.index(name)
         return [r[i] for r in self.rows]
 
@@ -100,6 +102,12 @@ def read_tsv(path: Path, task: str) -> TsvTable:
     return TsvTable(path, columns, body)
 
 
+def _short(values: Sequence[str], count: int = 5, width: int = 40) -> str:
+    """At most `count` values, each cut to `width` characters: file contents quoted in an error stay short."""
+    cut = [v if len(v) <= width else v[: width - 3] + "..." for v in list(values)[:count]]
+    return repr(cut)[:-1] + (f", ... ({len(values)} in all)]" if len(values) > count else "]")
+
+
 def _is_number(value: str) -> bool:
     try:
         return math.isfinite(float(value))
@@ -110,7 +118,14 @@ def _is_number(value: str) -> bool:
 def detect_spec(train: TsvTable, text_cols: Optional[Sequence[str]], label_col: Optional[str]) -> TaskSpec:
     """A `TaskSpec` for a `generic` task, from the train file's header and labels."""
     cols = train.columns
-    label = label_col or next((c for c in LABEL_COLUMN_NAMES if c in cols), cols[-1])
+    if any(_is_number(c) for c in cols):
+        raise ValueError(f"{train.path}: its first line looks like data, not a header (columns: {_short(cols)}); a "
+                         "generic task's files start with a header line naming the text and label columns")
+    named = next((c for c in LABEL_COLUMN_NAMES if c in cols), None)
+    if label_col is None and named is None and len(cols) < 2:
+        raise ValueError(f"{train.path}: no label column (columns: {_short(cols)}; looked for "
+                         f"{list(LABEL_COLUMN_NAMES)} or a last column besides the text); add one or set --label-col")
+    label = label_col or named or cols[-1]
     labels = train.column(label, "--label-col")
     if text_cols:
         texts = tuple(text_cols)
@@ -128,6 +143,10 @@ def detect_spec(train: TsvTable, text_cols: Optional[Sequence[str]], label_col: 
     if regression:
         return TaskSpec(texts, label, None, ("pearson", "spearman"))
     label_set = tuple(sorted(set(labels)))
+    if label_col is None and len(label_set) > 50 and 2 * len(label_set) > len(labels):
+        raise ValueError(f"{train.path}: column {label!r}, taken as the label, has {len(label_set)} distinct values in "
+                         f"{len(labels)} rows: it holds text, not labels; name the label column with --label-col "
+                         f"(columns: {_short(cols)})")
     if len(label_set) < 2:
         raise ValueError(f"{train.path}: column {label!r} has a single label {label_set}; nothing to learn")
     metrics = ("accuracy", "f1", "matthews") if len(label_set) == 2 else ("accuracy",)
@@ -162,7 +181,8 @@ def load_split(table: TsvTable, spec: TaskSpec) -> Split:
         index = {name: i for i, name in enumerate(spec.labels)}
         unknown = sorted(set(raw) - set(index))
         if unknown:
-            raise ValueError(f"{table.path}: labels {unknown[:5]} not in the task's label set {list(spec.labels)}")
+            raise ValueError(f"{table.path}: labels {_short(unknown, 3)} not in the task's label set "
+                             f"{_short(spec.labels)}")
         labels = [index[v] for v in raw]
     return Split(list(zip(*columns)), labels, index if "index" in table.columns else None)
 

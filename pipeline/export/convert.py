@@ -39,7 +39,7 @@ import socket
 import sys
 import warnings
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -282,6 +282,23 @@ def _publish(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _pruned_while_reading(tag_dir: Path) -> Iterator[None]:
+    """A read of `tag_dir` that fails because the tag disappeared meanwhile (a training run still
+    writing to the directory pruned it: `train.keep_last`) says so, instead of blaming the files
+    ("not a DeepSpeed checkpoint"); any other failure is raised as it is."""
+    try:
+        yield
+    except Exception as err:
+        if tag_dir.is_dir() and (tag_dir / COMPLETE_FILE).is_file():
+            raise
+        latest = read_latest(tag_dir.parent) if (tag_dir.parent / "latest").is_file() else None
+        raise CheckpointError(
+            f"{tag_dir}: removed while it was being converted (the training run writing to {tag_dir.parent} pruned "
+            f"it, train.keep_last); convert {latest or 'a newer checkpoint'} instead, or convert once the run has "
+            "ended") from err
+
+
 def convert(
     checkpoint_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -302,14 +319,15 @@ def convert(
     clean_stale_siblings(out_dir)  # first: a previous export a killed conversion had set aside comes back
     _check_out_dir(out_dir, overwrite)
     tag_dir = resolve_tag_dir(checkpoint_dir)
-    meta = RunMeta.read(tag_dir)
-    encoder = encoder_config_from_dict(meta.encoder_config)
-    tokenizer = load_tokenizer(meta, tokenizer_dir, encoder)
-    model = model_from_meta(meta)
+    with _pruned_while_reading(tag_dir):
+        meta = RunMeta.read(tag_dir)
+        encoder = encoder_config_from_dict(meta.encoder_config)
+        tokenizer = load_tokenizer(meta, tokenizer_dir, encoder)
+        model = model_from_meta(meta)
 
-    state, source = consolidate_fp32_weights(tag_dir)
-    state = fuse_qkv(state)  # checkpoints written before Q, K and V were fused hold them separately
-    check_state_dict(model, state, str(tag_dir))
+        state, source = consolidate_fp32_weights(tag_dir)
+        state = fuse_qkv(state)  # checkpoints written before Q, K and V were fused hold them separately
+        check_state_dict(model, state, str(tag_dir))
     export = (split_modernbert_for_hf if is_modernbert(encoder) else split_for_hf)(model, state)
     if with_generator and export.generator is None:
         raise ExportError(f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")

@@ -133,7 +133,7 @@ def training_rows(meta: RunMeta, inputs: CardInputs) -> list[tuple[str, object]]
         ("tokens seen", meta.tokens_seen),
         ("corpus", files),
         ("shards", f"{corpus.get('sequences', '?')} sequences, {corpus.get('tokens', '?')} tokens, packing "
-                   f"`{corpus.get('packing', '?')}`; manifest sha256 `{meta.manifest_hash}`"),
+                   f"`{corpus.get('packing', '?')}`; manifest content hash `{meta.manifest_hash}`"),
         ("config hash", f"`{meta.config_hash}`"),
         ("precision / ZeRO stage / ranks",
          f"{cfg.get('deepspeed', {}).get('precision', '?')} / {meta.zero_stage} / {meta.world_size}"),

@@ -15,7 +15,12 @@ A tag counts only with `COMPLETE.json` and every listed file at its recorded siz
 once before resuming, its sha256: garbage is caught, not only truncation). `latest` moves only
 after that marker exists, so a crash mid-save leaves the previous checkpoint in charge. A partial
 tag directory is deleted and rewritten when that step is saved again; a complete one is never
-overwritten. The last `keep_last` complete checkpoints are kept.
+overwritten. The last `keep_last` complete checkpoints are kept, and never fewer than the newest
+*confirmed healthy* one: a tag's weights are judged only by the loss of the step after it (a
+blow-up in its last update shows there), so pruning after a save keeps, besides the newest
+`keep_last`, the newest earlier tag that was saved healthy (`COMPLETE.json` `"healthy"`: false
+only for a preemption save inside a streak of non-finite steps). With `keep_last=1` that is two
+tags on disk; a diverging run thus always leaves a good checkpoint (`pipeline.train.guard`).
 
 Off the critical path: once every rank's files are written (the barrier), the last stage — fsync,
 the sha256 of every file, `COMPLETE.json`, `latest`, pruning — only reads what is already on disk,
@@ -101,6 +106,8 @@ class TrainState:
     skipped_steps: int = 0  # steps whose update was dropped (non-finite loss/gradients, fp16 overflow)
     nonfinite_steps: int = 0  # steps with a non-finite loss, in total
     nonfinite_in_row: int = 0  # ... and consecutively up to `step`
+    loss_ema: float = 0.0  # running mean of the finite step losses (the divergence guard's reference)
+    weight_norm: float = 0.0  # weights' L2 norm at the previous checkpoint (ditto; 0 = none yet)
     objective_state: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -192,6 +199,21 @@ def read_latest(root: Path) -> Optional[Path]:
     return root / tag
 
 
+def saved_healthy(tag_dir: Path) -> bool:
+    """Whether a complete tag was saved outside a streak of non-finite steps (records from before the
+    flag count as healthy: the guard never let an unhealthy regular save through)."""
+    try:
+        return bool(json.loads((tag_dir / COMPLETE_FILE).read_text()).get("healthy", True))
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+def last_good_tag(root: Path, before_step: int) -> Optional[Path]:
+    """The newest complete, healthy tag of `root` with a step below `before_step`, or None."""
+    good = [p for s, p in list_tags(root) if s < before_step and is_complete(p) and saved_healthy(p)]
+    return good[-1] if good else None
+
+
 def list_tags(root: Path) -> list[tuple[int, Path]]:
     """(step, dir) of every `step_*` directory under root, oldest first (complete or not)."""
     if not root.is_dir():
@@ -244,10 +266,10 @@ def settle_pending_save(finisher: Optional[CheckpointFinisher], root: Path, is_m
     _fail_together(problem, root, None, is_main)
 
 
-def _complete_or_describe(root: Path, tag_dir: Path, step: int, keep_last: int) -> str:
+def _complete_or_describe(root: Path, tag_dir: Path, step: int, keep_last: int, healthy: bool = True) -> str:
     """Rank 0's last stage of a save: flush, record sizes and hashes, move `latest`, prune. Returns ""
     or what went wrong, after removing the unfinished tag (`latest` still names the previous one)."""
-    problem = write_or_describe(tag_dir / COMPLETE_FILE, lambda: _complete(root, tag_dir, step))
+    problem = write_or_describe(tag_dir / COMPLETE_FILE, lambda: _complete(root, tag_dir, step, healthy))
     if problem:
         shutil.rmtree(tag_dir, ignore_errors=True)
         (root / (LATEST_FILE + ".tmp")).unlink(missing_ok=True)  # `latest` is replaced last: never this tag
@@ -257,11 +279,12 @@ def _complete_or_describe(root: Path, tag_dir: Path, step: int, keep_last: int) 
 
 
 def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, keep_last: int, is_main: bool,
-                    finisher: Optional[CheckpointFinisher] = None) -> Path:
+                    finisher: Optional[CheckpointFinisher] = None, healthy: bool = True) -> Path:
     """Save tag `step_<state.step>` (collective: every rank calls it). Returns the tag directory.
 
     With a `finisher`, rank 0 completes the tag (hashes, `COMPLETE.json`, `latest`) on its thread
-    and this returns as soon as every rank's files are written; without, before returning."""
+    and this returns as soon as every rank's files are written; without, before returning.
+    `healthy` is recorded in `COMPLETE.json` (pruning keeps the newest healthy tag)."""
     tag = tag_for_step(state.step)
     tag_dir = root / tag
     skip = False
@@ -287,10 +310,10 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
     if finisher is not None:
         if is_main:
             step = state.step  # the loop moves on while the thread runs: bind the value now
-            finisher.start(tag_dir, lambda: _complete_or_describe(root, tag_dir, step, keep_last))
+            finisher.start(tag_dir, lambda: _complete_or_describe(root, tag_dir, step, keep_last, healthy))
         return tag_dir
     if is_main:
-        problem = _complete_or_describe(root, tag_dir, state.step, keep_last)
+        problem = _complete_or_describe(root, tag_dir, state.step, keep_last, healthy)
     _fail_together(problem, root, None, is_main)
     barrier()
     return tag_dir
@@ -308,10 +331,10 @@ def _write_run_files(tag_dir: Path, state: TrainState, meta: RunMeta) -> str:
             or write_or_describe(tag_dir / META_FILE, lambda: meta.write(tag_dir)))
 
 
-def _complete(root: Path, tag_dir: Path, step: int) -> None:
+def _complete(root: Path, tag_dir: Path, step: int, healthy: bool = True) -> None:
     """Flush the tag, write its completeness record, then move `latest` to it."""
     _fsync_tree(tag_dir)
-    record = {"tag": tag_dir.name, "step": step, "files": _listing(tag_dir)}
+    record = {"tag": tag_dir.name, "step": step, "healthy": healthy, "files": _listing(tag_dir)}
     _write_text_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
     _write_text_atomic(root / LATEST_FILE, tag_dir.name)
 
@@ -336,11 +359,15 @@ def _fail_together(problem: str, root: Path, tag_dir: Optional[Path], is_main: b
 
 
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` complete tags, and partial tags older than `latest`."""
+    """Delete all but the newest `keep_last` complete tags, and partial tags older than `latest`;
+    never `latest`, nor the newest healthy tag before the newest one (the newest's weights have not
+    produced a loss yet, so the one before is the newest known good)."""
     latest = read_latest(root)
     latest_step = step_of_tag(latest.name) if latest is not None else None
     complete = [(s, p) for s, p in list_tags(root) if is_complete(p)]
-    doomed = [p for _, p in complete[:-keep_last] if p != latest] if keep_last > 0 else []
+    confirmed = [p for _, p in complete[:-1] if saved_healthy(p)]
+    keep = {latest, confirmed[-1] if confirmed else None}
+    doomed = [p for _, p in complete[:-keep_last] if p not in keep] if keep_last > 0 else []
     if latest_step is not None:
         doomed += [p for s, p in list_tags(root) if s < latest_step and not is_complete(p)]
     for path in doomed:
@@ -410,16 +437,24 @@ def set_aside(root: Path, tags: list[Path], resumed: Path) -> None:
 
 
 def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int, zero_stage: int,
-                allow_config_change: bool) -> ResumeTarget:
-    """Read the checkpoint's meta and refuse a different config or data unless allowed."""
+                allow_config_change: bool, legacy_manifest_hash: str = "") -> ResumeTarget:
+    """Read the checkpoint's meta and refuse a different config or data unless allowed.
+    `legacy_manifest_hash`: the manifest file's sha256, the data identity older checkpoints recorded."""
     try:
         meta = RunMeta.read(tag_dir)
     except (FileNotFoundError, ValueError, TypeError) as err:
         raise CheckpointError(f"{tag_dir}: unreadable {META_FILE} ({err})") from err
+    total_steps = int(config.get("train", {}).get("total_steps", 0))
+    if meta.step > total_steps:
+        raise CheckpointError(
+            f"train.total_steps={total_steps} is below step {meta.step} of the checkpoint it resumes ({tag_dir}): "
+            f"nothing would be trained. To extend the run, set train.total_steps above {meta.step} (with "
+            "train.allow_config_change=true: a new length changes the LR schedule); to train fewer steps, start a new "
+            "train.output_dir")
     problems = []
     if meta.config_hash != config_hash(config):
         problems += config_differences(meta.config, config) or ["(config hash differs)"]
-    if meta.manifest_hash != manifest_hash:
+    if meta.manifest_hash not in (manifest_hash, legacy_manifest_hash or manifest_hash):
         problems.append(f"data manifest: {meta.manifest_hash[:12]} ({meta.data_dir}) -> {manifest_hash[:12]}")
     if problems:
         text = "; ".join(problems)

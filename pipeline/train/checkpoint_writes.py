@@ -85,6 +85,27 @@ def write_or_describe(path: Path, write: Any, needed_bytes: Optional[int] = None
     return ""
 
 
+def check_output_dir(output_dir: Path, rank: int = 0) -> None:
+    """Before any compute: `output_dir` (and its `checkpoints/`) exists or can be created, is a
+    directory, and takes a file; else a one-line `CheckpointWriteError` naming the path (exit 4, as
+    a save that fails later), instead of a traceback at the first save. Each rank probes with its own
+    file name (ranks may share the directory)."""
+    for directory in (output_dir, output_dir / "checkpoints"):
+        blocker = next((p for p in (directory, *directory.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            raise CheckpointWriteError(f"train.output_dir={output_dir}: {blocker} exists and is not a directory; "
+                                       "choose another train.output_dir (or move that file away)")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".write_probe.{rank}.{os.getpid()}"
+            probe.write_bytes(b"\0")
+            probe.unlink()
+        except OSError as err:
+            reason = os.strerror(err.errno).lower() if err.errno else str(err)
+            raise CheckpointWriteError(f"train.output_dir={output_dir}: cannot write in {err.filename or directory} "
+                                       f"({reason}); make it writable or choose another train.output_dir") from err
+
+
 class RecordingWrites:
     """A DeepSpeed checkpoint engine whose `save` records the first failure instead of raising it
     (and skips later writes of the doomed tag); everything else is the wrapped engine's."""
@@ -104,11 +125,23 @@ class RecordingWrites:
 
 @contextlib.contextmanager
 def recording_writes(engine: Any) -> Iterator[RecordingWrites]:
-    """Route the engine's checkpoint writes through a `RecordingWrites` for the duration."""
+    """Route the engine's checkpoint writes through a `RecordingWrites` for the duration, and also
+    DeepSpeed's copy of its recovery scripts (`zero_to_fp32.py`, rank 0, into the checkpoint root,
+    at every save: the first file a first save writes), which is not a checkpoint-engine write and
+    would otherwise raise on rank 0 alone while the other ranks wait in DeepSpeed's barrier."""
     inner = engine.checkpoint_engine
     recorder = RecordingWrites(inner)
     engine.checkpoint_engine = recorder
+    copy_scripts = getattr(engine, "_copy_recovery_script", None)
+    if copy_scripts is not None:
+        def record_copy(save_path: str) -> None:
+            if not recorder.problem:
+                recorder.problem = write_or_describe(Path(save_path) / "zero_to_fp32.py",
+                                                     lambda: copy_scripts(save_path))
+        engine._copy_recovery_script = record_copy
     try:
         yield recorder
     finally:
         engine.checkpoint_engine = inner
+        if copy_scripts is not None:
+            del engine._copy_recovery_script  # the instance attribute: the class's method shows again

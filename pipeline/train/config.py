@@ -26,6 +26,13 @@ class TrainConfig:
     """Resume even if the checkpoint's config or data manifest differs (the differences are logged)."""
     max_nonfinite_steps: int = 10
     """Stop with an error after this many consecutive steps with a non-finite loss (each one is skipped)."""
+    max_loss_ratio: float = 10.0
+    """Divergence guard: stop (exit 3, no checkpoint of that step) when a step's finite loss exceeds this
+    many times the running mean of the run's losses (an exponential moving average, weight 0.1 per
+    step, kept in the checkpoint). 0 switches it off."""
+    max_weight_norm_ratio: float = 10.0
+    """Divergence guard at every save: stop (exit 3, that checkpoint not written) when the weights' L2
+    norm exceeds this many times the norm at the previous checkpoint of the run. 0 switches it off."""
     dist_timeout_s: int = 1800
     """Seconds any collective (all-reduce, barrier, checkpoint agreement) waits for the other ranks
     before failing (the gloo/NCCL process-group timeout): a dead or hung rank ends the run after
@@ -44,5 +51,9 @@ class TrainConfig:
         for name in ("total_steps", "log_every", "checkpoint_every", "keep_last", "max_nonfinite_steps",
                      "dist_timeout_s"):
             check_positive(getattr(self, name), f"train.{name}")
+        for name in ("max_loss_ratio", "max_weight_norm_ratio"):
+            value = getattr(self, name)
+            if value != 0 and value <= 1:
+                raise ConfigError(f"train.{name}={value}: must be > 1 (a ratio to the run's own history), or 0 for off")
         if not self.resume:
             raise ConfigError("train.resume: use 'auto', 'never' or a checkpoint directory")

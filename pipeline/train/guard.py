@@ -1,5 +1,5 @@
-"""The non-finite guard: counts steps whose loss or gradients were not finite, and stops a run that
-keeps producing them.
+"""The non-finite and divergence guard: counts steps whose loss or gradients were not finite, stops a
+run that keeps producing them, and stops a run whose loss or weights blow up while staying finite.
 
 A step is *bad* when any rank's loss was NaN/Inf, or when DeepSpeed dropped the update (its
 gradients were not finite) outside fp16, where a dropped update is routine loss-scale overflow.
@@ -17,7 +17,8 @@ ever written or made `latest`, whatever `max_in_row` is:
 """
 from __future__ import annotations
 
-from typing import Protocol
+import math
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -33,9 +34,48 @@ class GuardCounters(Protocol):
     nonfinite_in_row: int
 
 
+class DivergenceCounters(Protocol):
+    loss_ema: float  # running mean of the finite step losses (0 = none yet)
+    weight_norm: float  # weights' L2 norm at the previous checkpoint (0 = none yet)
+
+
 class NonFiniteGuard:
-    def __init__(self, max_in_row: int, fp16: bool) -> None:
+    def __init__(self, max_in_row: int, fp16: bool, max_loss_ratio: float = 0.0,
+                 max_weight_norm_ratio: float = 0.0) -> None:
         self.max_in_row, self.fp16 = max_in_row, fp16
+        self.max_loss_ratio, self.max_weight_norm_ratio = max_loss_ratio, max_weight_norm_ratio
+
+    def loss_diverged(self, counters: "DivergenceCounters", loss: float) -> bool:
+        """Record step's mean loss; True when it is finite and above `max_loss_ratio` x the running
+        mean (the mean is then left as it was: it describes the healthy steps)."""
+        if not math.isfinite(loss):
+            return False  # the non-finite guard's business
+        if self.max_loss_ratio and counters.loss_ema > 0 and loss > self.max_loss_ratio * counters.loss_ema:
+            return True
+        counters.loss_ema = loss if counters.loss_ema == 0 else 0.9 * counters.loss_ema + 0.1 * loss
+        return False
+
+    def loss_divergence_error(self, counters: "DivergenceCounters", step: int, loss: float,
+                              last_good: str) -> "NonFiniteLossError":
+        return NonFiniteLossError(
+            f"step {step}: loss {loss:.4g} is {loss / counters.loss_ema:.1f}x its running mean "
+            f"{counters.loss_ema:.4g} (train.max_loss_ratio={self.max_loss_ratio:g}): the run diverged and was "
+            f"stopped; nothing from step {step - 1} on was saved as good. Last good checkpoint: {last_good}. Lower "
+            "optim.lr or raise optim.warmup_steps, then resume from it with train.resume=<that tag dir>")
+
+    def check_weight_norm(self, counters: "DivergenceCounters", step: int, norm: float,
+                          last_good: Callable[[], str]) -> None:
+        """Raise before saving step `step` when the weights' norm grew more than `max_weight_norm_ratio`
+        x since the previous checkpoint; otherwise record `norm` as the reference for the next one.
+        `last_good()` names the last good checkpoint (called, collectively, only when raising)."""
+        previous = counters.weight_norm
+        if self.max_weight_norm_ratio and previous > 0 and not norm <= self.max_weight_norm_ratio * previous:
+            raise NonFiniteLossError(
+                f"step {step}: the weights' L2 norm {norm:.4g} is {norm / previous:.1f}x the norm {previous:.4g} at the "
+                f"previous checkpoint (train.max_weight_norm_ratio={self.max_weight_norm_ratio:g}): the run diverged and "
+                f"was stopped; the checkpoint of step {step} was not written. Last good checkpoint: {last_good()}. Lower "
+                "optim.lr or raise optim.warmup_steps, then resume from it with train.resume=<that tag dir>")
+        counters.weight_norm = norm
 
     def observe(self, counters: GuardCounters, step: int, nonfinite_losses: float, update_applied: bool) -> bool:
         """Record one step (losses summed over micro-batches and ranks); returns whether it was bad."""
@@ -73,13 +113,19 @@ class NonFiniteGuard:
                 "use fp32/bf16, then resume from the last checkpoint")
 
 
-def count_nonfinite_weights(module: nn.Module, device: torch.device) -> torch.Tensor:
-    """Number of this rank's parameter tensors holding a NaN/Inf, as a 1-element tensor on `device`
-    (to be all-reduced). Under ZeRO-3 each rank checks its own partition (`ds_tensor`)."""
-    count = torch.zeros(1, dtype=torch.float64, device=device)
+def weight_stats(module: nn.Module, device: torch.device, is_main: bool) -> torch.Tensor:
+    """`[parameter tensors holding a NaN/Inf, sum of squares of the weights]` of this rank, a
+    2-element float64 tensor on `device` to be all-reduced (summed over ranks). Under ZeRO-3 each
+    rank holds its own partition (`ds_tensor`), so every rank adds its part of the squares; under
+    ZeRO 0-2 every rank holds all weights, so only rank 0 adds them (the sum is then the same for
+    any rank count). Every rank counts its non-finite tensors."""
+    stats = torch.zeros(2, dtype=torch.float64, device=device)
     with torch.no_grad():
         for param in module.parameters():
-            tensor = getattr(param, "ds_tensor", param)
+            partitioned = hasattr(param, "ds_tensor")
+            tensor = param.ds_tensor if partitioned else param
             if tensor.numel():
-                count += (~torch.isfinite(tensor)).any().to(device=device, dtype=torch.float64)
-    return count
+                stats[0] += (~torch.isfinite(tensor)).any().to(device=device, dtype=torch.float64)
+                if partitioned or is_main:
+                    stats[1] += tensor.detach().double().pow(2).sum().to(device)
+    return stats

@@ -12,9 +12,13 @@ learning rate is set from the step number before every step (`pipeline.train.opt
 every random number comes from a stream of `pipeline.seeding`, so a resumed run repeats the
 uninterrupted one bit for bit.
 
-Exit codes: 0 done; 2 bad config, data or unusable checkpoint (message on stderr, before compute);
-3 stopped by the non-finite loss guard (no checkpoint of non-finite weights is written); 4 a
-checkpoint could not be written (disk full, I/O error: the previous one stays `latest`);
+Exit codes (docs/guarantees.md): 0 done; 2 bad config, data or unusable checkpoint (message on
+stderr, before compute); 3 stopped by the non-finite / divergence guard (no checkpoint of
+non-finite or exploded weights is written; the message names the last good one); 4 the run's
+output cannot be written (disk full, quota, I/O error at any save, the first included: the
+previous checkpoint stays `latest`; or, before compute, `train.output_dir` is a file, read-only or
+not creatable); 5 another rank died or hung (the message names it; a dead rank is noticed at the next
+collective, a hung one after `train.dist_timeout_s`);
 75 (`REQUEUE_EXIT_CODE`) SIGTERM/SIGUSR1: checkpointed for requeue (or, during start-up, nothing
 new to save). Signals: `pipeline.train.preemption`.
 """
@@ -59,14 +63,16 @@ from pipeline.train.checkpoint import (
     TrainState,
     check_resume_shapes,
     find_resume_checkpoint,
+    last_good_tag,
     load_checkpoint,
     newer_tags,
     plan_resume,
     save_checkpoint,
     settle_pending_save,
 )
+from pipeline.train.checkpoint_writes import check_output_dir
 from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded
-from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, count_nonfinite_weights
+from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, weight_stats
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
 from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
 from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, preemption_scope
@@ -76,6 +82,7 @@ log = logging.getLogger("pipeline.train")
 EXIT_CONFIG_ERROR = 2
 EXIT_NONFINITE = 3
 EXIT_SAVE_FAILED = 4
+EXIT_RANK_LOST = 5
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
@@ -106,6 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.help_config:
         print(describe_run_config())
         return 0
+    cfg: Optional[RunConfig] = None
     try:
         cfg = load_config(args.config, args.overrides)
         if args.print_config:
@@ -124,6 +132,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except CheckpointWriteError as err:
         print(f"error: {err}", file=sys.stderr)
         return EXIT_SAVE_FAILED
+    except RuntimeError as err:  # a dead or hung rank: one line naming it, not gloo's traceback
+        from pipeline.distributed import lost_ranks_message
+
+        message = lost_ranks_message(err, cfg.train.dist_timeout_s) if cfg is not None else ""
+        if not message:
+            raise
+        print(f"error: {message}", file=sys.stderr)
+        return EXIT_RANK_LOST
 
 
 def export_mpi4py_ranks() -> None:
@@ -198,10 +214,14 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
     config_dict = cfg.to_dict()
     target = None
     if resume_dir is not None:
+        from pipeline.data.shards import manifest_file_sha256
+
         target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world_size, plan.zero_stage,
-                             cfg.train.allow_config_change)
+                             cfg.train.allow_config_change, manifest_file_sha256(cfg.data.shards_dir))
         if cfg.train.resume not in ("auto", "never"):  # an explicit tag: this run's newer ones are set aside
             target.set_aside = newer_tags(ckpt_root, resume_dir)
+    if not check_only:  # a file, read-only or full location: one line and exit 4 now, not at the first save
+        check_output_dir(Path(cfg.train.output_dir), world.rank)
     # identical initial weights on every rank, for any world size
     model = build_run_model(cfg, plan, warm_start=target is None)
     if target is not None:
@@ -296,7 +316,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     return Run(cfg, plan, info, device, model, engine, optimizer, batches, state, meta, flop_counter,
                MetricsWriter(cfg.train.output_dir, info.is_main, state.step, cfg.train.tensorboard),
                ThroughputMeter(info.world_size, device_peak_flops(cfg.deepspeed.precision)),
-               NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16"))
+               NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16",
+                              cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio))
 
 
 @dataclass
@@ -332,6 +353,9 @@ class Run:
         try:
             if state.step < total and self.preempted_during_startup(preemption):
                 return REQUEUE_EXIT_CODE
+            if state.step >= total and self.info.is_main:  # (below total_steps was refused at resume)
+                log.info("the run is already complete at step %d (train.total_steps=%d): nothing to train; to extend "
+                         "it, set train.total_steps higher with train.allow_config_change=true", state.step, total)
             while state.step < total:
                 step = state.step + 1
                 seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
@@ -343,22 +367,34 @@ class Run:
 
                 # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
                 host = torch.tensor([preemption.requested, tokens_local, self.flop_counter.pop()], dtype=torch.float64)
-                status = torch.cat([nonfinite_local.reshape(1), host.to(self.device)])
-                nonfinite, preempted, tokens, flops = all_reduce_sum(status).tolist()
+                loss_local = sums["loss"].double().reshape(1) if "loss" in sums else torch.zeros(1, dtype=torch.float64)
+                status = torch.cat([nonfinite_local.reshape(1), loss_local.to(self.device), host.to(self.device)])
+                nonfinite, loss_sum, preempted, tokens, flops = all_reduce_sum(status).tolist()
                 bad = self.guard.observe(state, step, nonfinite, self.engine.was_step_applied())
+                step_loss = loss_sum / (accum * self.info.world_size)
+                diverged = self.guard.loss_diverged(state, step_loss)  # every rank alike: all-reduced values
                 state.step, state.consumed_samples = step, self.batches.consumed_samples
                 state.tokens_seen += int(tokens)
                 self.meter.add_step(self.plan.batch.global_batch_size, int(tokens), flops)
                 bar.update(1)
 
-                if step % cfg.train.log_every == 0 or step == total or bad:
+                if step % cfg.train.log_every == 0 or step == total or bad or diverged:
                     last_metrics = self.log_step(step, lr, sums, accum)
                     bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}", lr=f"{lr:.2e}")
+                if diverged:  # its weights came from step - 1's update: that checkpoint is not good either
+                    raise self.guard.loss_divergence_error(state, step, step_loss, self.last_good(step - 1))
                 self.guard.check(state, step)
                 if step % cfg.train.checkpoint_every == 0 or step == total or preempted:
-                    nonfinite_weights = all_reduce_sum(count_nonfinite_weights(self.model, self.device)).item()
+                    nonfinite_weights, norm_sq = all_reduce_sum(weight_stats(self.model, self.device,
+                                                                             self.info.is_main)).tolist()
                     self.guard.check_savable(state, step, step == total, nonfinite_weights)
-                    self.checkpoint(last_metrics)
+                    if state.nonfinite_in_row and not preempted:  # these weights just gave a non-finite loss
+                        log.warning("step %d: not saving a checkpoint inside a streak of %d non-finite step(s)",
+                                    step, state.nonfinite_in_row)
+                    else:
+                        if not state.nonfinite_in_row:  # a preemption save inside a streak judges nothing
+                            self.guard.check_weight_norm(state, step, norm_sq ** 0.5, lambda: self.last_good(step))
+                        self.checkpoint(last_metrics, healthy=not state.nonfinite_in_row)
                     self.meter.reset()  # keep the save time out of the throughput numbers
                 if preempted and step == total:
                     log.info("%s after the last step: the run is complete (final checkpoint written); exiting 0",
@@ -376,6 +412,13 @@ class Run:
             if self.info.is_main and (problem := self.finisher.wait()):  # an error is on its way out: no collective
                 log.error("the last checkpoint's completion failed too: %s", problem)
         return 0
+
+    def last_good(self, before_step: int) -> str:
+        """Collective: once the last save is complete, the newest healthy checkpoint below
+        `before_step` (for the divergence guard's message)."""
+        self.settle_saves()
+        tag = last_good_tag(Path(self.cfg.train.output_dir) / CHECKPOINT_DIR, before_step)
+        return str(tag) if tag is not None else "none (this run saved no checkpoint before it)"
 
     def settle_saves(self) -> None:
         """Collective: the background completion of the last save has finished; if it failed, every
@@ -434,13 +477,13 @@ class Run:
                      metrics.get("loss", float("nan")), lr, metrics["tokens_per_s"])
         return metrics
 
-    def checkpoint(self, last_metrics: dict) -> None:
+    def checkpoint(self, last_metrics: dict, healthy: bool = True) -> None:
         state, meta = self.state, self.meta
         state.objective_state = self.model.extra_state_for_checkpoint()
         meta.step, meta.consumed_samples, meta.tokens_seen = state.step, state.consumed_samples, state.tokens_seen
         meta.last_metrics = {k: v for k, v in last_metrics.items() if isinstance(v, (int, float))}
         save_checkpoint(self.engine, Path(self.cfg.train.output_dir) / CHECKPOINT_DIR, state, meta,
-                        self.cfg.train.keep_last, self.info.is_main, self.finisher)
+                        self.cfg.train.keep_last, self.info.is_main, self.finisher, healthy)
 
 
 def mean_over_ranks(sums: dict[str, torch.Tensor], count: int, device: torch.device) -> dict[str, float]:

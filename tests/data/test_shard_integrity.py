@@ -108,6 +108,7 @@ def test_format_1_manifests_still_train_checked_by_sha256(tiny_shards_dir, tmp_p
 
     def to_format_1(raw):
         raw["format_version"] = 1
+        del raw["content_hash"]  # format-1 builds predate it
         for shard in raw["shards"]:
             del shard["xxh3_64"]
     _edit_manifest(shards, to_format_1)
@@ -123,7 +124,8 @@ def test_format_1_manifests_still_train_checked_by_sha256(tiny_shards_dir, tmp_p
 
 def test_merging_format_1_parts_records_xxh3_hashes(tiny_shards_dir, tmp_path):
     part = _copy(tiny_shards_dir, tmp_path)
-    _edit_manifest(part, lambda raw: [raw.update(format_version=1)] + [s.pop("xxh3_64") for s in raw["shards"]])
+    _edit_manifest(part, lambda raw: [raw.update(format_version=1), raw.pop("content_hash")]
+                   + [s.pop("xxh3_64") for s in raw["shards"]])
     assert merge_main(["--out", str(tmp_path / "merged"), str(part)]) == 0
     merged = read_manifest(tmp_path / "merged")
     assert merged.format_version == 2 and all(s.xxh3_64 == xxh3_file(tmp_path / "merged" / s.name) for s in merged.shards)

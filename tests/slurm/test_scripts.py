@@ -85,15 +85,17 @@ def test_the_job_log_explains_each_failing_rank(tmp_path):
     (logs / "rank2.log").write_text("=== x rank 2 host node1 ===\nerror: data.shards_dir=/d: shard_00001.arrow: damaged\n")
     (logs / "rank2.exit").write_text("2\n")
     (logs / "rank3.exit").write_text("0\n")
-    out = _bash(f"report_ranks {logs} 4\nfor c in 3 4 75 137 138 143; do echo \"$c: $(explain_exit $c)\"; done")
+    out = _bash(f"report_ranks {logs} 4\nfor c in 3 4 5 75 137 138 143; do echo \"$c: $(explain_exit $c)\"; done")
     assert out.stdout.splitlines() == [
         "   rank 0: exit 1 (Python error: see the traceback in the rank log): "
         "[rank0]: torch.distributed.DistBackendError: Timed out waiting 20000ms for recv operation",
         "   rank 1: exit none (no exit status: the rank's shell was killed, or never started)",
         "   rank 2: exit 2 (bad config, data or checkpoint: nothing was computed): "
         "error: data.shards_dir=/d: shard_00001.arrow: damaged",
-        "3: stopped by the non-finite loss guard: no checkpoint of non-finite weights was written",
-        "4: a checkpoint could not be written (disk full?): the previous one is still latest",
+        "3: stopped by the non-finite / divergence guard: nothing exploded was saved; the message names the last good "
+        "checkpoint",
+        "4: output not writable (disk full, read-only, not a directory): the previous checkpoint is still latest",
+        "5: another rank died or hung: the message names it",
         "75: checkpointed for requeue after SIGTERM/SIGUSR1",
         "137: killed by SIGKILL: out of memory (OOM killer), or ended by srun after another rank exited",
         "138: killed by SIGUSR1 before its preemption handler was installed",

@@ -9,7 +9,7 @@ import pytest
 
 from pipeline.train.checkpoint import COMPLETE_FILE, LATEST_FILE, TRAIN_STATE_FILE, list_tags
 from pipeline.train.run_meta import RunMeta
-from pipeline.data.shards import sha256_file
+from pipeline.data.shards import Manifest, sha256_file
 from tests.train.runs import latest, losses, metric_rows, run_inprocess, tag_dir
 
 STEPS = ["train.total_steps=8", "train.checkpoint_every=2", "train.keep_last=2"]
@@ -94,8 +94,12 @@ def test_resume_refuses_a_different_config_or_data(finished_run, tiny_shards_dir
 
     other_data = shutil.copytree(tiny_shards_dir, tmp_path / "shards")
     manifest = json.loads((other_data / "manifest.json").read_text())
-    manifest["build_args"]["note"] = "a different build"
+    manifest["build_args"]["note"] = "how the build ran"  # not what it produced: the same data
     (other_data / "manifest.json").write_text(json.dumps(manifest))
+    assert run_inprocess("tiny-mlm", other_data, run, *STEPS, "train.total_steps=7") == 2
+    assert "train.total_steps=7 is below step 8" in capsys.readouterr().err  # past the data check
+    manifest["packing"] = "doc"  # a build that produced other data (content_hash written anew)
+    (other_data / "manifest.json").write_text(Manifest.from_dict(manifest).to_json())
     assert run_inprocess("tiny-mlm", other_data, run, *STEPS) == 2
     assert "data manifest" in capsys.readouterr().err
 

@@ -191,11 +191,14 @@ def test_deepspeed_config_is_assembled_from_run_and_engine(tiny_shards_dir):
 
 def test_config_hash_ignores_run_control_only():
     a = load_config("tiny-mlm").to_dict()
-    b = load_config("tiny-mlm", ["train.output_dir=/elsewhere", "train.log_every=7", "data.micro_batch_size=2",
-                                 "train.keep_last=9", "data.shards_dir=/moved"]).to_dict()
+    b = load_config("tiny-mlm", ["train.output_dir=/elsewhere", "train.log_every=7", "data.grad_accum=2",
+                                 "train.keep_last=9", "data.shards_dir=/moved", "train.max_loss_ratio=5"]).to_dict()
     c = load_config("tiny-mlm", ["optim.lr=0.002", "train.total_steps=40"]).to_dict()
     assert config_hash(a) == config_hash(b) != config_hash(c)
     assert config_differences(a, c) == ["optim.lr: 0.001 -> 0.002", "train.total_steps: 20 -> 40"]
+    # the micro-batch size changes what a step computes (per-micro-batch sampling, negatives, loss mean)
+    d = load_config("tiny-mlm", ["data.micro_batch_size=2"]).to_dict()
+    assert config_differences(a, d) == ["data.micro_batch_size: 4 -> 2"]
 
 
 def test_learning_rate_schedule():

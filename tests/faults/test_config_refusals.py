@@ -1,0 +1,46 @@
+"""Class 3, configs that train nothing or contradict the checkpoint: refused with one line and exit 2
+before any compute, the checkpoint untouched (it still resumes)."""
+from __future__ import annotations
+
+from pipeline.train.checkpoint import list_tags
+from pipeline.train.loop import EXIT_CONFIG_ERROR
+from tests.faults.faults import error_line, resumes_to_the_end
+from tests.train.runs import losses, run_inprocess, tag_dir
+
+STEPS = ["train.total_steps=4", "train.checkpoint_every=2", "train.keep_last=5"]
+
+
+def test_all_objective_weights_zero(tiny_shards_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-taco", tiny_shards_dir, out, "objectives.mlm=0", "objectives.taco=0.0") == EXIT_CONFIG_ERROR
+    assert error_line(capsys.readouterr().err).startswith("objectives: every weight is 0 ({'mlm': 0, 'taco': 0.0}): "
+                                                          "the run would train nothing")
+    assert not out.exists()
+
+
+def test_total_steps_below_the_resumed_step(tiny_shards_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == 0
+    capsys.readouterr()
+    for extra in ([], ["train.allow_config_change=true"]):  # refused either way, with the way to extend
+        assert run_inprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=3", *extra) == EXIT_CONFIG_ERROR
+        assert error_line(capsys.readouterr().err) == (
+            f"train.total_steps=3 is below step 4 of the checkpoint it resumes ({tag_dir(out, 4)}): nothing would be "
+            "trained. To extend the run, set train.total_steps above 4 (with train.allow_config_change=true: a new "
+            "length changes the LR schedule); to train fewer steps, start a new train.output_dir")
+    assert [s for s, _ in list_tags(out / "checkpoints")] == [2, 4]
+    resumes_to_the_end("tiny-mlm", tiny_shards_dir, out, "train.total_steps=6", "train.allow_config_change=true")
+    assert max(losses(out)) == 6
+
+
+def test_micro_batch_change_on_resume(tiny_shards_dir, tmp_path, capsys):
+    """A new micro-batch size changes what a step computes (per-micro-batch sampling streams, in-batch
+    negatives, the per-micro-batch loss mean), so it is a config change: refused unless allowed."""
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == 0
+    capsys.readouterr()
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=4", "train.checkpoint_every=2",
+                         "data.micro_batch_size=2") == EXIT_CONFIG_ERROR
+    message = error_line(capsys.readouterr().err)
+    assert "was written with a different config or data: data.micro_batch_size: 4 -> 2" in message
+    assert "train.allow_config_change=true" in message

@@ -1,0 +1,74 @@
+"""Class 4, I/O failures: a full disk at the first save (DeepSpeed's copy of `zero_to_fp32.py`), an
+output directory that is a file or read-only. Each ends with one line naming the path and exit 4
+(`EXIT_SAVE_FAILED`, the code of every failed save), never a traceback; nothing partial is left
+as `latest`, and once the cause is gone the run goes on."""
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+
+import pytest
+
+import deepspeed.runtime.engine as ds_engine
+from pipeline.train.loop import EXIT_SAVE_FAILED
+from tests.faults.faults import error_line
+from tests.train.runs import latest, losses, run_inprocess, tag_dir
+
+STEPS = ["train.total_steps=4", "train.checkpoint_every=2"]
+
+
+def test_full_disk_at_the_first_save(monkeypatch, tiny_shards_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    copy = ds_engine.copyfile
+
+    def full(src, dst, *args, **kwargs):
+        if os.path.basename(dst) == "zero_to_fp32.py":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), dst)
+        return copy(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(ds_engine, "copyfile", full)
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == EXIT_SAVE_FAILED
+    message = error_line(capsys.readouterr().err)
+    assert message.startswith(f"no space left on device: {out / 'checkpoints' / 'zero_to_fp32.py'}. Checkpoint "
+                              "step_00000002 was not written"), message
+    assert "checkpoints/latest does not exist yet" in message
+    assert latest(out) is None and not tag_dir(out, 2).exists()
+    monkeypatch.setattr(ds_engine, "copyfile", copy)  # space freed
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == 0 and latest(out) == tag_dir(out, 4)
+
+
+def test_output_dir_that_is_a_file(tiny_shards_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.write_text("a file")
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == EXIT_SAVE_FAILED
+    assert error_line(capsys.readouterr().err) == (f"train.output_dir={out}: {out} exists and is not a directory; "
+                                                   "choose another train.output_dir (or move that file away)")
+    assert out.read_text() == "a file"
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A read-only directory: a read-only tmpfs as root (root ignores permission bits), else mode 0555."""
+    path = tmp_path / "ro"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("cannot mount a read-only tmpfs here")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_read_only_output_dir(read_only_dir, tiny_shards_dir, tmp_path, capsys):
+    out = read_only_dir / "run"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == EXIT_SAVE_FAILED
+    assert error_line(capsys.readouterr().err) == (f"train.output_dir={out}: cannot write in {out} (read-only file "
+                                                   "system); make it writable or choose another train.output_dir")
+    other = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, other, *STEPS) == 0 and max(losses(other)) == 4
