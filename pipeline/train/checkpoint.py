@@ -282,7 +282,7 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
         engine.save_checkpoint(str(root), tag=tag, client_state={}, save_latest=False)
     problem = writes.problem
     if is_main and not problem:
-        problem = _write_run_files(tag_dir, state, meta)
+        problem = _write_run_files(tag_dir, state, meta) or write_conversion_readme(root)
     _fail_together(problem, root, tag_dir, is_main)  # also waits until every rank's files are written
     if finisher is not None:
         if is_main:
@@ -294,6 +294,18 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
     _fail_together(problem, root, None, is_main)
     barrier()
     return tag_dir
+
+
+def write_conversion_readme(root: Path) -> str:
+    """`checkpoints/README.md`: how to convert these checkpoints (beside DeepSpeed's zero_to_fp32.py,
+    which alone yields no Hugging Face model; `pipeline.export.consolidated`); "" or what went wrong."""
+    from pipeline.export.consolidated import README_FILE, render_checkpoint_readme
+
+    path = root / README_FILE
+    text = render_checkpoint_readme(root)
+    if path.is_file() and path.read_text() == text:
+        return ""
+    return write_or_describe(path, lambda: _write_text_atomic(path, text))
 
 
 def _write_run_files(tag_dir: Path, state: TrainState, meta: RunMeta) -> str:
