@@ -4,7 +4,9 @@ Read top to bottom: `main` parses, `train` validates everything it can before co
 the model, `start` brings up ranks, engine, resume and data, and `run` is the loop. The same code
 runs with no launcher (one process), under `torchrun`, the `deepspeed` launcher, `srun` or
 `mpirun` (`pipeline.distributed.discover` reads the environment; `--mpi` asks mpi4py when the MPI
-implementation exports nothing we know).
+implementation exports nothing we know). `--resume DIR [overrides]` continues a run from the
+configuration saved in its checkpoint (`pipeline.train.resume_run`: extending `train.total_steps`,
+with the learning-rate schedule re-stretched to the new total).
 
 A step = `grad_accum` micro-batches, each `engine(batch) -> engine.backward -> engine.step`
 (DeepSpeed averages the gradients over micro-batches and ranks and updates at the boundary). The

@@ -84,6 +84,7 @@ def load_resumed_config(path: str | Path, overrides: Sequence[str] = ()) -> tupl
     raw.setdefault("train", {})
     raw["train"]["output_dir"] = str(run_dir)
     raw["train"]["resume"] = str(tag) if tag is not None else "auto"
+    raw["train"]["allow_config_change"] = False  # a previous --resume saved True: only this command's overrides count
     for override in overrides:
         apply_override(raw, override, RunConfig)
     cfg: RunConfig = from_dict(RunConfig, raw)

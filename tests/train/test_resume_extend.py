@@ -73,6 +73,8 @@ def test_resume_refuses_shards_changed_in_place(finished, tiny_shards_dir, tmp_p
     meta = json.loads(meta_path.read_text())
     meta["config"]["data"]["shards_dir"] = str(shards)  # as if the run had trained on the copy
     meta_path.write_text(json.dumps(meta))
+    meta["config"]["train"]["allow_config_change"] = True  # as saved by an earlier --resume extension
+    meta_path.write_text(json.dumps(meta))
     assert main(["--resume", str(run), "train.total_steps=8"]) == 2
     assert "changed since the checkpoint" in capsys.readouterr().err
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
