@@ -5,7 +5,8 @@ Held-out text: the documentation that comes right after the demo corpus's size c
 source order (`demo.corpus.build_demo_corpus(skip_bytes=...)`: same domain, no paragraph of the
 training corpus), tokenized with the demo's tokenizer into `DEMO_OUT/heldout/`.
 
-For both models, on the same held-out rows and masks (BERT 15% masking, the collator's seed):
+For both models, on the same held-out rows (a random sample in random order, as training draws
+them) and masks (BERT 15% masking, the collator's seed):
 
 * masked-LM accuracy and loss at the masked positions, and the unigram plateau (the accuracy of
   always answering the training corpus's most frequent token) — a working run beats both the
@@ -13,8 +14,8 @@ For both models, on the same held-out rows and masks (BERT 15% masking, the coll
 * the mean cosine between the last hidden states of two different tokens (`pipeline.eval.health`;
   above 0.9 = collapsed: every token has nearly the same vector);
 * TACO's loss (Fu et al. 2022, Eq. 6-8; g = hidden_states[-1] - hidden_states[0], the masked view,
-  window 5, 50 negatives from other documents, tau 0.07, `pipeline.objectives.taco`) on held-out
-  rows, and the same with every content token replaced by a uniformly random token (documents,
+  negatives from other documents, `pipeline.objectives.taco`, with the run's window, negatives and
+  tau: the demo's `tiny-taco` preset draws 8 negatives, not the paper's 50) on held-out rows, and the same with every content token replaced by a uniformly random token (documents,
   positions and lengths kept). If the second stays as low as the first, the objective is solved by
   telling documents apart whatever they contain — its easy optimum by design (positives share the
   anchor's context, negatives come from other contexts), not a leak;
@@ -35,7 +36,14 @@ import torch
 
 HELDOUT_BYTES = 400_000
 HELDOUT_ROWS = 256
-TACO = dict(window=5, num_negatives=50, tau=0.07)
+TACO_DEFAULTS = dict(window=5, num_negatives=50, tau=0.07)  # TokenAlignmentContrastive's (the paper's)
+
+
+def taco_options(hf_dir: Path) -> dict:
+    """The run's TACO window / negatives / tau (the export's pipeline_meta.json), else the defaults."""
+    meta = hf_dir / "pipeline_meta.json"
+    chosen = json.loads(meta.read_text()).get("objective_options", {}).get("taco", {}) if meta.is_file() else {}
+    return {k: chosen.get(k, v) for k, v in TACO_DEFAULTS.items()}
 
 
 def build_heldout(demo_out: Path, skip_bytes: int, user_corpus: Sequence[str] = (), seq_len: int = 128) -> Path:
@@ -60,7 +68,8 @@ def random_tokens(batch: dict, vocab_size: int, structure: Sequence[int], seed: 
     return ids
 
 
-def evaluate(model, batches: list[dict], top_token: int, structure: Sequence[int], vocab_size: int) -> dict:
+def evaluate(model, batches: list[dict], top_token: int, structure: Sequence[int], vocab_size: int,
+             taco: dict) -> dict:
     from pipeline.batch import IGNORE_INDEX, content_tokens
     from pipeline.eval.health import mean_token_cosine
     from pipeline.objectives.functional import token_contrastive_loss
@@ -81,7 +90,7 @@ def evaluate(model, batches: list[dict], top_token: int, structure: Sequence[int
             sums["count"] += int(selected.sum())
             eligible = content_tokens(batch)
             docs = batch["document_ids"]
-            a, p, n = sample_taco_indices(eligible, eligible, TACO["window"], TACO["num_negatives"],
+            a, p, n = sample_taco_indices(eligible, eligible, taco["window"], taco["num_negatives"],
                                           torch.Generator().manual_seed(i), documents=docs)
             flat_docs = (docs + docs.shape[1] * torch.arange(docs.shape[0])[:, None]).reshape(-1)  # unique per row
             sums["pos_is_anchor"] += int((p == a).sum())
@@ -89,11 +98,11 @@ def evaluate(model, batches: list[dict], top_token: int, structure: Sequence[int
             sums["neg_same_doc"] += int((flat_docs[n] == flat_docs[a][:, None]).sum())
             sums["anchors"] += int(a.numel())
             g = (out.hidden_states[-1] - out.hidden_states[0]).reshape(-1, out.hidden_states[0].shape[-1])
-            sums["taco"] += float(token_contrastive_loss(g, a, p, n, TACO["tau"])) * a.numel()
+            sums["taco"] += float(token_contrastive_loss(g, a, p, n, taco["tau"])) * a.numel()
             noise = random_tokens(batch, vocab_size, structure, seed=i)
             hs = model(input_ids=noise, attention_mask=batch["attention_mask"], output_hidden_states=True).hidden_states
             g_noise = (hs[-1] - hs[0]).reshape(-1, hs[0].shape[-1])
-            sums["taco_random"] += float(token_contrastive_loss(g_noise, a, p, n, TACO["tau"])) * a.numel()
+            sums["taco_random"] += float(token_contrastive_loss(g_noise, a, p, n, taco["tau"])) * a.numel()
             cosines.append(mean_token_cosine(out.hidden_states[-1], eligible))
     count, anchors = max(1, sums["count"]), max(1, sums["anchors"])
     return {"mlm_acc": sums["correct"] / count, "mlm_loss": sums["loss"] / count,
@@ -117,15 +126,20 @@ def measure(hf_dir: Path, heldout_shards: Path, train_shards: Path, seed: int = 
     top_token = int(unigram_counts(ShardDataset(train_shards)).argmax())
     collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, seed)
     n = min(rows, len(dataset))
-    batches = [collator.collate(*dataset.take(np.arange(s, min(n, s + 32))), np.arange(s, min(n, s + 32)))
-               for s in range(0, n, 32)]
+    # rows in a random order, as training draws them: consecutive rows continue one document, and as
+    # each other's TACO negatives they would be harder than the ones training saw
+    order = np.sort(np.random.default_rng(seed).permutation(len(dataset))[:n])
+    order = np.random.default_rng(seed + 1).permutation(order)
+    batches = [collator.collate(*dataset.take(order[s:s + 32]), order[s:s + 32]) for s in range(0, n, 32)]
     structure = [dataset.special_tokens[name] for name in STRUCTURE_TOKENS if name in dataset.special_tokens]
     trained = BertForMaskedLM.from_pretrained(str(hf_dir)).eval()
     torch.manual_seed(seed)
     random_init = BertForMaskedLM(BertConfig.from_pretrained(str(hf_dir))).eval()
-    result = {"heldout_sequences": n, "trained": evaluate(trained, batches, top_token, structure, dataset.vocab_size),
-              "random_init": evaluate(random_init, batches, top_token, structure, dataset.vocab_size)}
-    result["taco_loss_uniform_guess"] = math.log(1 + TACO["num_negatives"])  # all candidates alike
+    taco = taco_options(hf_dir)
+    result = {"heldout_sequences": n, "taco_options": taco,
+              "trained": evaluate(trained, batches, top_token, structure, dataset.vocab_size, taco),
+              "random_init": evaluate(random_init, batches, top_token, structure, dataset.vocab_size, taco)}
+    result["taco_loss_uniform_guess"] = math.log(1 + taco["num_negatives"])  # all candidates alike
     return result
 
 
@@ -147,7 +161,8 @@ def report_lines(result: dict) -> list[str]:
         f"  masked-LM loss      {t['mlm_loss']:.2f}  trained   {r['mlm_loss']:.2f}  random init",
         f"  token cosine        {t['token_cosine']:.2f}  trained   {r['token_cosine']:.2f}  random init   (> 0.9: collapsed)",
         f"  TACO loss           {t['taco_loss']:.4f} trained, {t['taco_loss_random_tokens']:.4f} on random tokens; "
-        f"{r['taco_loss']:.3f} random init; {result['taco_loss_uniform_guess']:.2f} = no preference",
+        f"{r['taco_loss']:.3f} random init; {result['taco_loss_uniform_guess']:.2f} = no preference "
+        f"({result['taco_options']['num_negatives']} negatives, tau {result['taco_options']['tau']})",
         f"  leak checks (must be 0): positive = anchor {t['leak_positive_is_anchor']}, positive in another document "
         f"{t['leak_positive_other_document']}, negative in the anchor's document {t['leak_negative_same_document']}",
         f"  verdict: {verdict(result)}",
