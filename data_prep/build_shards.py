@@ -48,6 +48,7 @@ from pipeline.data.shards import (
     sha256_file,
     shard_name,
     write_atomic,
+    write_datasets_files,
     write_shard,
     xxh3_file,
 )
@@ -388,6 +389,7 @@ def build_shards(
         },
         fingerprint=fingerprint,
     )
+    write_datasets_files(out, manifest)  # datasets.load_from_disk(out); before the manifest that completes it
     write_atomic(out / MANIFEST_FILE, manifest.to_json())
     (out / STATE_FILE).unlink()
     elapsed = time.perf_counter() - started

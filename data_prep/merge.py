@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Sequence
 
 from pipeline.data.shards import (
+    DATASETS_INFO_FILE,
+    DATASETS_STATE_FILE,
     FORMAT_VERSION,
     MANIFEST_FILE,
     TOKENIZER_SUBDIR,
@@ -38,6 +40,7 @@ from pipeline.data.shards import (
     read_manifest,
     shard_name,
     write_atomic,
+    write_datasets_files,
     xxh3_file,
 )
 
@@ -129,7 +132,8 @@ def merge_parts(parts: Sequence[str | os.PathLike], out: str | os.PathLike) -> M
         if existing.fingerprint == merged.fingerprint:
             return existing
         raise MergeRefused(f"--out {out}: holds a different complete shard directory; choose a new --out or delete it")
-    if out.is_dir() and any(not p.name.startswith((TOKENIZER_SUBDIR, "shard_")) for p in out.iterdir()):
+    unfinished = (TOKENIZER_SUBDIR, "shard_", DATASETS_STATE_FILE, DATASETS_INFO_FILE)
+    if out.is_dir() and any(not p.name.startswith(unfinished) for p in out.iterdir()):
         raise MergeRefused(f"--out {out}: not empty and not an unfinished merge; choose an empty or new directory")
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("shard_*"):  # an unfinished merge: start over
@@ -148,6 +152,7 @@ def merge_parts(parts: Sequence[str | os.PathLike], out: str | os.PathLike) -> M
     for part, manifest in zip(parts, manifests):
         for info in manifest.shards:
             _place(part / info.name, out / next(merged_names).name)
+    write_datasets_files(out, merged)  # datasets.load_from_disk(out); before the manifest that completes it
     write_atomic(out / MANIFEST_FILE, merged.to_json())
     return merged
 

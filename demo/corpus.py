@@ -180,8 +180,12 @@ def user_sources(paths: Iterable[str | os.PathLike]) -> Iterator[tuple[str, str]
 
 
 def write_corpus(sources: Iterable[tuple[str, str]], out_path: str | os.PathLike,
-                 max_bytes: int = 8_000_000) -> CorpusStats:
+                 max_bytes: int = 8_000_000, skip_bytes: int = 0) -> CorpusStats:
     """Clean, de-duplicate and write `sources` to `out_path` (atomically), up to `max_bytes`.
+
+    skip_bytes > 0: first pass over what a corpus capped at `skip_bytes` would hold (not written; its
+    paragraphs count as seen), then write the documents that follow: held-out text of the same
+    sources that shares no paragraph with that corpus (`demo.outcome`).
 
     Raises ValueError when nothing usable was found (e.g. user files with no prose).
     """
@@ -190,6 +194,7 @@ def write_corpus(sources: Iterable[tuple[str, str]], out_path: str | os.PathLike
     stats = CorpusStats(path=out)
     seen: set[bytes] = set()
     tmp = out.with_name(out.name + ".tmp")
+    skipped, skipping = 0, skip_bytes > 0
     with open(tmp, "w", encoding="utf-8") as fh:
         for kind, text in sources:
             kept = []
@@ -202,6 +207,11 @@ def write_corpus(sources: Iterable[tuple[str, str]], out_path: str | os.PathLike
                 continue
             chunk = "\n".join(kept) + "\n\n"
             size = len(chunk.encode("utf-8"))
+            if skipping:  # the same rule as the cap below: the capped corpus holds this document
+                if skipped == 0 or skipped + size <= skip_bytes:
+                    skipped += size
+                    continue
+                skipping = False  # it ended before this document: held-out text from here on
             if stats.bytes + size > max_bytes and stats.bytes > 0:
                 break
             fh.write(chunk)
@@ -217,11 +227,12 @@ def write_corpus(sources: Iterable[tuple[str, str]], out_path: str | os.PathLike
 
 
 def build_demo_corpus(out_path: str | os.PathLike, user_paths: Iterable[str | os.PathLike] = (),
-                      max_bytes: int = 8_000_000) -> CorpusStats:
-    """The demo's corpus: the user's files when given, else this Python installation's documentation."""
+                      max_bytes: int = 8_000_000, skip_bytes: int = 0) -> CorpusStats:
+    """The demo's corpus: the user's files when given, else this Python installation's documentation
+    (`skip_bytes`: the held-out text after a corpus of that size, `write_corpus`)."""
     user_paths = list(user_paths)
     sources = user_sources(user_paths) if user_paths else default_sources()
-    return write_corpus(sources, out_path, max_bytes=max_bytes)
+    return write_corpus(sources, out_path, max_bytes=max_bytes, skip_bytes=skip_bytes)
 
 
 def main(argv: list[str] | None = None) -> None:

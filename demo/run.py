@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -32,7 +33,10 @@ from typing import Optional, Sequence
 
 #: Written last into `--out`; its presence says "this directory is the demo's, safe to clear".
 SUMMARY_FILE = "demo.json"
-STAGE_ENTRIES = ("corpus.txt", "tokenizer", "shards", "runs", "hf")
+STAGE_ENTRIES = ("corpus.txt", "tokenizer", "shards", "runs", "hf", "heldout", "outcome.json")
+STAGE_COUNT = 7
+#: Lines of the training log shown although DeepSpeed tags them [INFO]/[WARNING]: its op builds.
+BUILD_LINE = re.compile(r"(?i)building extension|loading extension|built successfully|ninja|compil")
 DEFAULT_PROMPTS = (
     "The [MASK] is installed with pip.",
     "Returns True if the string is [MASK].",
@@ -109,7 +113,7 @@ class Stages:
 
     def begin(self, name: str, title: str, command: Optional[str] = None) -> None:
         self._name, self._start = name, time.perf_counter()
-        print(f"\n== [{len(self.times) + 1}/6] {title}", flush=True)
+        print(f"\n== [{len(self.times) + 1}/{STAGE_COUNT}] {title}", flush=True)
         if command:
             self.commands[name] = command
             print(f"   $ {command}", flush=True)
@@ -128,12 +132,25 @@ def run_training(preset: str, overrides: Sequence[str], log_path: Path) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
-            if "[WARNING]" not in line and "[INFO]" not in line:  # DeepSpeed's CPU chatter stays in the log
+            if ("[WARNING]" not in line and "[INFO]" not in line) or BUILD_LINE.search(line):  # CPU chatter: log only
                 sys.stdout.write("   | " + line)
                 sys.stdout.flush()
         code = proc.wait()
     if code != 0:
         raise RuntimeError(f"pipeline.train exited with {code}; full log: {log_path}")
+
+
+def startup_note() -> str:
+    """What the silent start of the training process does: imports, checks, and on the first run in
+    this Python environment DeepSpeed's compilation of its C++ CPU ops (`pipeline.capabilities`)."""
+    from pipeline.capabilities import private_extensions_dir
+
+    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or private_extensions_dir())
+    built = cache.is_dir() and any(cache.rglob("*.so"))
+    return ("starting: imports, config and data checks, DeepSpeed engine (its C++ ops are already built in "
+            f"{cache})" if built else
+            "starting: imports, config and data checks, then DeepSpeed compiles its C++ CPU ops with g++ (first "
+            f"run in this environment only, about half a minute; cached in {cache}), then step 1")
 
 
 def fill_mask(model_dir: Path, prompts: Sequence[str], top_k: int = 5) -> list[dict]:
@@ -200,6 +217,7 @@ def run_demo(args: argparse.Namespace) -> dict:
     stages.begin("pretrain", f"pretraining: {args.objective}, {args.steps} steps (DeepSpeed, CPU)",
                  command_line("pipeline.train", "--config", preset, *overrides))
     run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"   {startup_note()}", flush=True)
     run_training(preset, overrides, run_dir / "train.log")
     records = read_jsonl(run_dir / "metrics.jsonl")
     last = records[-1] if records else {}
@@ -217,6 +235,19 @@ def run_demo(args: argparse.Namespace) -> dict:
         print(f"   {item['prompt']}")
         print("      -> " + ", ".join(f"{p['token']} ({p['score']:.3f})" for p in item["predictions"]))
 
+    stages.begin("outcome", "outcome: the checkpoint against a random-init model on held-out text (docs/demo.md)",
+                 shlex.join(["python", "-m", "demo.outcome", str(out)]))
+    outcome = None
+    if args.corpus:
+        stages.end("skipped: --corpus given (held-out text comes from the default corpus's sources)")
+    else:
+        from demo.outcome import build_heldout, measure, report_lines
+
+        outcome = measure(hf_dir, build_heldout(out, stats.bytes, seq_len=args.seq_len), shards)
+        (out / "outcome.json").write_text(json.dumps(outcome, indent=2) + "\n")
+        stages.end()
+        print("\n".join("   " + line for line in report_lines(outcome)))
+
     summary = {
         "status": "done",
         "objective": args.objective,
@@ -232,6 +263,8 @@ def run_demo(args: argparse.Namespace) -> dict:
         "final_metrics": {k: v for k, v in last.items() if k in ("step", "loss", "mlm/loss", "mlm/accuracy",
                                                                  "tokens_seen", "tokens_per_s")},
         "fill_mask": predictions,
+        "outcome": outcome,
+        "epochs": round(args.steps * 32 / max(1, manifest.total_sequences), 2),
     }
     write_summary(out, summary)
     return summary

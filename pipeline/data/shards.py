@@ -2,8 +2,15 @@
 
 A shard directory holds
   manifest.json          written last, atomically; its presence means the build is complete
-  shard_00000.arrow ...  Arrow IPC *file* format, one record batch per shard
+  shard_00000.arrow ...  Arrow IPC *stream* format (what `datasets` writes), one record batch per shard
+  state.json, dataset_info.json   so the directory is a `datasets` dataset (`write_datasets_files`)
   tokenizer/             the tokenizer used (loadable with `transformers.AutoTokenizer`)
+
+Other tools read it with their usual calls: `datasets.load_from_disk(DIR)` (all shards, in order),
+`datasets.Dataset.from_file(SHARD)`, `pyarrow.ipc.open_stream(pyarrow.memory_map(SHARD))`.
+Directories written before the stream framing (Arrow IPC *file* format, no state.json) stay
+readable here (the framing is told by the file's first bytes, `ipc_reader`) and by
+`datasets.load_dataset("arrow", data_files=...)`.
 
 Every shard has the same schema (`shard_schema`):
   input_ids    fixed_size_list<uint8|uint16|uint32>[seq_len]  `[CLS] ... [SEP]` then `[PAD]`
@@ -20,7 +27,7 @@ since format 2, an xxh3-64 hash (`xxhash`), about 12x faster to compute than sha
 docs/data.md), which training checks on every rank when it first opens a shard
 (`open_shard(..., expected=info)`). A format-1 manifest has no xxh3 hash; its shards are then
 checked against their sha256 (correct, slower). `check_layout` is the cheap part that needs no
-full read (sizes, Arrow footers, row counts, sequence length, vocabulary against the tokenizer),
+full read (sizes, Arrow schemas, row counts, sequence length, vocabulary against the tokenizer),
 run before any model is built.
 
 What training reads from the manifest is covered by `content_hash` (`Manifest.content_hash`,
@@ -239,6 +246,49 @@ def hash_directory(directory: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
+#: The first bytes of an Arrow IPC *file* (the framing of shards written before the stream format).
+ARROW_FILE_MAGIC = b"ARROW1"
+DATASETS_STATE_FILE = "state.json"
+DATASETS_INFO_FILE = "dataset_info.json"
+
+
+def ipc_reader(source: pa.MemoryMappedFile) -> Any:
+    """A record-batch reader (`.schema`, `.read_all()`, iteration) of a shard in either framing:
+    the IPC stream (current) or the IPC file (older shards). Both read zero-copy from a memory map."""
+    head = source.read(len(ARROW_FILE_MAGIC))
+    source.seek(0)
+    if head == ARROW_FILE_MAGIC:
+        return _FileBatches(pa.ipc.open_file(source))
+    return pa.ipc.open_stream(source)
+
+
+class _FileBatches:
+    """An IPC file reader seen as a stream reader (schema, batches in order, `read_all`)."""
+
+    def __init__(self, reader: Any) -> None:
+        self.schema, self._reader = reader.schema, reader
+
+    def __iter__(self) -> Iterable[pa.RecordBatch]:
+        return (self._reader.get_batch(i) for i in range(self._reader.num_record_batches))
+
+    def read_all(self) -> pa.Table:
+        return self._reader.read_all()
+
+
+def write_datasets_files(directory: str | os.PathLike, manifest: "Manifest") -> None:
+    """`state.json` and `dataset_info.json`, what `datasets.load_from_disk` reads beside the Arrow
+    files: the shards in manifest order, split `train`, no format; the features come from the
+    shards' schema (`datasets` infers them). Written before the manifest, so a complete directory has them."""
+    directory = Path(directory)
+    state = {"_data_files": [{"filename": info.name} for info in manifest.shards], "_fingerprint": manifest.fingerprint,
+             "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
+             "_split": "train"}
+    info = {"description": "contrastive-pretrain token shards (pipeline/data/shards.py): input_ids, word_starts, "
+                           "length", "citation": "", "homepage": "", "license": "", "features": None}
+    write_atomic(directory / DATASETS_INFO_FILE, json.dumps(info, indent=2) + "\n")
+    write_atomic(directory / DATASETS_STATE_FILE, json.dumps(state, indent=2) + "\n")
+
+
 def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
     """Write to `<path>.tmp`, fsync, then rename: a reader never sees a half-written file."""
     path = Path(path)
@@ -264,7 +314,7 @@ def write_shard(path: str | os.PathLike, input_ids: np.ndarray, word_starts: np.
         schema=schema,
     )
     tmp = path.with_name(path.name + ".tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         writer.write_batch(batch)
     with open(tmp, "rb+") as fh:
         os.fsync(fh.fileno())
@@ -309,15 +359,19 @@ def open_shard(path: str | os.PathLike, seq_len: int, id_dtype: np.dtype | str,
         raise ShardError(f"{path}: {path.stat().st_size} bytes, manifest.json says {expected.bytes}")
     mapped = pa.memory_map(str(path), "r")
     try:
-        reader = pa.ipc.open_file(mapped)
-    except pa.ArrowInvalid as err:
+        reader = ipc_reader(mapped)
+    except (pa.ArrowInvalid, OSError) as err:
         mapped.close()
-        raise ShardError(f"{path}: not an Arrow IPC file ({err})") from err
+        raise ShardError(f"{path}: not an Arrow IPC shard ({err})") from err
     schema_expected = shard_schema(seq_len, id_dtype)
     if not reader.schema.equals(schema_expected):
         mapped.close()
         raise ShardError(f"{path}: {schema_difference(reader.schema, seq_len, id_dtype)}")
-    table = reader.read_all().combine_chunks()  # one batch per shard: no copy
+    try:
+        table = reader.read_all().combine_chunks()  # one batch per shard: no copy
+    except (pa.ArrowInvalid, OSError) as err:
+        mapped.close()
+        raise ShardError(f"{path}: not a readable Arrow IPC shard ({err})") from err
     if expected is not None and table.num_rows != expected.rows:
         mapped.close()
         raise ShardError(f"{path}: {table.num_rows} rows, manifest.json says {expected.rows}")
@@ -347,13 +401,14 @@ def schema_difference(schema: pa.Schema, seq_len: int, id_dtype: np.dtype | str)
 
 
 def read_footer(path: Path) -> tuple[pa.Schema, int]:
-    """(schema, rows) from a shard's Arrow footer and batch headers, without reading its data."""
+    """(schema, rows) from a shard's batch headers (and, for the IPC file framing, its footer),
+    without reading its data (the batches map zero-copy)."""
     try:
         with pa.memory_map(str(path), "r") as mapped:
-            reader = pa.ipc.open_file(mapped)
-            return reader.schema, sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+            reader = ipc_reader(mapped)
+            return reader.schema, sum(batch.num_rows for batch in reader)
     except (pa.ArrowInvalid, OSError) as err:
-        raise ShardError(f"{path}: not a readable Arrow IPC file ({err})") from err
+        raise ShardError(f"{path}: not a readable Arrow IPC shard ({err})") from err
 
 
 def tokenizer_vocab_size(tokenizer_dir: Path) -> int:

@@ -10,6 +10,8 @@ Steps, each failing with a message that names the file at fault and leaving OUT_
 2. consolidate the fp32 master weights of every rank with DeepSpeed's own
    `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (ZeRO 1/2/3, any number of ranks,
    CPU only). A checkpoint without ZeRO partitions (stage 0) is read from its single model file;
+   with `--weights DIR`, the weights `zero_to_fp32.py` already wrote are read instead (.bin,
+   sharded, safetensors: `pipeline.export.consolidated`);
 3. check the weights against the model the meta describes, sort them into the HF main model,
    the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`); an MLM
    head trained only with sampled negatives (`mlm-nce`, `infoword`) gets its bias corrected by the
@@ -52,6 +54,7 @@ from pipeline.export.hf_adapter import (
     contiguous_copies,
     split_for_hf,
 )
+from pipeline.export.consolidated import consolidated_files, fill_tied, load_consolidated
 from pipeline.export.health_check import HealthReport, announce, check_health
 from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
@@ -91,6 +94,10 @@ def resolve_tag_dir(path: str | os.PathLike) -> Path:
         tag_dir = read_latest(root)
         if tag_dir is not None:
             break
+    if tag_dir is None and consolidated_files(path):
+        raise CheckpointError(
+            f"{path}: weights written by DeepSpeed's zero_to_fp32.py, without the run's pipeline_meta.json; pass "
+            f"the checkpoint they came from and these weights: cpt-convert RUN_OR_STEP_DIR OUT_DIR --weights {path}")
     if tag_dir is None:
         raise CheckpointError(
             f"{path}: neither a checkpoint tag directory (no {META_FILE}) nor a directory with a 'latest' pointer"
@@ -309,12 +316,14 @@ def convert(
     shards_dir: Optional[str | os.PathLike] = None,
     license_id: Optional[str] = None,
     base_model: Optional[str] = None,
+    weights: Optional[str | os.PathLike] = None,
 ) -> Path:
     """Convert one checkpoint; returns OUT_DIR. Nothing is written to OUT_DIR on any error.
 
     shards_dir: the run's shards for the health check (default: `data_dir` of the meta);
     license_id / base_model: the card's `license` and `base_model` metadata (defaults: the base
-    model's license and directory name for a warm-started run, else `unknown` / none)."""
+    model's license and directory name for a warm-started run, else `unknown` / none); weights: the
+    output of DeepSpeed's `zero_to_fp32.py` for this tag, read instead of the ZeRO partitions."""
     out_dir = Path(out_dir)
     clean_stale_siblings(out_dir)  # first: a previous export a killed conversion had set aside comes back
     _check_out_dir(out_dir, overwrite)
@@ -325,7 +334,11 @@ def convert(
         tokenizer = load_tokenizer(meta, tokenizer_dir, encoder)
         model = model_from_meta(meta)
 
-        state, source = consolidate_fp32_weights(tag_dir)
+        if weights is not None:
+            state, source = load_consolidated(Path(weights))
+            state = fill_tied(model, state)
+        else:
+            state, source = consolidate_fp32_weights(tag_dir)
         state = fuse_qkv(state)  # checkpoints written before Q, K and V were fused hold them separately
         check_state_dict(model, state, str(tag_dir))
     export = (split_modernbert_for_hf if is_modernbert(encoder) else split_for_hf)(model, state)
@@ -365,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--license", default=None, help="license id for the card (default: the base model's, else unknown)")
     p.add_argument("--base-model", default=None, help="base_model id for the card, e.g. a Hub id (default: the "
                                                       "warm-start directory's name)")
+    p.add_argument("--weights", default=None, metavar="DIR",
+                   help="the output of DeepSpeed's zero_to_fp32.py for this checkpoint (pytorch_model.bin, sharded "
+                        ".bin or safetensors), used instead of consolidating the ZeRO partitions")
     return p
 
 
@@ -386,6 +402,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             shards_dir=args.shards,
             license_id=args.license,
             base_model=args.base_model,
+            weights=args.weights,
         )
     except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)

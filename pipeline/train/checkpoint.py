@@ -305,7 +305,7 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
         engine.save_checkpoint(str(root), tag=tag, client_state={}, save_latest=False)
     problem = writes.problem
     if is_main and not problem:
-        problem = _write_run_files(tag_dir, state, meta)
+        problem = _write_run_files(tag_dir, state, meta) or write_conversion_readme(root)
     _fail_together(problem, root, tag_dir, is_main)  # also waits until every rank's files are written
     if finisher is not None:
         if is_main:
@@ -317,6 +317,18 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
     _fail_together(problem, root, None, is_main)
     barrier()
     return tag_dir
+
+
+def write_conversion_readme(root: Path) -> str:
+    """`checkpoints/README.md`: how to convert these checkpoints (beside DeepSpeed's zero_to_fp32.py,
+    which alone yields no Hugging Face model; `pipeline.export.consolidated`); "" or what went wrong."""
+    from pipeline.export.consolidated import README_FILE, render_checkpoint_readme
+
+    path = root / README_FILE
+    text = render_checkpoint_readme(root)
+    if path.is_file() and path.read_text() == text:
+        return ""
+    return write_or_describe(path, lambda: _write_text_atomic(path, text))
 
 
 def _write_run_files(tag_dir: Path, state: TrainState, meta: RunMeta) -> str:
@@ -448,9 +460,8 @@ def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int
     if meta.step > total_steps:
         raise CheckpointError(
             f"train.total_steps={total_steps} is below step {meta.step} of the checkpoint it resumes ({tag_dir}): "
-            f"nothing would be trained. To extend the run, set train.total_steps above {meta.step} (with "
-            "train.allow_config_change=true: a new length changes the LR schedule); to train fewer steps, start a new "
-            "train.output_dir")
+            f"nothing would be trained. To extend the run: cpt-train --resume {tag_dir.parent.parent} "
+            f"train.total_steps=N with N above {meta.step}; to train fewer steps, start a new train.output_dir")
     problems = []
     if meta.config_hash != config_hash(config):
         problems += config_differences(meta.config, config) or ["(config hash differs)"]

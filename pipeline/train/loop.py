@@ -4,7 +4,9 @@ Read top to bottom: `main` parses, `train` validates everything it can before co
 the model, `start` brings up ranks, engine, resume and data, and `run` is the loop. The same code
 runs with no launcher (one process), under `torchrun`, the `deepspeed` launcher, `srun` or
 `mpirun` (`pipeline.distributed.discover` reads the environment; `--mpi` asks mpi4py when the MPI
-implementation exports nothing we know).
+implementation exports nothing we know). `--resume DIR [overrides]` continues a run from the
+configuration saved in its checkpoint (`pipeline.train.resume_run`: extending `train.total_steps`,
+with the learning-rate schedule re-stretched to the new total).
 
 A step = `grad_accum` micro-batches, each `engine(batch) -> engine.backward -> engine.step`
 (DeepSpeed averages the gradients over micro-batches and ranks and updates at the boundary). The
@@ -88,6 +90,10 @@ EXIT_RANK_LOST = 5
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m pipeline.train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="preset name in pipeline/config/presets/ (e.g. taco-small) or a YAML file")
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue a run from its saved configuration (DIR: its output directory, checkpoints/ "
+                             "or a tag); overrides change it, e.g. train.total_steps=N extends it "
+                             "(pipeline.train.resume_run)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.total_steps=1000 data.shards_dir=DIR")
     parser.add_argument("--check", action="store_true", help="validate config, data and checkpoint, then exit")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
@@ -97,9 +103,20 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                         help="with --check: validate for N ranks instead of this launch's (slurm/submit.sh passes the job's)")
     parser.add_argument("--gpus", action="store_true",
                         help="with --check: validate as on a GPU node (bf16/fp16, triton, offload) from a machine without one")
+    # The `deepspeed` launcher passes --local_rank=N (also exported as LOCAL_RANK); older torch
+    # launchers pass --local-rank. The rank itself comes from the environment (pipeline.distributed).
+    parser.add_argument("--local_rank", "--local-rank", type=int, metavar="N",
+                        help="set by the deepspeed launcher; the same as LOCAL_RANK=N")
     args = parser.parse_args(argv)
-    if not args.config and not args.help_config:
-        parser.error("--config is required")
+    if args.resume and args.config:
+        parser.error("--resume DIR takes the run's saved config: pass changes as overrides, not --config")
+    if not args.config and not args.resume and not args.help_config:
+        parser.error("--config (or --resume DIR) is required")
+    if args.local_rank is not None:
+        env = os.environ.get("LOCAL_RANK")
+        if env is not None and env != str(args.local_rank):
+            parser.error(f"--local_rank={args.local_rank} but LOCAL_RANK={env}: the launcher disagrees with itself")
+        os.environ["LOCAL_RANK"] = str(args.local_rank)
     if (args.world_size is not None or args.gpus) and not args.check:
         parser.error("--world-size and --gpus only go with --check")
     if args.world_size is not None and args.world_size < 1:
@@ -115,13 +132,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     cfg: Optional[RunConfig] = None
     try:
-        cfg = load_config(args.config, args.overrides)
+        if args.resume:
+            from pipeline.train.resume_run import load_resumed_config
+
+            cfg, recipe = load_resumed_config(args.resume, args.overrides)
+        else:
+            cfg = load_config(args.config, args.overrides)
+            recipe = describe_recipe(args.config, cfg)
         if args.print_config:
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
             return 0
         if args.mpi:
             export_mpi4py_ranks()
-        return train(cfg, check_only=args.check, recipe=describe_recipe(args.config, cfg),
+        return train(cfg, check_only=args.check, recipe=recipe,
                      check_world_size=args.world_size, check_gpus=args.gpus)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -355,7 +378,7 @@ class Run:
                 return REQUEUE_EXIT_CODE
             if state.step >= total and self.info.is_main:  # (below total_steps was refused at resume)
                 log.info("the run is already complete at step %d (train.total_steps=%d): nothing to train; to extend "
-                         "it, set train.total_steps higher with train.allow_config_change=true", state.step, total)
+                         "it: cpt-train --resume %s train.total_steps=N (N > %d)", state.step, total, cfg.train.output_dir, state.step)
             while state.step < total:
                 step = state.step + 1
                 seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)

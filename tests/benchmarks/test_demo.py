@@ -54,7 +54,9 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
     assert code == 0, printed
     summary = json.loads((out / SUMMARY_FILE).read_text())
     assert summary["status"] == "done"
-    assert list(summary["stage_seconds"]) == ["corpus", "tokenizer", "shards", "pretrain", "convert", "fill_mask"]
+    assert list(summary["stage_seconds"]) == ["corpus", "tokenizer", "shards", "pretrain", "convert", "fill_mask",
+                                               "outcome"]
+    assert "skipped: --corpus given" in printed
     predictions = summary["fill_mask"][0]["predictions"]
     assert len(predictions) == 5 and all(0 <= p["score"] <= 1 for p in predictions)
     assert summary["final_metrics"]["step"] == 2

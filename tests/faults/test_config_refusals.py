@@ -26,8 +26,8 @@ def test_total_steps_below_the_resumed_step(tiny_shards_dir, tmp_path, capsys):
         assert run_inprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=3", *extra) == EXIT_CONFIG_ERROR
         assert error_line(capsys.readouterr().err) == (
             f"train.total_steps=3 is below step 4 of the checkpoint it resumes ({tag_dir(out, 4)}): nothing would be "
-            "trained. To extend the run, set train.total_steps above 4 (with train.allow_config_change=true: a new "
-            "length changes the LR schedule); to train fewer steps, start a new train.output_dir")
+            f"trained. To extend the run: cpt-train --resume {out} train.total_steps=N with N above 4; to train fewer "
+            "steps, start a new train.output_dir")
     assert [s for s, _ in list_tags(out / "checkpoints")] == [2, 4]
     resumes_to_the_end("tiny-mlm", tiny_shards_dir, out, "train.total_steps=6", "train.allow_config_change=true")
     assert max(losses(out)) == 6

@@ -1,0 +1,114 @@
+"""Weights already consolidated by DeepSpeed's `zero_to_fp32.py`, and the README beside checkpoints.
+
+DeepSpeed copies `zero_to_fp32.py` into every checkpoints directory; a user who runs it gets the
+training model's own state dict (fused `attention.self.qkv`, objective heads), which no Hugging
+Face class loads, and its `--safe_serialization` stops on the tied word-embedding / decoder weight.
+`cpt-convert TAG OUT --weights ZERO_TO_FP32_OUTPUT` takes what it wrote instead of consolidating
+the ZeRO partitions itself, in every form it writes:
+
+    OUTPUT/pytorch_model.bin                                   (default)
+    OUTPUT/pytorch_model-0000i-of-0000n.bin + pytorch_model.bin.index.json   (--max_shard_size)
+    OUTPUT/model.safetensors [+ shards + model.safetensors.index.json]       (--safe_serialization,
+                                                                  or safetensors' save_model)
+
+or one of those files directly. The tag still gives the run's description (`pipeline_meta.json`:
+shape, objectives, tokenizer), which the weights alone do not carry. Names a writer dropped because
+they share storage (tied weights, safetensors' `save_model`) are filled from their tie partner.
+
+`CHECKPOINT_README` is written beside the checkpoints (`checkpoints/README.md`, by
+`pipeline.train.checkpoint.save_checkpoint`), so the folder itself says how to convert.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+#: The files `zero_to_fp32.py` (and `transformers`' save_pretrained) name their weights with.
+WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
+INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
+README_FILE = "README.md"
+
+CHECKPOINT_README = """# Checkpoints of a contrastive-pretrain run
+
+Each `step_*` directory is one DeepSpeed checkpoint (weights, optimizer state, `pipeline_meta.json`);
+`latest` names the newest complete one. They hold the training model (fused QKV projection,
+objective heads), not a Hugging Face model.
+
+To get a Hugging Face `BertForMaskedLM` directory (config, safetensors, tokenizer, model card):
+
+    cpt-convert {run_dir} hf_model/          # the latest checkpoint; or name a step_* directory
+    # (the same as: python -m pipeline.export.convert {run_dir} hf_model/)
+
+Any ZeRO stage and rank count converts on a CPU. `zero_to_fp32.py` here is DeepSpeed's own helper:
+it writes the training model's names, which no Hugging Face class loads (and its
+`--safe_serialization` stops on the tied embeddings). If you already ran it, convert its output:
+
+    cpt-convert {run_dir}/checkpoints/step_XXXXXXXX hf_model/ --weights ZERO_TO_FP32_OUTPUT_DIR
+
+To continue or extend the run: `cpt-train --resume {run_dir} train.total_steps=N`.
+Details: docs/conversion.md and docs/training.md of the contrastive-pretrain repository.
+"""
+
+
+def render_checkpoint_readme(checkpoints_dir: Path) -> str:
+    return CHECKPOINT_README.format(run_dir=checkpoints_dir.resolve().parent)
+
+
+def consolidated_files(path: Path) -> list[Path]:
+    """The weight files of a `zero_to_fp32.py` output (a directory or one file); [] if it is none."""
+    if path.is_file():
+        return [path] if path.suffix in (".bin", ".safetensors", ".pt") else []
+    if not path.is_dir():
+        return []
+    for index in INDEX_FILES:
+        if (path / index).is_file():
+            try:
+                weight_map = json.loads((path / index).read_text())["weight_map"]
+            except (ValueError, KeyError, TypeError) as err:
+                raise ValueError(f"{path / index}: not a weight index (no weight_map: {err})") from err
+            return [path / name for name in sorted(set(weight_map.values()))]
+    return [path / name for name in WEIGHT_FILES if (path / name).is_file()]
+
+
+def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """(fp32 state dict, description) of a `zero_to_fp32.py` output; a `ValueError` naming the file
+    when it is none or unreadable."""
+    files = consolidated_files(path)
+    if not files:
+        raise ValueError(f"--weights {path}: no {' / '.join(WEIGHT_FILES)} (or their sharded index) there; "
+                         "pass the output directory of zero_to_fp32.py")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise ValueError(f"{file}: listed in the weight index but missing")
+        try:
+            if file.suffix == ".safetensors":
+                from safetensors.torch import load_file
+
+                part = load_file(str(file))
+            else:
+                part = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as err:  # torch / safetensors raise many types for a broken file
+            raise ValueError(f"{file}: unreadable ({type(err).__name__}: {err})") from err
+        if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
+            raise ValueError(f"{file}: not a state dict of tensors")
+        state.update(part)
+    state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+    return state, f"fp32 weights consolidated by DeepSpeed's zero_to_fp32.py ({', '.join(f.name for f in files)})"
+
+
+def fill_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Add the names of tied parameters that `state` holds under one partner name only."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    out = dict(state)
+    for names in groups.values():
+        present = [n for n in names if n in out]
+        for name in names:
+            if name not in out and present:
+                out[name] = out[present[0]]
+    return out

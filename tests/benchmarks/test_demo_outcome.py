@@ -1,0 +1,94 @@
+"""The demo explains itself: every set-up phase announces itself, the README installs the test tools
+before its test command, and the outcome stage tells a working run from a broken one on held-out
+text (with TACO's leak checks)."""
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from demo.corpus import MIN_WORDS, write_corpus
+from demo.outcome import measure, report_lines, verdict
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_every_pip_install_of_the_demo_script_is_announced_and_timed():
+    lines = [line.strip() for line in (REPO / "scripts" / "demo.sh").read_text().splitlines()]
+    code = [line for line in lines if line and not line.startswith("#")]
+    installs = [i for i, line in enumerate(code) if "pip install" in line and not line.startswith(("phase", "echo"))]
+    assert len(installs) == 2
+    for i in installs:
+        assert code[i - 1].startswith("phase "), f"silent install: {code[i]}"
+        assert code[i + 1] == "took", f"untimed install: {code[i]}"
+
+
+def test_demo_script_says_what_it_runs(tmp_path):
+    proc = subprocess.run(["bash", "scripts/demo.sh", "--objective", "nope", "--out", str(tmp_path / "o")],
+                          cwd=REPO, env={"PATH": "/usr/bin:/bin:" + str(Path(__import__("sys").executable).parent),
+                                         "DEMO_SKIP_INSTALL": "1", "PYTHONPATH": str(REPO), "HOME": str(tmp_path),
+                                         "PYTHON": __import__("sys").executable},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "== [setup] DEMO_SKIP_INSTALL=1" in proc.stdout and "== [setup] starting the demo" in proc.stdout
+
+
+def test_readme_installs_the_test_tools_before_its_test_command():
+    readme = (REPO / "README.md").read_text()
+    tests = readme[readme.index("## Tests"):]
+    assert tests.index('pip install -e ".[dev]"') < tests.index("python -m pytest")
+    extras = (REPO / "setup.cfg").read_text()
+    assert re.search(r"^dev =\n(    .+\n)*    pytest", extras, re.MULTILINE)
+    script = (REPO / "scripts" / "test.sh").read_text()
+    assert script.index('pip install -q -e ".[dev]"') < script.index("-m pytest")
+
+
+def _letters(number: int) -> str:
+    return "".join(chr(ord("a") + int(d)) for d in str(number))  # prose filter: words of letters
+
+
+def _paragraph(doc: int, para: int) -> str:
+    return " ".join(f"w{_letters(doc)}x{_letters(para)}y{_letters(k)}" for k in range(MIN_WORDS + 2)) + "."
+
+
+def test_heldout_text_is_what_follows_the_capped_corpus_and_shares_nothing_with_it(tmp_path):
+    sources = [("user-text", "\n\n".join(_paragraph(d, p) for p in range(3))) for d in range(40)]
+    train = write_corpus(sources, tmp_path / "train.txt", max_bytes=3000)
+    held = write_corpus(sources, tmp_path / "held.txt", max_bytes=3000, skip_bytes=train.bytes)
+    train_paras = set((tmp_path / "train.txt").read_text().split())
+    held_text = (tmp_path / "held.txt").read_text()
+    assert not train_paras & set(held_text.split())
+    assert held_text.startswith(_paragraph(train.documents, 0))  # the first document the cap left out
+    assert held.documents > 0
+
+
+@pytest.fixture(scope="module")
+def random_bert(tiny_shards_dir, tmp_path_factory) -> Path:
+    from transformers import BertConfig, BertForMaskedLM
+
+    from pipeline.data.shards import read_manifest
+
+    manifest = read_manifest(tiny_shards_dir)
+    torch.manual_seed(3)
+    config = BertConfig(vocab_size=manifest.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=manifest.seq_len)
+    out = tmp_path_factory.mktemp("random_bert")
+    BertForMaskedLM(config).save_pretrained(str(out))
+    return out
+
+
+def test_outcome_measures_both_models_and_finds_no_taco_leak(random_bert, tiny_shards_dir):
+    result = measure(random_bert, tiny_shards_dir, tiny_shards_dir, rows=64)
+    for name in ("trained", "random_init"):
+        r = result[name]
+        assert r["masked_tokens"] > 100 and r["taco_anchors"] > 1000
+        assert (r["leak_positive_is_anchor"], r["leak_positive_other_document"], r["leak_negative_same_document"]) == (0, 0, 0)
+        assert 0 <= r["mlm_acc"] <= 1 and math.isfinite(r["taco_loss"]) and math.isfinite(r["taco_loss_random_tokens"])
+    # an untrained model is no better than always answering the most frequent token: a broken run
+    assert result["trained"]["mlm_acc"] < result["trained"]["unigram_acc"]
+    assert verdict(result).startswith("NOT working")
+    assert any("leak checks (must be 0)" in line for line in report_lines(result))
