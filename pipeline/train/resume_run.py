@@ -105,15 +105,17 @@ def load_resumed_config(path: str | Path, overrides: Sequence[str] = ()) -> tupl
 def check_same_data(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) -> None:
     """Refuse shards that changed in place since the checkpoint: only an override of
     `data.shards_dir` makes new data deliberate."""
-    from pipeline.data.shards import manifest_hash
+    from pipeline.data.shards import manifest_file_sha256, manifest_hash
 
     if any(o.split("=", 1)[0].strip() == "data.shards_dir" for o in overrides):
         return
     try:
         current = manifest_hash(cfg.data.shards_dir)
+        # checkpoints written before the manifest's content hash recorded the manifest file's sha256
+        legacy = manifest_file_sha256(cfg.data.shards_dir)
     except (FileNotFoundError, OSError, ValueError):
         return  # missing or unreadable shards: check_run names the problem before any compute
-    if current != meta.manifest_hash:
+    if meta.manifest_hash not in (current, legacy):
         raise ConfigError(f"--resume: the shards in data.shards_dir={cfg.data.shards_dir} changed since the checkpoint "
                           f"(manifest {meta.manifest_hash[:12]} -> {current[:12]}); pass train.allow_config_change=true "
                           "to continue on them anyway, or data.shards_dir=PATH of the run's data")

@@ -61,20 +61,32 @@ def test_resume_of_a_finished_run_without_overrides_does_nothing(finished, tmp_p
     assert [r["step"] for r in read_jsonl(again / "metrics.jsonl")] == [1, 2, 3, 4]
 
 
+def rewrite_checkpoint_file(path: Path, text: str) -> None:
+    """Edit one file of a complete tag and record its new size and sha256 in `COMPLETE.json`, as a
+    checkpoint written that way would have (so the edit is not caught as corruption)."""
+    import hashlib
+
+    path.write_text(text)
+    complete = path.parent / "COMPLETE.json"
+    record = json.loads(complete.read_text())
+    record["files"][path.name] = {"bytes": path.stat().st_size, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    complete.write_text(json.dumps(record))
+
+
 def test_resume_refuses_shards_changed_in_place(finished, tiny_shards_dir, tmp_path, capsys):
     shards = tmp_path / "shards"
     shutil.copytree(tiny_shards_dir, shards)
     run = tmp_path / "run"
     shutil.copytree(finished, run)
-    manifest = json.loads((shards / "manifest.json").read_text())
-    manifest["build_args"]["note"] = "rebuilt"
-    (shards / "manifest.json").write_text(json.dumps(manifest))
     meta_path = tag_dir(run, 4) / "pipeline_meta.json"
     meta = json.loads(meta_path.read_text())
     meta["config"]["data"]["shards_dir"] = str(shards)  # as if the run had trained on the copy
-    meta_path.write_text(json.dumps(meta))
     meta["config"]["train"]["allow_config_change"] = True  # as saved by an earlier --resume extension
-    meta_path.write_text(json.dumps(meta))
+    rewrite_checkpoint_file(meta_path, json.dumps(meta))
+    # the copy is then rebuilt in place with other content (a shard's listed hash differs)
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["shards"][0]["xxh3_64"] = "0" * 16
+    (shards / "manifest.json").write_text(json.dumps(manifest))
     assert main(["--resume", str(run), "train.total_steps=8"]) == 2
     assert "changed since the checkpoint" in capsys.readouterr().err
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3, 4]
