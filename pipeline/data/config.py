@@ -69,8 +69,8 @@ class DataConfig:
         problems = check_layout(shards, manifest)
         if problems:
             more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-            raise ConfigError(f"data.shards_dir={shards}: {problems[0]}{more}; check the directory with "
-                              f"`python -m data_prep.verify {shards}` and rebuild it")
+            raise ConfigError(f"data.shards_dir={shards}: {problems[0]}{more}; nothing was computed. Check the "
+                              f"directory with `python -m data_prep.verify {shards}` and rebuild it")
         if self.seq_len is not None and self.seq_len != manifest.seq_len:
             raise ConfigError(f"data.seq_len={self.seq_len} but the shards in {shards} have seq_len="
                               f"{manifest.seq_len}; rebuild the shards or set data.seq_len={manifest.seq_len}")

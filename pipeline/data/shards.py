@@ -392,12 +392,18 @@ def schema_difference(schema: pa.Schema, seq_len: int, id_dtype: np.dtype | str)
         ids = schema.field("input_ids").type
         size, value = ids.list_size, ids.value_type
     except (KeyError, AttributeError):
-        return f"schema {schema} is not a shard schema (expected {shard_schema(seq_len, id_dtype)})"
+        return (f"schema [{_one_line(schema)}] is not a shard schema "
+                f"(expected [{_one_line(shard_schema(seq_len, id_dtype))}])")
     if size != seq_len:
         return f"rows of {size} tokens, manifest.json says seq_len={seq_len}"
     if value != pa.from_numpy_dtype(np.dtype(id_dtype)):
         return f"token ids stored as {value}, manifest.json says id_dtype={np.dtype(id_dtype).name}"
-    return f"schema {schema} differs from the manifest's {shard_schema(seq_len, id_dtype)}"
+    return f"schema [{_one_line(schema)}] differs from the manifest's [{_one_line(shard_schema(seq_len, id_dtype))}]"
+
+
+def _one_line(schema: pa.Schema) -> str:
+    """An Arrow schema's multi-line text on one line (errors are one line)."""
+    return "; ".join(str(schema).splitlines())
 
 
 def read_footer(path: Path) -> tuple[pa.Schema, int]:
@@ -484,17 +490,27 @@ def check_layout(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
             continue
         try:
             found, rows = read_footer(path)
+            problem = ("" if found.equals(schema) else schema_difference(found, manifest.seq_len, manifest.id_dtype)) \
+                or (f"{rows} rows, manifest.json says {info.rows}" if rows != info.rows else "")
+            if problem:
+                raise ShardError(f"{path}: {problem}")
         except ShardError as err:
-            problems.append(str(err))
-            continue
-        if not found.equals(schema):
-            problems.append(f"{path}: {schema_difference(found, manifest.seq_len, manifest.id_dtype)}")
-        elif rows != info.rows:
-            problems.append(f"{path}: {rows} rows, manifest.json says {info.rows}")
+            problems.append(_damage_or(path, info, str(err)))
     listed = sum(info.rows for info in manifest.shards)
     if listed != manifest.total_sequences:
         problems.append(f"manifest.json: total_sequences {manifest.total_sequences}, its shards list {listed} rows")
     return problems + check_manifest_fields(directory, manifest)  # after the specific findings: a catch-all
+
+
+def _damage_or(path: Path, info: ShardInfo, problem: str) -> str:
+    """A shard whose header disagrees with its manifest entry is most often damaged (a flipped byte in
+    the schema reads as another schema): say so when its hash disagrees too, else `problem`. Only
+    read on this failure path, so the cheap layout check stays cheap."""
+    try:
+        check_bytes(path, info)
+    except ShardError as err:
+        return str(err)
+    return problem
 
 
 def iter_shard_paths(directory: str | os.PathLike, manifest: Manifest) -> Iterable[tuple[ShardInfo, Path]]:
