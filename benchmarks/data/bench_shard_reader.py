@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import pyarrow as pa
 
-from benchmarks.report import write_report
+from benchmarks.common.report import write_report
 from pipeline.data.reader import ShardDataset
 from pipeline.data.shards import (
     FORMAT_VERSION,
