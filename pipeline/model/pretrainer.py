@@ -74,6 +74,10 @@ class PretrainModel(nn.Module):
         """Union of the batch views the configured objectives need."""
         return {"original"}.union(*(o.views for o in self.objectives.values()))
 
+    def host_plans(self) -> list[Any]:
+        """The objectives' `host_plan`s, for the collator (`CorruptionCollator(plans=...)`)."""
+        return [plan for o in self.objectives.values() if (plan := o.host_plan) is not None]
+
     def forward(self, batch: dict[str, Tensor], progress: Optional[StepProgress] = None,
                 sampling_seed: Optional[int] = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Weighted sum of the objectives' losses on one micro-batch.

@@ -106,6 +106,13 @@ class Objective(nn.Module):
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @property
+    def host_plan(self) -> Optional[Callable[[dict[str, Tensor]], dict[str, Tensor]]]:
+        """A picklable callable the collator runs on every collated batch (host tensors) whose keys
+        join the batch: the indices whose sizes only the data knows, built in the loader's worker
+        processes instead of read back from the device in the step (`pipeline.batch`). None: none."""
+        return None
+
     def extra_state_for_checkpoint(self) -> Optional[dict]:
         """Non-parameter state that must survive a resume (e.g. a memory queue); None if none."""
         return None

@@ -278,7 +278,7 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
         log.info("resumed from %s at step %d (%d samples)", target.tag_dir, state.step, state.consumed_samples)
 
     collator = CorruptionCollator(model.views, dataset.special_tokens, dataset.vocab_size, cfg.train.seed,
-                                  **cfg.data.corruption)
+                                  plans=model.host_plans(), **cfg.data.corruption)
     batches = PretrainBatches(dataset, collator, plan.batch, info.rank, cfg.train.seed,
                               consumed_samples=state.consumed_samples, num_workers=cfg.data.num_workers,
                               pin_memory=cuda)
