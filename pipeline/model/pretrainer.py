@@ -99,7 +99,8 @@ class PretrainModel(nn.Module):
             total = total + self.weights[name] * loss.float()
             metrics[f"{name}/loss"] = loss.detach().float()
             metrics.update({f"{name}/{k}": v.detach().float() for k, v in parts.items()})
-        metrics.update(step_health(ctx.cached_outputs(), batch, self.structure_ids, self.health_top_token))
+        if ctx.progress.record_metrics:  # health reads fp32 copies of hidden states: logged steps only
+            metrics.update(step_health(ctx.cached_outputs(), batch, self.structure_ids, self.health_top_token))
         metrics["loss"] = total.detach()
         return total, metrics
 

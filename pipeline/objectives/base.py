@@ -31,11 +31,14 @@ from pipeline.model.heads import MLMHead
 class StepProgress:
     """Where the run is: optimizer step `step` (1-based) of `total_steps` (CAPT's temperature uses it),
     and `micro_batches`, the number of micro-batches whose gradients the engine averages into one
-    step (ranks x accumulation steps; a loss that is a sum over the global batch uses it)."""
+    step (ranks x accumulation steps; a loss that is a sum over the global batch uses it).
+    `record_metrics`: this step's metrics are logged (`train.log_every`); on other steps the
+    objectives skip the work that only feeds metrics (full-vocabulary accuracy, health)."""
 
     step: int = 0
     total_steps: int = 1
     micro_batches: int = 1
+    record_metrics: bool = True
 
 
 @dataclass

@@ -222,7 +222,8 @@ def nce_loss(
     labels = ctx.batch[labels_key]
     h_sel, targets, flat = gather_selected(hidden, labels, ctx.batch.get(positions_key(labels_key)))
     negatives = sampler(ctx.batch, labels, flat, ctx.generator)
-    op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy)
+    # the full-vocabulary accuracy pass only on the steps whose metrics are logged
+    op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy and ctx.progress.record_metrics)
     loss, acc = ctx.head(h_sel, op, targets, *negatives.op_args())
     metrics = {
         "selected_tokens": scalar_metric(targets.numel(), hidden.device),
