@@ -143,6 +143,7 @@ RESUME_IGNORED_FIELDS = (
     "train.allow_config_change",
     "train.max_nonfinite_steps",
     "train.deterministic",
+    "deepspeed.tf32",
     "train.dist_timeout_s",
     "train.progress_bar",
     "train.tensorboard",
