@@ -4,7 +4,10 @@
 Each (tree, objective) measurement is a fresh process with `PYTHONPATH` set to that tree, running
 forward + backward + an AdamW step of the `PretrainModel` (the objectives' code, no DeepSpeed) on
 real collated micro-batches (the collator of that tree, with its host plans when it has them) of
-synthetic shards; step time = median over `--steps` after `--warmup`. Trees alternate
+synthetic shards; step time = the process's CPU time per step (`time.process_time`, one thread:
+`OMP_NUM_THREADS=1`), median over `--steps` after `--warmup` — CPU time rather than wall time
+because the machine is shared (other processes inflate wall time, not this process's CPU
+time; the wall medians are kept in the JSON). Trees alternate
 (before, after, before, after, ...) for `--rounds` rounds, so drift of a shared machine hits both
 alike; the table gives the median over rounds and `after / before`. The newer tree steps as the
 training loop runs most steps: `record_metrics=False` (no metrics-only work; logged steps, 1 in
@@ -57,14 +60,15 @@ def worker(args: argparse.Namespace) -> None:
         rows = np.sort(rng.choice(len(dataset), args.micro_batch, replace=False))
         ids, starts = dataset.take(rows)
         batch = collator.collate(ids, starts, rows)
-        begin = time.perf_counter()
+        begin, begin_cpu = time.perf_counter(), time.process_time()
         loss, _ = model(batch, progress, sampling_seed=step)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step >= args.warmup:
-            times.append(time.perf_counter() - begin)
-    print(json.dumps({"step_time_s": statistics.median(times), "loss": float(loss)}))
+            times.append((time.process_time() - begin_cpu, time.perf_counter() - begin))
+    print(json.dumps({"step_time_s": statistics.median(t[0] for t in times),
+                      "wall_s": statistics.median(t[1] for t in times), "loss": float(loss)}))
 
 
 def measure(tree: str, objective: str, args: argparse.Namespace) -> dict:
@@ -126,9 +130,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     lines = ["# CPU step time per objective: before / after the fast-path changes", "",
              f"Device: {meta['device']}; torch {meta['torch']}; model size {args.size}, micro-batch {args.micro_batch}; "
              f"command: `{meta['command']}`", "",
-             "| objective | before (s) | after (s) | after / before |", "|---|---|---|---|"]
+             "| objective | before (CPU s / step) | after (CPU s / step) | after / before |", "|---|---|---|---|"]
     lines += [f"| {r['objective']} | {r['before_s']:.4f} | {r['after_s']:.4f} | {r['after_over_before']:.3f} |" for r in rows]
-    lines += ["", f"- forward + backward + AdamW step of `PretrainModel` (no DeepSpeed), median of {args.steps} steps after "
+    lines += ["", f"- forward + backward + AdamW step of `PretrainModel` (no DeepSpeed), CPU time per step (one thread), median of {args.steps} steps after "
               f"{args.warmup} warm-up, median over {args.rounds} alternating rounds per tree",
               "- after: `record_metrics=False` (the training loop's non-logged steps)"]
     (out / f"{args.name}.md").write_text("\n".join(lines) + "\n")

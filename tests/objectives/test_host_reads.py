@@ -91,9 +91,25 @@ CASES = {
     "mlm-nce span + taco wwm": ({"mlm-nce": 1.0, "taco": 1.0},
                                 {"mlm-nce": {"view": "span_masked"}, "taco": {"view": "wwm_masked"}}),
 }
-#: host reads per micro-batch of the step before the collator built the indices (commit f44949b,
-#: measured with this module's `HostReads` on the default options): the issue's 10 / 8 / 2
-BEFORE = {"taco": 10, "infoword": 8, "mlm-nce": 2}
+#: host reads per micro-batch before the collator built the indices (commit f44949b, measured with this
+#: module's `HostReads` and batch: benchmarks/results/fast_path/host_reads.md); the issue's TACO 10, InfoWord 8, BERT-NCE 2
+BEFORE = {
+    "mlm-nce": 2,
+    "mlm-nce all": 3,
+    "mlm-nce other_targets": 2,
+    "mlm-nce other_targets all": 3,
+    "mlm-nce batch": 1,
+    "mlm-nce batch all": 3,
+    "taco": 10,
+    "taco row masked anchors": 13,
+    "taco unmasked max_anchors": 10,
+    "taco original": 10,
+    "infoword": 8,
+    "infoword all": 9,
+    "cocolm + taco": 10,
+    "infoword + taco + capt": 18,
+    "mlm-nce span + taco wwm": 12,
+}
 
 
 def collated(model, batch_size=5, length=32, seed=0):
