@@ -79,11 +79,12 @@ def dim_contrastive_loss(
 NGRAM_WIDTH_BUCKET = 8
 
 
-def ngram_width(widths: np.ndarray) -> int:
-    """Width of the [CLS] n-gram [SEP] rows of a batch whose host span widths are `widths` [B, S]:
-    longest span + 2, rounded up to `NGRAM_WIDTH_BUCKET`."""
+def ngram_width(widths: np.ndarray, length: int) -> int:
+    """Width of the [CLS] n-gram [SEP] rows of a batch of `length` columns whose host span widths
+    are `widths` [B, S]: longest span + 2, rounded up to `NGRAM_WIDTH_BUCKET`, at most `length` (a
+    span lies inside [CLS] ... [SEP], so longest + 2 <= length; position embeddings cover `length`)."""
     longest = int(widths.max()) if widths.size else 0
-    return -(-(longest + 2) // NGRAM_WIDTH_BUCKET) * NGRAM_WIDTH_BUCKET
+    return min(-(-(longest + 2) // NGRAM_WIDTH_BUCKET) * NGRAM_WIDTH_BUCKET, max(length, longest + 2))
 
 
 def build_ngram_inputs(
@@ -180,7 +181,7 @@ class InfoWord(Objective):
         if pairs:
             ids, mask = build_ngram_inputs(
                 ctx.batch["input_ids"][owner], span_index[owner], span,
-                self.special["cls"], self.special["sep"], self.special["pad"], ngram_width(widths),
+                self.special["cls"], self.special["sep"], self.special["pad"], ngram_width(widths, span_index.shape[1]),
             )
             ngram = ctx.encoder(ids, mask).last_hidden[:, 0]
         else:  # no span anywhere: an empty (graph-connected) pair list; other ranks may still gather

@@ -220,3 +220,12 @@ def test_no_device_sync_in_the_step_on_cuda(case):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(loss)
+
+
+def test_ngram_width_is_bucketed_and_never_wider_than_the_batch():
+    from pipeline.objectives.infoword import NGRAM_WIDTH_BUCKET, ngram_width
+
+    assert ngram_width(np.array([[3, 1], [0, 0]]), 64) == NGRAM_WIDTH_BUCKET  # 3 + 2 -> 8
+    assert ngram_width(np.array([[7, 9]]), 64) == 16
+    assert ngram_width(np.array([[20]]), 22) == 22  # a span filling the row: capped at the row's width
+    assert ngram_width(np.zeros((2, 0), dtype=np.int64), 32) == NGRAM_WIDTH_BUCKET
