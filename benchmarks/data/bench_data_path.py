@@ -43,7 +43,7 @@ from pipeline.data.config import BatchPlan
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.data.reader import PretrainBatches, ShardDataset
 from pipeline.model.encoder import SIZE_PRESETS, build_encoder_config
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.model.build import build_pretrain_model
 from pipeline.train.metrics import PEAK_FLOPS, mlm_step_flops
 
 OBJECTIVES = {"mlm": {"mlm": 1.0}, "mlm-nce": {"mlm-nce": 1.0}, "taco": {"mlm": 1.0, "taco": 1.0},
@@ -63,7 +63,7 @@ def consumed_tokens_per_s(seq_len: int, mfu: float = 0.5, vocab: int = 30522) ->
 def collator_for(objectives: dict[str, float], dataset: ShardDataset, seed: int) -> CorruptionCollator:
     """The collator the training loop would build for these objectives (views and host plans)."""
     config = build_encoder_config("tiny", vocab_size=dataset.vocab_size, max_position=dataset.seq_len)
-    model = PretrainModel(config, objectives, dataset.special_tokens, seed=seed, kernels="torch", attention="masked")
+    model = build_pretrain_model(config, objectives, dataset.special_tokens, {}, seed=seed, kernels="torch")
     return CorruptionCollator(model.views, dataset.special_tokens, dataset.vocab_size, seed, plans=model.host_plans())
 
 

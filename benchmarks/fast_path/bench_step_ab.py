@@ -42,13 +42,13 @@ def worker(args: argparse.Namespace) -> None:
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import ShardDataset
     from pipeline.model.encoder import build_encoder_config
-    from pipeline.model.pretrainer import PretrainModel
+    from pipeline.model.build import build_pretrain_model
     from pipeline.objectives.base import StepProgress
 
     torch.manual_seed(0)
     dataset = ShardDataset(args.shards, verify=False)
     config = build_encoder_config(args.size, vocab_size=dataset.vocab_size, max_position=dataset.seq_len)
-    model = PretrainModel(config, OBJECTIVES[args.objective], dataset.special_tokens, seed=0, kernels="torch")
+    model = build_pretrain_model(config, OBJECTIVES[args.objective], dataset.special_tokens, {}, seed=0, kernels="torch")
     kwargs = {"plans": model.host_plans()} if hasattr(model, "host_plans") else {}
     collator = CorruptionCollator(model.views, dataset.special_tokens, dataset.vocab_size, 0, **kwargs)
     fields = inspect.signature(StepProgress).parameters
