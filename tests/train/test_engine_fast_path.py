@@ -39,6 +39,13 @@ def test_large_presets_use_zero1(preset):
     assert load_config(preset).deepspeed.config == "zero1"
 
 
+def test_tf32_must_be_a_boolean():
+    from pipeline.config.checks import ConfigError
+
+    with pytest.raises(ConfigError, match=r"deepspeed.tf32: expected bool, got 'sometimes'"):
+        load_config("tiny-mlm", ["deepspeed.tf32=sometimes"])
+
+
 def test_tf32_switch_is_on_by_default_and_restored():
     assert load_config("tiny-mlm").deepspeed.tf32 is True
     before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
