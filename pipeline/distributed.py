@@ -158,7 +158,8 @@ def shutdown_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the host group of `_gather_host_sizes` included
+    _HOST_GROUP.clear()  # and no reference to it outlives the process group
 
 
 def _slurm_port() -> str:

@@ -19,7 +19,7 @@ backward anyway).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Mapping, NamedTuple, Optional, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -213,13 +213,13 @@ class BertLayerStack(nn.Module):
             layout = plan.layout
             assert layout is not None
             hidden = x.reshape(-1, x.shape[-1]).index_select(0, layout.indices)  # [T, H]: real tokens only
-            step = _compiled_varlen if self.compiled else _varlen_step
+            step = _compiled("varlen") if self.compiled else _varlen_step
             for layer in self.layer:
                 hidden = step(layer, hidden, layout)
             out = hidden.new_zeros(x.shape[0] * x.shape[1], hidden.shape[-1]).index_copy(0, layout.indices, hidden)
             return out.view(x.shape[0], x.shape[1], -1)  # padding positions hold zeros
         if plan.bias is None:
-            step = _compiled_dense if self.compiled else _dense_step
+            step = _compiled("dense") if self.compiled else _dense_step
             for layer in self.layer:
                 x = step(layer, x)
             return x
@@ -228,7 +228,7 @@ class BertLayerStack(nn.Module):
             torch._dynamo.maybe_mark_dynamic(x, 1)
             torch._dynamo.maybe_mark_dynamic(plan.bias, 0)
             torch._dynamo.maybe_mark_dynamic(plan.bias, 3)
-        step = _compiled_masked if self.compiled else _masked_step
+        step = _compiled("masked") if self.compiled else _masked_step
         for layer in self.layer:
             x = step(layer, x, plan.bias)
         return x
@@ -246,12 +246,20 @@ def _varlen_step(layer: nn.Module, x: Tensor, layout: VarlenLayout) -> Tensor:
     return layer(x, layout)
 
 
-# One compiled function per shape class (`BertLayerStack.compile_layers`): distinct code objects,
-# hence distinct dynamo caches. `dynamic=None`: automatic dynamic shapes (a dimension becomes
-# dynamic when it first changes); varlen passes change their token count every batch: dynamic.
-_compiled_dense = torch.compile(_dense_step, dynamic=None)
-_compiled_masked = torch.compile(_masked_step, dynamic=None)
-_compiled_varlen = torch.compile(_varlen_step, dynamic=True)
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled(kind: str) -> Callable:
+    """The compiled step of a shape class (`BertLayerStack.compile_layers`): distinct code objects,
+    hence distinct dynamo caches. `dynamic=None`: automatic dynamic shapes (a dimension becomes
+    dynamic when it first changes); varlen passes change their token count every batch: dynamic.
+    Made on first use, not at import: `torch.compile` pulls in dynamo and Triton, which must not be
+    imported before a process decides how (the kernel tests switch Triton's interpreter on first)."""
+    if not _COMPILED:
+        _COMPILED.update(dense=torch.compile(_dense_step, dynamic=None),
+                         masked=torch.compile(_masked_step, dynamic=None),
+                         varlen=torch.compile(_varlen_step, dynamic=True))
+    return _COMPILED[kind]
 
 
 def configure_layer_stacks(model: nn.Module, attention: str = "auto", compile_layers: bool = False) -> int:

@@ -98,7 +98,8 @@ def sample_window_positives(
     if half < 1:
         raise ValueError(f"window must be >= 2 to contain a neighbour, got {window}")
     length = eligible.shape[1]
-    offsets = torch.cat([torch.arange(-half, 0), torch.arange(1, half + 1)]).to(eligible.device)  # [2*half]
+    device = eligible.device  # offsets made there: a host tensor copied over would be a blocking copy
+    offsets = torch.cat([torch.arange(-half, 0, device=device), torch.arange(1, half + 1, device=device)])  # [2*half]
     cols = anchor_cols[:, None] + offsets[None, :]  # [N, 2*half]
     inside = (cols >= 0) & (cols < length)
     clamped = cols.clamp(0, length - 1)

@@ -26,6 +26,10 @@ def _rank_main(rank: int, out_dir: str) -> None:
         group = pd._HOST_GROUP.get("group")
         out = {"blocks": blocks, "again": again, "host_group": group is not None,
                "host_backend": real_backend(group) if group is not None else None}
+        dist.barrier()
+        if group is not None:  # gloo threads of a live group at interpreter exit can abort the process
+            dist.destroy_process_group(group)
+        pd._HOST_GROUP.clear()
     finally:
         dist.get_backend = real_backend
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
