@@ -7,17 +7,19 @@ Every batch holds the `original` view's keys; objectives declare the further vie
 
 | view          | keys it adds                                   | built as                               |
 | ------------- | ---------------------------------------------- | -------------------------------------- |
-| `original`    | input_ids, attention_mask, special_mask, word_starts, sample_index, document_ids, seqlens | the packed row |
+| `original`    | input_ids, attention_mask, special_mask, word_starts, sample_index, document_ids, content_positions, seqlens | the packed row |
 | `masked`      | masked_ids, mlm_labels, mlm_positions          | BERT: 15% selected, 80/10/10           |
 | `wwm_masked`  | masked_ids, mlm_labels, mlm_positions          | the same with whole-word selection     |
-| `span_masked` | span_masked_ids, span_labels, span_index, span_positions | InfoWord n-gram spans        |
+| `span_masked` | span_masked_ids, span_labels, span_index, span_positions, span_widths | InfoWord n-gram spans |
 | `crop`        | crop_ids, crop_attention_mask, crop_seqlens    | COCO-LM contiguous crop, [B, W]: W = longest crop + 2 |
 | `shuffled`    | shuffled_ids                                   | CAPT window shuffle                    |
 
 Labels are the original token id at a selected position and `IGNORE_INDEX` elsewhere;
 `*_positions` [N] int64 are the flat (row-major into B*L) indices of those positions, computed by
 the collator on the host, so no objective needs a `nonzero` (a device sync) to find them;
-`span_index` numbers the spans of a row (-1 outside spans); `sample_index` is each row's global
+`content_positions` [M] int64 the flat positions of the content tokens (`content_tokens`: the
+candidates of TACO's and BERT-NCE's negatives); `span_index` numbers the spans of a row (-1 outside
+spans); `sample_index` is each row's global
 stream position (the key of every random draw, `pipeline.seeding`); `document_ids` numbers the
 documents of a packed row from 0 (FULL packing ends every document with a `[SEP]`, so a content
 token's document is the number of `[SEP]`s before it) and is -1 at structure tokens.
@@ -26,7 +28,14 @@ Host keys (`HOST_KEYS`) stay on the CPU when the batch moves to the device (`mov
 `seqlens` / `crop_seqlens` [B] int64 count the real tokens of each row of a right-padded view
 (`seqlens_key(mask_key)` names them). The encoder reads them to choose its attention path
 without a device sync (`pipeline.model.attention`); a view without them (a batch built by hand,
-InfoWord's n-gram view) takes the masked reference path.
+InfoWord's n-gram view) takes the masked reference path. `span_widths` [B, S] int64 counts the
+tokens of span s of row b (0: the row has fewer spans): InfoWord sizes its n-gram pass from it.
+
+Objective plan keys: an objective whose sampling depends on sizes only the data knows offers a
+`host_plan` (`Objective.host_plan`), run by the collator on every batch; its keys are prefixed by
+the objective (TACO: `taco_anchors`, `taco_anchor_units`, `taco_unit_counts`,
+`pipeline.objectives.taco.taco_candidates`). A batch without them (built by hand) still works: the
+objective then finds the same indices on the device, at the cost of host reads of device data.
 
 Two special-token sets, each with one job:
   * `STRUCTURE_TOKENS` (pad, cls, sep) mark positions that are not content: they are never
@@ -48,10 +57,10 @@ STRUCTURE_TOKENS = ("pad", "cls", "sep")
 
 VIEW_KEYS: dict[str, tuple[str, ...]] = {
     "original": ("input_ids", "attention_mask", "special_mask", "word_starts", "sample_index", "document_ids",
-                 "seqlens"),
+                 "content_positions", "seqlens"),
     "masked": ("masked_ids", "mlm_labels", "mlm_positions"),
     "wwm_masked": ("masked_ids", "mlm_labels", "mlm_positions"),
-    "span_masked": ("span_masked_ids", "span_labels", "span_index", "span_positions"),
+    "span_masked": ("span_masked_ids", "span_labels", "span_index", "span_positions", "span_widths"),
     "crop": ("crop_ids", "crop_attention_mask", "crop_seqlens"),
     "shuffled": ("shuffled_ids",),
 }
@@ -73,7 +82,7 @@ SEQLENS_KEYS: dict[str, str] = {"attention_mask": "seqlens", "crop_attention_mas
 #: labels key -> key of the flat positions it selects
 POSITIONS_KEYS: dict[str, str] = {"mlm_labels": "mlm_positions", "span_labels": "span_positions"}
 #: keys that stay on the host when a batch moves to the device
-HOST_KEYS = frozenset(SEQLENS_KEYS.values())
+HOST_KEYS = frozenset((*SEQLENS_KEYS.values(), "span_widths"))
 
 
 def check_views(views: Iterable[str]) -> set[str]:

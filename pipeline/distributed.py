@@ -158,7 +158,8 @@ def shutdown_distributed() -> None:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        dist.destroy_process_group()  # every group, the host group of `_gather_host_sizes` included
+    _HOST_GROUP.clear()  # and no reference to it outlives the process group
 
 
 def _slurm_port() -> str:
@@ -231,15 +232,38 @@ def all_gather_row_blocks(rows: torch.Tensor) -> list[torch.Tensor]:
         return [rows]
     dist = torch.distributed
     world = dist.get_world_size()
-    n = torch.tensor([rows.shape[0]], device=rows.device, dtype=torch.long)
-    sizes = [torch.zeros_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
-    sizes_int = [int(s.item()) for s in sizes]
+    sizes_int = _gather_host_sizes(rows.shape[0], world)
     padded = rows.new_zeros((max(sizes_int), rows.shape[1]))
     padded[: rows.shape[0]] = rows
     gathered = [torch.empty_like(padded) for _ in range(world)]
     dist.all_gather(gathered, padded.contiguous())
     return [g[:s] for g, s in zip(gathered, sizes_int)]
+
+
+_HOST_GROUP: dict[str, Any] = {}
+
+
+def _host_group() -> Any:
+    """A gloo process group over the same ranks (None: the default group is gloo already), for
+    exchanging host numbers without touching the device. Created on first use, which every rank
+    reaches at the same collective (`all_gather_row_blocks` is called by all ranks alike)."""
+    dist = torch.distributed
+    if dist.get_backend() == "gloo":
+        return None
+    default = dist.group.WORLD  # a new default group (a re-initialised process) needs a new gloo group
+    if _HOST_GROUP.get("default") is not default:
+        _HOST_GROUP.update(default=default, group=dist.new_group(backend="gloo"))
+    return _HOST_GROUP["group"]
+
+
+def _gather_host_sizes(n: int, world: int) -> list[int]:
+    """Every rank's row count `n`, exchanged on the host (gloo, CPU tensors): the sizes are host
+    numbers, so gathering them as device tensors and reading them back (`.item()`) would make the
+    host wait for the device at every gather."""
+    mine = torch.tensor([n], dtype=torch.long)
+    sizes = [torch.zeros_like(mine) for _ in range(world)]
+    torch.distributed.all_gather(sizes, mine, group=_host_group())
+    return [int(s[0]) for s in sizes]
 
 
 def all_gather_rows(rows: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,7 @@ RESUME_IGNORED_FIELDS = (
     "train.max_loss_ratio",
     "train.max_weight_norm_ratio",
     "train.deterministic",
+    "deepspeed.tf32",
     "train.dist_timeout_s",
     "train.progress_bar",
     "train.tensorboard",

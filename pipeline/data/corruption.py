@@ -11,7 +11,7 @@ sample gets the same corruption after a resume and a different one in every epoc
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -176,6 +176,17 @@ def span_starts(span_index: np.ndarray) -> np.ndarray:
     return np.where(in_span, np.maximum.accumulate(np.where(first, cols, -1), axis=1), -1)
 
 
+def span_widths(span_index: np.ndarray) -> np.ndarray:
+    """[B, S] int64 tokens in span s of row b (0 where the row has fewer spans), S = the most spans
+    of a row (`span_index` numbers each row's spans 0, 1, ...; -1 outside spans)."""
+    batch = span_index.shape[0]
+    num = int(span_index.max()) + 1 if span_index.size else 0
+    out = np.zeros((batch, max(num, 0)), dtype=np.int64)
+    rows, cols = np.nonzero(span_index >= 0)
+    np.add.at(out, (rows, span_index[rows, cols]), 1)
+    return out
+
+
 def crop(input_ids: np.ndarray, lengths: np.ndarray, u: np.ndarray, fraction: float, cls_id: int, sep_id: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
     """COCO-LM crop: a random contiguous `fraction` of each row's content, re-wrapped as [CLS] .. [SEP].
 
@@ -224,6 +235,11 @@ class CorruptionCollator:
     becomes trivial" (Kong et al. 2020, Sec. 4). 0.8 / 0.1 gives SpanBERT's scheme (Joshi et al.
     2020, Sec. 3.1, which InfoWord's span sampling follows): per *span*, 80% `[MASK]` everywhere,
     10% a random non-special token at each position, 10% unchanged; labels cover every span position.
+
+    `plans` (the objectives' `host_plan`s, `PretrainModel.host_plans`): callables run on every
+    collated batch, whose extra keys (index tensors an objective would otherwise find on the
+    device, e.g. TACO's anchors) join the batch — built here, in the loader's worker processes and
+    pinned with the rest, so the step never reads device data on the host.
     """
 
     def __init__(
@@ -244,8 +260,10 @@ class CorruptionCollator:
         span_random_fraction: float = 0.0,
         crop_fraction: float = 0.9,
         shuffle_window: int = 3,
+        plans: Sequence[Callable[[Mapping[str, torch.Tensor]], Mapping[str, torch.Tensor]]] = (),
     ) -> None:
         self.views = check_views(views)
+        self.plans = tuple(plans)
         self._structure_ids = np.array(special_ids(special_tokens, STRUCTURE_TOKENS), dtype=np.int64)
         special_ids(special_tokens, ("mask",))  # masking writes it: its absence is an error here, not later
         never_drawn = {int(v) for v in special_tokens.values()}
@@ -289,6 +307,7 @@ class CorruptionCollator:
             "word_starts": word_starts.astype(bool) & candidates,
             "sample_index": sample_index,
             "document_ids": document_ids(ids, special, self.special_tokens["sep"]),
+            "content_positions": np.flatnonzero(candidates & attention),  # row-major: the flat order
         }
         width = ids.shape[1]
         host: dict[str, torch.Tensor] = {}  # host-side layout keys (`pipeline.batch.HOST_KEYS`)
@@ -327,6 +346,7 @@ class CorruptionCollator:
             )
             batch["span_index"] = span_index
             batch["span_positions"] = rows * width + cols  # np.nonzero is row-major: the flat order
+            host["span_widths"] = torch.from_numpy(span_widths(span_index))
         if "crop" in self.views:
             batch["crop_ids"], batch["crop_attention_mask"] = crop(
                 ids, attention.sum(1), uniform(CorruptionStream.CROP)[:, 0], self.crop_fraction,
@@ -337,4 +357,7 @@ class CorruptionCollator:
                 host["crop_seqlens"] = crop_lengths
         if "shuffled" in self.views:
             batch["shuffled_ids"] = shuffle_within_window(ids, candidates, uniform(CorruptionStream.SHUFFLE), self.shuffle_window)
-        return {**{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}, **host}
+        out = {**{k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in batch.items()}, **host}
+        for plan in self.plans:
+            out.update({k: v for k, v in plan(out).items() if k not in out})
+        return out

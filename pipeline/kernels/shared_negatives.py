@@ -9,7 +9,8 @@ is computed here:
     L = mean_n [ logsumexp( s_n(t_n), { s_n(u_k) + log c_{g_n k} : u_k != t_n } ) - s_n(t_n) ]
 
 Targets and negatives are scored together over the distinct ids C = unique(targets ∪ negatives)
-(|C| <= V): one [chunk, |C|] GEMM per chunk of rows, as the full-vocabulary cross-entropy of
+(|C| <= V; C = all V ids, with no `unique` and so no device sync, when the negatives list at least
+half the vocabulary, as the objectives' static "all" layouts do): one [chunk, |C|] GEMM per chunk of rows, as the full-vocabulary cross-entropy of
 `linear_cross_entropy` does over V, with a per-(row, column) offset added to the scores:
 
     offset[n, k] = 0                    where c_k = t_n   (the positive, counted once)
@@ -49,7 +50,12 @@ def _shared_forward(
     rows, hid = hidden.shape
     device = hidden.device
     want_h, want_w, want_b = want
-    columns = torch.unique(torch.cat([negative_ids, targets]))  # sorted distinct ids C
+    if 2 * negative_ids.numel() >= weight.shape[0]:
+        # the whole vocabulary as C (a superset of every id): no `unique`, whose data-dependent size
+        # would make the host wait for the device; the objectives' "all" layouts pass all V ids
+        columns = torch.arange(weight.shape[0], device=device)
+    else:
+        columns = torch.unique(torch.cat([negative_ids, targets]))  # sorted distinct ids C
     negative_cols = torch.searchsorted(columns, negative_ids)
     target_cols = torch.searchsorted(columns, targets)
     counts = torch.zeros(negative_counts.shape[0], columns.numel(), device=device, dtype=torch.float32)

@@ -68,8 +68,9 @@ class ModelConfig:
     elsewhere), `varlen` (unpadded whenever padded, also on the CPU), `masked` (the reference: always an
     additive mask)."""
     compile: bool = False
-    """`torch.compile` each encoder layer (regional, static shapes): fuses the elementwise work. Compiles once
-    per layer shape at start-up (seconds to minutes); the weights and the state dict are unchanged."""
+    """`torch.compile` the encoder layers (regional; one compiled function per shape class: dense, masked,
+    varlen, `BertLayerStack.compile_layers`): fuses the elementwise work. Compiles at start-up and at most
+    twice more per shape class (seconds to minutes); the weights and the state dict are unchanged."""
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""

@@ -19,7 +19,7 @@ backward anyway).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Mapping, NamedTuple, Optional, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -182,13 +182,28 @@ class BertLayerStack(nn.Module):
         self.head_dim = cfg.hidden_size // cfg.num_heads
         self.attention = "auto"
         self.last_work: tuple[int, int] = (0, 0)
-        self._compiled: Optional[list[nn.Module]] = None  # a plain list: the state dict keeps its names
+        self.compiled = False
 
     def compile_layers(self) -> None:
-        """Wrap every layer in `torch.compile` (static shapes). The compiled layers run the passes
-        whose shape the collator fixes; the others (an n-gram view built per batch, unpadded
-        tokens) run the same layers eagerly, so a shape that changes per batch never recompiles."""
-        self._compiled = [torch.compile(layer, dynamic=False) for layer in self.layer]
+        """Run the layers through `torch.compile` (`model.compile=true`), one compiled function per
+        shape class, each with its own dynamo cache (a code object of its own), so the classes do
+        not evict each other or share dynamo's recompile limit:
+
+          * dense passes ([B, L], no mask: packed rows, COCO-LM's crop): shapes the collator fixes;
+            automatic dynamic shapes turn a dimension that does change (the crop width of a batch
+            with a padded row) dynamic at its first change, so it costs one recompile, not one
+            per width;
+          * masked passes ([B, L] + bias: a view without `seqlens`, e.g. InfoWord's n-gram rows,
+            whose count and bucketed width change per batch): batch and width marked dynamic;
+          * varlen passes ([T, H] real tokens + layout): T and the layout's sizes dynamic.
+
+        Layers are arguments of the compiled functions (parameters are graph inputs), so every layer
+        of every stack with one shape class shares one graph. `pipeline.model.compile_watch` logs a
+        warning when dynamo gives up on one (recompile limit) and runs it eagerly."""
+        from pipeline.model.compile_watch import watch_eager_fallbacks
+
+        watch_eager_fallbacks()
+        self.compiled = True
 
     def forward(self, x: Tensor, attention_mask: Optional[Tensor], seqlens: Optional[Tensor] = None) -> Tensor:
         """x [B, L, H]; attention_mask [B, L] 1/0 or None; seqlens [B] host-side real-token counts."""
@@ -198,14 +213,53 @@ class BertLayerStack(nn.Module):
             layout = plan.layout
             assert layout is not None
             hidden = x.reshape(-1, x.shape[-1]).index_select(0, layout.indices)  # [T, H]: real tokens only
+            step = _compiled("varlen") if self.compiled else _varlen_step
             for layer in self.layer:
-                hidden = layer(hidden, layout)
+                hidden = step(layer, hidden, layout)
             out = hidden.new_zeros(x.shape[0] * x.shape[1], hidden.shape[-1]).index_copy(0, layout.indices, hidden)
             return out.view(x.shape[0], x.shape[1], -1)  # padding positions hold zeros
-        layers = self._compiled if self._compiled is not None and plan.static else self.layer
-        for layer in layers:
-            x = layer(x, plan.bias)
+        if plan.bias is None:
+            step = _compiled("dense") if self.compiled else _dense_step
+            for layer in self.layer:
+                x = step(layer, x)
+            return x
+        if self.compiled and not plan.static:  # sizes chosen per batch: one dynamic graph for all of them
+            torch._dynamo.maybe_mark_dynamic(x, 0)
+            torch._dynamo.maybe_mark_dynamic(x, 1)
+            torch._dynamo.maybe_mark_dynamic(plan.bias, 0)
+            torch._dynamo.maybe_mark_dynamic(plan.bias, 3)
+        step = _compiled("masked") if self.compiled else _masked_step
+        for layer in self.layer:
+            x = step(layer, x, plan.bias)
         return x
+
+
+def _dense_step(layer: nn.Module, x: Tensor) -> Tensor:
+    return layer(x, None)
+
+
+def _masked_step(layer: nn.Module, x: Tensor, bias: Tensor) -> Tensor:
+    return layer(x, bias)
+
+
+def _varlen_step(layer: nn.Module, x: Tensor, layout: VarlenLayout) -> Tensor:
+    return layer(x, layout)
+
+
+_COMPILED: dict[str, Callable] = {}
+
+
+def _compiled(kind: str) -> Callable:
+    """The compiled step of a shape class (`BertLayerStack.compile_layers`): distinct code objects,
+    hence distinct dynamo caches. `dynamic=None`: automatic dynamic shapes (a dimension becomes
+    dynamic when it first changes); varlen passes change their token count every batch: dynamic.
+    Made on first use, not at import: `torch.compile` pulls in dynamo and Triton, which must not be
+    imported before a process decides how (the kernel tests switch Triton's interpreter on first)."""
+    if not _COMPILED:
+        _COMPILED.update(dense=torch.compile(_dense_step, dynamic=None),
+                         masked=torch.compile(_masked_step, dynamic=None),
+                         varlen=torch.compile(_varlen_step, dynamic=True))
+    return _COMPILED[kind]
 
 
 def configure_layer_stacks(model: nn.Module, attention: str = "auto", compile_layers: bool = False) -> int:

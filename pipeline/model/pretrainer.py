@@ -73,6 +73,10 @@ class PretrainModel(nn.Module):
         """Union of the batch views the configured objectives need."""
         return {"original"}.union(*(o.views for o in self.objectives.values()))
 
+    def host_plans(self) -> list[Any]:
+        """The objectives' `host_plan`s, for the collator (`CorruptionCollator(plans=...)`)."""
+        return [plan for o in self.objectives.values() if (plan := o.host_plan) is not None]
+
     def forward(self, batch: dict[str, Tensor], progress: Optional[StepProgress] = None,
                 sampling_seed: Optional[int] = None) -> tuple[Tensor, dict[str, Tensor]]:
         """Weighted sum of the objectives' losses on one micro-batch.
@@ -94,7 +98,8 @@ class PretrainModel(nn.Module):
             total = total + self.weights[name] * loss.float()
             metrics[f"{name}/loss"] = loss.detach().float()
             metrics.update({f"{name}/{k}": v.detach().float() for k, v in parts.items()})
-        metrics.update(step_health(ctx.cached_outputs(), batch, self.structure_ids, self.health_top_token))
+        if ctx.progress.record_metrics:  # health reads fp32 copies of hidden states: logged steps only
+            metrics.update(step_health(ctx.cached_outputs(), batch, self.structure_ids, self.health_top_token))
         metrics["loss"] = total.detach()
         return total, metrics
 

@@ -31,11 +31,14 @@ from pipeline.model.heads import MLMHead
 class StepProgress:
     """Where the run is: optimizer step `step` (1-based) of `total_steps` (CAPT's temperature uses it),
     and `micro_batches`, the number of micro-batches whose gradients the engine averages into one
-    step (ranks x accumulation steps; a loss that is a sum over the global batch uses it)."""
+    step (ranks x accumulation steps; a loss that is a sum over the global batch uses it).
+    `record_metrics`: this step's metrics are logged (`train.log_every`); on other steps the
+    objectives skip the work that only feeds metrics (full-vocabulary accuracy, health)."""
 
     step: int = 0
     total_steps: int = 1
     micro_batches: int = 1
+    record_metrics: bool = True
 
 
 @dataclass
@@ -105,6 +108,13 @@ class Objective(nn.Module):
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    @property
+    def host_plan(self) -> Optional[Callable[[dict[str, Tensor]], dict[str, Tensor]]]:
+        """A picklable callable the collator runs on every collated batch (host tensors) whose keys
+        join the batch: the indices whose sizes only the data knows, built in the loader's worker
+        processes instead of read back from the device in the step (`pipeline.batch`). None: none."""
+        return None
 
     def extra_state_for_checkpoint(self) -> Optional[dict]:
         """Non-parameter state that must survive a resume (e.g. a memory queue); None if none."""

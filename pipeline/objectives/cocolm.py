@@ -54,6 +54,17 @@ SAMPLE_CHUNK = 8192
 
 
 @torch.no_grad()
+def sampling_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """fp32 logits [N, chunk] for sampling. bf16/fp16 inputs on CUDA: one GEMM in the training dtype
+    with fp32 accumulation and fp32 output (`torch.mm(..., out_dtype=float32)`, what the fused loss
+    kernels compute), not an fp32 copy of the weight chunk and an fp32 GEMM (~15x slower without
+    TF32); elsewhere `fp32_logits`."""
+    if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype:
+        z = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+        return z if bias is None else z + bias.float()
+    return fp32_logits(hidden, weight, bias)
+
+
 def gumbel_max_sample(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], generator: torch.Generator,
                       chunk: Optional[int] = None) -> tuple[Tensor, Tensor]:
     """One token per row from softmax(W h + b), and the rows' argmax, in vocabulary chunks.
@@ -64,7 +75,7 @@ def gumbel_max_sample(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ge
     Minka 2014, "A* Sampling", Sec. 2); the maximum over the whole
     vocabulary is the maximum of the chunk maxima, so only [N, chunk] fp32 logits (and noise)
     exist at a time. hidden [N, H], weight [V, H], bias [V]. Returns (samples [N], argmax [N]);
-    ties keep the first column, like `torch.argmax`. The logits are fp32 (`fp32_logits`).
+    ties keep the first column, like `torch.argmax`. The logits are fp32 (`sampling_logits`).
     """
     rows, vocab = hidden.shape[0], weight.shape[0]
     chunk = chunk or SAMPLE_CHUNK
@@ -76,7 +87,7 @@ def gumbel_max_sample(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ge
     top = torch.zeros(rows, dtype=torch.long, device=device)
     for start in range(0, vocab, chunk):
         stop = min(vocab, start + chunk)
-        z = fp32_logits(hidden, weight[start:stop], None if bias is None else bias[start:stop])
+        z = sampling_logits(hidden, weight[start:stop], None if bias is None else bias[start:stop])
         value, index = z.max(dim=1)
         better = value > best_plain
         best_plain, top = torch.where(better, value, best_plain), torch.where(better, index + start, top)

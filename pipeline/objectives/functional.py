@@ -336,20 +336,23 @@ def sequence_contrastive_loss(
 
 
 @torch.no_grad()
-@_fp32_math
 def prediction_accuracy(
     hidden: Tensor, weight: Tensor, bias: Optional[Tensor], targets: Tensor, chunk_rows: int = 2048
 ) -> Tensor:
     """Metric, not a loss: fraction of rows whose argmax over the full vocabulary is the target.
 
-    Computed without gradient in chunks of `chunk_rows`, so at most [chunk_rows, V] logits exist.
+    Computed without gradient in chunks of `chunk_rows`, so at most [chunk_rows, V] logits exist,
+    in the training dtype (`hidden`'s: bf16 under bf16 training, no fp32 copy of the weight; an
+    argmax needs no fp32 log-sum-exp). Objectives call it only on logged steps.
     """
     if targets.numel() == 0:
         return torch.zeros((), device=hidden.device)
     correct = torch.zeros((), device=hidden.device)
+    w = weight.to(hidden.dtype)
+    b = None if bias is None else bias.to(hidden.dtype)
     for start in range(0, targets.numel(), chunk_rows):
         rows = slice(start, start + chunk_rows)
-        correct += (_logits(hidden[rows], weight, bias).argmax(-1) == targets[rows]).sum()
+        correct += (F.linear(hidden[rows], w, b).argmax(-1) == targets[rows]).sum()
     return correct / targets.numel()
 
 

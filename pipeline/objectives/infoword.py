@@ -33,11 +33,13 @@ Input: the `span_masked` view — n-grams of n ~ N(5, 1) words (clipped to [1, 1
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Union
+from typing import Callable, Mapping, Optional, Union
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline.data.corruption import span_widths
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import SAMPLED_SOFTMAX, Objective, StepContext, register, scalar_metric
@@ -63,34 +65,60 @@ def dim_contrastive_loss(
     if gather:
         remote = split_own_block(all_gather_row_blocks(ngrams.detach().float()))[1]
         remote = remote if remote.shape[0] else None
-    same = torch.bincount(owner, minlength=sentences.shape[0])[owner] if owner.numel() else owner
+    # pairs per sentence by a scatter into S slots (static; `bincount` sizes its output by the data)
+    same = torch.zeros(sentences.shape[0], dtype=owner.dtype, device=owner.device).scatter_add_(
+        0, owner, torch.ones_like(owner))[owner]
     per_pair = owner.shape[0] - same + (0 if remote is None else remote.shape[0])
     loss = op(sentences[owner], ngrams, tau, remote, normalize=normalize, symmetric=False,
               same_view_negatives=False, groups=owner)
     return loss, per_pair.float().mean() if per_pair.numel() else torch.zeros((), device=ngrams.device)
 
 
+#: n-gram inputs are padded to a multiple of this width: a few shapes for the compiled encoder,
+#: not one per longest span (padding is masked, so the [CLS] state does not depend on it)
+NGRAM_WIDTH_BUCKET = 8
+
+
+def ngram_width(widths: np.ndarray, length: int) -> int:
+    """Width of the [CLS] n-gram [SEP] rows of a batch of `length` columns whose host span widths
+    are `widths` [B, S]: longest span + 2, rounded up to `NGRAM_WIDTH_BUCKET`, at most `length` (a
+    span lies inside [CLS] ... [SEP], so longest + 2 <= length; position embeddings cover `length`)."""
+    longest = int(widths.max()) if widths.size else 0
+    return min(-(-(longest + 2) // NGRAM_WIDTH_BUCKET) * NGRAM_WIDTH_BUCKET, max(length, longest + 2))
+
+
 def build_ngram_inputs(
-    input_ids: Tensor, span_index: Tensor, chosen_span: Tensor, cls_id: int, sep_id: int, pad_id: int
+    input_ids: Tensor, span_index: Tensor, chosen_span: Tensor, cls_id: int, sep_id: int, pad_id: int,
+    width: Optional[int] = None,
 ) -> tuple[Tensor, Tensor]:
     """[CLS] n-gram [SEP] inputs, one row per sentence, left-aligned and padded.
 
     input_ids, span_index [B, L]; chosen_span [B] (the span number to extract for each row; every
-    row must contain it). Returns (ids [B, 2 + longest], attention_mask [B, 2 + longest]).
+    row must contain it, as one contiguous run, which the collator's spans are). `width`: the
+    output width (>= its longest n-gram + 2, e.g. `ngram_width` of the batch's host `span_widths`);
+    None reads the longest chosen n-gram from the device (a host sync). Static shapes otherwise:
+    each n-gram is a gather from its first column. Returns (ids [B, width], attention_mask [B, width]).
     """
     in_span = span_index == chosen_span[:, None]  # [B, L]
     lengths = in_span.sum(1)
-    width = int(lengths.max().item()) + 2 if lengths.numel() else 2
-    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
-    ids = torch.full((input_ids.shape[0], width), pad_id, dtype=input_ids.dtype, device=input_ids.device)
-    ids[:, 0] = cls_id
-    r, c = torch.nonzero(in_span, as_tuple=True)  # row-major: columns ascending within a row
-    rank = torch.cumsum(in_span.long(), dim=1)[r, c]  # 1-based position inside the n-gram
-    ids[r, rank] = input_ids[r, c]
-    ids[rows, lengths + 1] = sep_id
+    if width is None:
+        width = int(lengths.max().item()) + 2 if lengths.numel() else 2
+    first = in_span.long().argmax(1)  # the first column of the span
+    offsets = torch.arange(width - 2, device=input_ids.device)[None, :]
+    source = (first[:, None] + offsets).clamp(max=input_ids.shape[1] - 1)
+    body = torch.where(offsets < lengths[:, None], input_ids.gather(1, source), pad_id)
     positions = torch.arange(width, device=input_ids.device)[None, :]
+    ids = torch.cat([torch.full_like(body[:, :1], cls_id), body, torch.full_like(body[:, :2], pad_id)], 1)[:, :width]
+    ids = torch.where(positions == (lengths + 1)[:, None], sep_id, ids)
     mask = (positions <= (lengths + 1)[:, None]).long()
     return ids, mask
+
+
+def nonzero_known(mask: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """(rows, cols) of the True entries of `mask` [B, C] in row-major order, when the host knows
+    how many there are (`count`): a stable sort instead of `nonzero`, which would ask the device."""
+    order = torch.argsort((~mask).reshape(-1).to(torch.uint8), stable=True)[:count]
+    return order // mask.shape[1], order % mask.shape[1]
 
 
 @register
@@ -139,16 +167,21 @@ class InfoWord(Objective):
         """(L_DIM, metrics: sentences and pairs taking part, negatives per pair)."""
         span_index = ctx.batch["span_index"]
         sentence = ctx.encode("span_masked_ids").last_hidden[:, 0]
-        num_spans = int(span_index.max().item()) + 1 if span_index.numel() else 0
-        present = torch.zeros(span_index.shape[0], max(num_spans, 0) + 1, dtype=torch.bool, device=span_index.device)
+        host = ctx.batch.get("span_widths")  # host [B, S]: the collator's, so sizes need no device read
+        # a hand-built batch: the same table, read from the device; numpy: host numbers stay host numbers
+        widths = host.numpy() if host is not None else span_widths(span_index.cpu().numpy())
+        num_spans = widths.shape[1]
+        present = torch.zeros(span_index.shape[0], num_spans + 1, dtype=torch.bool, device=span_index.device)
         present.scatter_(1, span_index.clamp(min=-1) + 1, True)  # column 0 collects "no span"
         k = num_spans if self.ngrams_per_sentence == "all" else self.ngrams_per_sentence
         chosen = sample_per_row(present[:, 1:], k, ctx.generator) if num_spans > 0 else present[:, 1:]
-        owner, span = torch.nonzero(chosen, as_tuple=True)  # pairs, row-major
-        if owner.numel():
+        spans_per_row = (widths > 0).sum(1)
+        pairs = int(np.minimum(spans_per_row, k).sum())  # host numbers: min(k, spans) per sentence
+        owner, span = nonzero_known(chosen, pairs)  # pairs, row-major
+        if pairs:
             ids, mask = build_ngram_inputs(
                 ctx.batch["input_ids"][owner], span_index[owner], span,
-                self.special["cls"], self.special["sep"], self.special["pad"],
+                self.special["cls"], self.special["sep"], self.special["pad"], ngram_width(widths, span_index.shape[1]),
             )
             ngram = ctx.encoder(ids, mask).last_hidden[:, 0]
         else:  # no span anywhere: an empty (graph-connected) pair list; other ranks may still gather
@@ -159,7 +192,7 @@ class InfoWord(Objective):
         )
         device = sentence.device
         metrics = {
-            "dim_sentences": scalar_metric(owner.unique().numel(), device),
+            "dim_sentences": scalar_metric(int((spans_per_row > 0).sum()), device),
             "dim_pairs": scalar_metric(owner.numel(), device),
             "dim_negatives": negatives,
         }

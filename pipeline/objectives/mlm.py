@@ -41,7 +41,7 @@ class MaskedLanguageModeling(Objective):
     """BERT MLM on the `masked` (or `wwm_masked`) view.
 
     Options: view ("masked" | "wwm_masked"), track_accuracy (log `mlm/accuracy`, the argmax of
-    the loss's own logits).
+    the loss's own logits, on the steps whose metrics are logged: `StepProgress.record_metrics`).
     """
 
     name = "mlm"
@@ -65,7 +65,7 @@ class MaskedLanguageModeling(Objective):
         labels = ctx.batch[self.labels_key]
         h_sel, targets, _ = gather_selected(hidden, labels, ctx.batch.get(positions_key(self.labels_key)))
         acc: Optional[Tensor] = None
-        if self.track_accuracy:
+        if self.track_accuracy and ctx.progress.record_metrics:  # the argmax pass only when it is logged
             loss, acc = ctx.head(h_sel, ctx.op("linear_cross_entropy_with_accuracy"), targets)
         else:
             loss = ctx.head(h_sel, ctx.op("linear_cross_entropy"), targets)

@@ -22,8 +22,9 @@ mentions a unigram distribution (Sec. 4); *choice* `negatives` (the pool):
     micro-batches, the ids all-gathered (cheap: integers; the tied weight is shared, so every
     negative gets its gradient) — each occurrence counted once ("uniform": every non-special id
     once, i.e. a full softmax without the special tokens). No sampling; scored as one shared
-    [N, U] matrix over the U <= V distinct ids with log-multiplicity offsets (exact, see
-    `functional.sampled_softmax_cross_entropy`), so its cost is about a full-vocabulary MLM head.
+    [N, V] matrix over the vocabulary with log-multiplicity offsets (count 0: -inf; exact, see
+    `functional.sampled_softmax_cross_entropy`; the counts are summed over the ranks by one
+    all-reduce), so its cost is about a full-vocabulary MLM head.
 A negative equal to the target is masked out inside the loss. The negatives per masked position
 are logged (`negatives`). Uses the same head as `mlm` (`cls.predictions`).
 
@@ -51,7 +52,7 @@ from torch import Tensor, nn
 from pipeline.batch import (IGNORE_INDEX, content_tokens, gather_selected, masked_view_keys, positions_key,
                             special_ids)
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES
-from pipeline.distributed import all_gather_row_blocks, split_own_block
+from pipeline.distributed import all_reduce_sum
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import SAMPLED_SOFTMAX, Objective, StepContext, register, scalar_metric
 from pipeline.objectives.mlm import with_accuracy
@@ -103,7 +104,9 @@ class NegativeTokenSampler(nn.Module):
         special = torch.tensor(special_ids(special_tokens, SPECIAL_TOKEN_NAMES), dtype=torch.long)
         keep = torch.ones(vocab_size, dtype=torch.bool)
         keep[special[special < vocab_size]] = False
-        self.non_special_ids = torch.nonzero(keep).squeeze(1)
+        # a (non-persistent) buffer, so it lives on the model's device: a host tensor copied to the
+        # device every step would be a blocking host-to-device copy
+        self.register_buffer("non_special_ids", torch.nonzero(keep).squeeze(1), persistent=False)
         # Persistent (checkpointed, so a resumed run keeps the value it started with), float32 (DeepSpeed
         # casts parameters, not buffers, to bf16/fp16): log q only ever serves the conversion.
         self.register_buffer(LOG_PROPOSAL, torch.zeros(vocab_size, dtype=torch.float32))
@@ -137,17 +140,19 @@ class NegativeTokenSampler(nn.Module):
         n, device = flat_positions.numel(), ids.device
         if self.source == "uniform":
             pool = self.non_special_ids.to(device)
-            if self.k == "all":
-                return Negatives(pool, torch.ones(1, pool.numel(), dtype=torch.long, device=device),
-                                 torch.zeros(n, dtype=torch.long, device=device))
+            if self.k == "all":  # every non-special id once, over the whole vocabulary (static [V])
+                vocab = self.log_proposal.numel()
+                counts = torch.zeros(1, vocab, dtype=torch.long, device=device).index_fill_(1, pool, 1)
+                return Negatives(torch.arange(vocab, device=device), counts, torch.zeros(n, dtype=torch.long, device=device))
             return Negatives(pool[torch.randint(pool.numel(), (n, self.k), generator=generator, device=device)])
-        if self.source == "other_targets":
-            in_pool, pool_values = labels != IGNORE_INDEX, labels
-        else:
-            in_pool, pool_values = content_tokens(batch), ids
-        pool_pos = torch.nonzero(in_pool.reshape(-1)).squeeze(1)  # row-major, so rows are sorted
-        pool_ids = pool_values.reshape(-1)[pool_pos]
         length = ids.shape[1]
+        if self.source == "other_targets":  # the pool is the selected positions themselves
+            pool_pos, pool_values = flat_positions, labels
+        else:  # the collator's content positions; a hand-built batch finds them on the device
+            pool_pos, pool_values = batch.get("content_positions"), ids
+            if pool_pos is None:
+                pool_pos = torch.nonzero(content_tokens(batch).reshape(-1)).squeeze(1)
+        pool_ids = pool_values.reshape(-1)[pool_pos]  # row-major, so rows are sorted
         if self.k == "all":
             return self._all(pool_ids, pool_pos // length, flat_positions // length, ids.shape[0])
         if n == 0:
@@ -159,14 +164,19 @@ class NegativeTokenSampler(nn.Module):
         return Negatives(pool_ids[pick])
 
     def _all(self, pool_ids: Tensor, pool_rows: Tensor, anchor_rows: Tensor, rows: int) -> Negatives:
-        """Every pool token of the global batch as a shared multiset (ids all-gathered across ranks)."""
-        remote = split_own_block(all_gather_row_blocks(pool_ids[:, None]))[1].reshape(-1)
-        distinct, inverse = torch.unique(torch.cat([pool_ids, remote]), return_inverse=True)
-        total = torch.bincount(inverse, minlength=distinct.numel())
+        """Every pool token of the global batch as a shared multiset over the whole vocabulary: ids
+        [V], counts summed over the ranks (one all-reduce of a [V] vector). Static shapes: a
+        `unique` over the gathered ids would size the result by the data (a device sync); an id
+        that does not occur has count 0, i.e. offset log 0 = -inf, and adds nothing to the softmax."""
+        vocab, device = self.log_proposal.numel(), pool_ids.device
+        ones = torch.ones_like(pool_ids)
+        local = torch.zeros(vocab, dtype=torch.long, device=device).scatter_add_(0, pool_ids, ones)
+        total = all_reduce_sum(local.clone())
+        distinct = torch.arange(vocab, device=device)
         if self.source == "batch":
             return Negatives(distinct, total[None, :], torch.zeros_like(anchor_rows))
-        own = torch.zeros(rows, distinct.numel(), dtype=torch.long, device=pool_ids.device)
-        own.index_put_((pool_rows, inverse[: pool_ids.numel()]), torch.ones_like(pool_rows), accumulate=True)
+        own = torch.zeros(rows, vocab, dtype=torch.long, device=device)
+        own.index_put_((pool_rows, pool_ids), ones, accumulate=True)
         return Negatives(distinct, total[None, :] - own, anchor_rows)
 
 
@@ -212,7 +222,8 @@ def nce_loss(
     labels = ctx.batch[labels_key]
     h_sel, targets, flat = gather_selected(hidden, labels, ctx.batch.get(positions_key(labels_key)))
     negatives = sampler(ctx.batch, labels, flat, ctx.generator)
-    op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy)
+    # the full-vocabulary accuracy pass only on the steps whose metrics are logged
+    op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy and ctx.progress.record_metrics)
     loss, acc = ctx.head(h_sel, op, targets, *negatives.op_args())
     metrics = {
         "selected_tokens": scalar_metric(targets.numel(), hidden.device),

@@ -39,20 +39,35 @@ def sample_from_other_groups(
 ) -> Tensor:
     """For each anchor, k indices into the candidate list, uniform over candidates of other groups.
 
-    candidate_groups [M] int64: the group (row, or document) of each candidate, sorted ascending
-    (row-major flattening of a [B, L] mask gives exactly that). anchor_groups [N]. Returns [N, k] int64.
+    candidate_groups [M] int64 in [0, num_groups): the group (row, or document) of each candidate,
+    sorted ascending (row-major flattening of a [B, L] mask gives exactly that). anchor_groups [N].
+    Returns [N, k] int64. The group sizes are counted by a scatter into `num_groups` slots (a static
+    shape), not by `bincount`, whose output size is data-dependent (a device sync); see
+    `sample_outside_blocks` for the draw.
+    """
+    if candidate_groups.numel() == 0:
+        raise ValueError("no candidate tokens to sample negatives from (every position is special or padding)")
+    counts = torch.zeros(num_groups, dtype=torch.long, device=candidate_groups.device)
+    counts.scatter_add_(0, candidate_groups, torch.ones_like(candidate_groups))
+    return sample_outside_blocks(counts, anchor_groups, candidate_groups.numel(), k, generator)
+
+
+def sample_outside_blocks(counts: Tensor, anchor_groups: Tensor, total: int, k: int, generator: torch.Generator) -> Tensor:
+    """k draws per anchor, uniform over the `total` candidates outside the anchor's group's block.
+
+    counts [G] int64: the sizes of the contiguous, ascending group blocks of the candidate list
+    (summing to `total`, a host number: the list's length); anchor_groups [N]. Returns [N, k] int64
+    indices into the candidate list.
 
     Uniform over the M - c_g candidates outside group g: draw u in [0, M - c_g) and skip the block
     [o_g, o_g + c_g) of group g. An anchor whose group holds *every* candidate (a micro-batch with
     one usable sequence) has no other-group candidate; it then samples from all M candidates, so
-    the loss stays defined — callers that care can check `candidate_groups.unique().numel() > 1`.
+    the loss stays defined. Static shapes only: nothing here reads device data on the host.
     """
-    if candidate_groups.numel() == 0:
+    if total == 0:
         raise ValueError("no candidate tokens to sample negatives from (every position is special or padding)")
-    device = candidate_groups.device
-    counts = torch.bincount(candidate_groups, minlength=num_groups)  # [G]
+    device = counts.device
     offsets = torch.cumsum(counts, 0) - counts  # start of each group's block
-    total = candidate_groups.numel()
     own = counts[anchor_groups]  # [N]
     outside = total - own
     no_other = outside == 0
@@ -83,7 +98,8 @@ def sample_window_positives(
     if half < 1:
         raise ValueError(f"window must be >= 2 to contain a neighbour, got {window}")
     length = eligible.shape[1]
-    offsets = torch.cat([torch.arange(-half, 0), torch.arange(1, half + 1)]).to(eligible.device)  # [2*half]
+    device = eligible.device  # offsets made there: a host tensor copied over would be a blocking copy
+    offsets = torch.cat([torch.arange(-half, 0, device=device), torch.arange(1, half + 1, device=device)])  # [2*half]
     cols = anchor_cols[:, None] + offsets[None, :]  # [N, 2*half]
     inside = (cols >= 0) & (cols < length)
     clamped = cols.clamp(0, length - 1)

@@ -73,7 +73,7 @@ from pipeline.train.checkpoint import (
     settle_pending_save,
 )
 from pipeline.train.checkpoint_writes import check_output_dir
-from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded
+from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded, restore_tf32, set_tf32
 from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, weight_stats
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
 from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
@@ -255,15 +255,16 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
         print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
               f"{'resume from ' + str(resume_dir) if resume_dir else start_from}{newer}")
         return 0
-    with torch_process_state(cfg.train.deterministic):
+    with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
         run = start(cfg, plan, model, target, config_dict, recipe)
         return run.loop(preemption)
 
 
 @contextlib.contextmanager
-def torch_process_state(deterministic: bool) -> Iterator[None]:
+def torch_process_state(deterministic: bool, tf32: bool = True) -> Iterator[None]:
     """Process-wide torch settings of one run, restored afterwards (so runs can follow each other in
-    one process, as in tests): `train.deterministic` (torch's deterministic kernels), and
+    one process, as in tests): `train.deterministic` (torch's deterministic kernels), `deepspeed.tf32`
+    (`pipeline.train.engine.set_tf32`), and
     `torch.nn.functional.linear`, which DeepSpeed's ZeRO-3 replaces process-wide by its
     memory-efficient version ("persists unless manually reset")."""
     import torch.utils.deterministic
@@ -277,9 +278,11 @@ def torch_process_state(deterministic: bool) -> Iterator[None]:
         # NaN-filling every new tensor is a debugging aid, not needed for determinism, and costs
         # a page-touching pass over every allocation (DeepSpeed's flat buffers included).
         torch.utils.deterministic.fill_uninitialized_memory = False
+    tf32_before = set_tf32(tf32)
     try:
         yield
     finally:
+        restore_tf32(tf32_before)
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
         torch.utils.deterministic.fill_uninitialized_memory = previous[2]
         torch.nn.functional.linear = linear
@@ -321,7 +324,7 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
         log.info("resumed from %s at step %d (%d samples)", target.tag_dir, state.step, state.consumed_samples)
 
     collator = CorruptionCollator(model.views, dataset.special_tokens, dataset.vocab_size, cfg.train.seed,
-                                  **cfg.data.corruption)
+                                  plans=model.host_plans(), **cfg.data.corruption)
     batches = PretrainBatches(dataset, collator, plan.batch, info.rank, cfg.train.seed,
                               consumed_samples=state.consumed_samples, num_workers=cfg.data.num_workers,
                               pin_memory=cuda)
@@ -385,8 +388,9 @@ class Run:
                 lr = lr_at(step, cfg.optim, total)
                 set_lr(self.optimizer, lr)
 
+                logged = step % cfg.train.log_every == 0 or step == total  # metrics-only work on these steps
                 sums, nonfinite_local, tokens_local = self.forward_backward(
-                    StepProgress(step, total, accum * self.info.world_size), accum)
+                    StepProgress(step, total, accum * self.info.world_size, record_metrics=logged), accum)
 
                 # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
                 host = torch.tensor([preemption.requested, tokens_local, self.flop_counter.pop()], dtype=torch.float64)

@@ -2,8 +2,9 @@
 without a GPU: Triton lowers to PTX and its bundled ptxas assembles the cubin. Catches errors the
 interpreter cannot see (types, layouts, dot shapes) and reports registers and stack (spills).
 
-Run as `python -m tests.kernels.compile_sm90` with TRITON_INTERPRET unset; prints one JSON line
-per variant: {"kernel", "variant", "registers", "stack_bytes"}.
+Run as `python -m tests.kernels.compile_sm90` with TRITON_INTERPRET unset; prints the Triton
+version, then one JSON line per variant: {"kernel", "variant", "registers", "stack_bytes"}. Another
+Triton (the GPU image's, side by side) goes first on PYTHONPATH: `test_compile_sm90.py`.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ def variants():
                      corrupted_ptr="*i64", loss_ptr="*fp32", correct_ptr="*fp32", inv_count_ptr="*fp32")
     for grad, bias, corrective, write, argmax in (
             ("*fp32", True, False, True, False), ("*bf16", True, True, True, False), ("*fp16", False, False, True, False),
-            ("*fp32", False, False, False, False), ("*bf16", True, False, True, True), ("*fp32", True, False, True, True)):
+            ("*fp32", False, False, False, False), ("*bf16", True, False, True, True), ("*fp32", True, False, True, True),
+            ("*bf16", True, False, True, False)):  # bf16 without argmax: COCO-LM's generator, MLM without accuracy
         yield (lce._softmax_xent_rows_kernel,
                f"grad={grad[1:]} bias={bias} corrective={corrective} write={write} argmax={argmax}",
                {**rows_ptrs, "grad_ptr": grad}, ("copy_prob_max",),
@@ -101,6 +103,7 @@ def variants():
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile_sm90: unset TRITON_INTERPRET (the interpreter cannot compile kernels)")
+    print(json.dumps({"triton": triton.__version__, "path": os.path.dirname(triton.__file__)}), flush=True)
     for fn, variant, pointers, floats, constexprs, warps in variants():
         print(json.dumps(compile_variant(fn, variant, pointers, floats, constexprs, warps)), flush=True)
 

@@ -1,5 +1,5 @@
-"""`model.compile=true`: every layer stack's layers run through `torch.compile` (regional, static
-shapes) and give the eager values and gradients; shapes that change per batch stay eager."""
+"""`model.compile=true`: every layer stack's layers run through `torch.compile` (regional) and give
+the eager values and gradients (shape classes and recompiles: `test_compile_shapes.py`)."""
 from __future__ import annotations
 
 import numpy as np
