@@ -147,19 +147,25 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
     return info
 
 
-def shutdown_distributed() -> None:
-    """Destroy the default process group, if this process made one, before the interpreter tears down.
+def shutdown_distributed() -> bool:
+    """Destroy the default process group, if this process made one, before the interpreter tears down;
+    returns whether there was one.
 
     Without it a gloo rank can abort at exit (SIGABRT, "terminate called without an active
     exception"): gloo's worker threads still hold work objects whose tensors reach back into Python
     while the interpreter is being finalised (pytorch/pytorch#190489). A finished 2-rank run then
     reports exit 134 on one rank although it completed. Local, no collective: safe on error paths.
+    Destroying is not always enough: groups that DeepSpeed still references (ZeRO-3's partition
+    groups) keep their gloo threads until finalisation, so the entry point also ends the process
+    without finalising (`pipeline.train.__main__`).
     """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
+    made = dist.is_available() and dist.is_initialized()
+    if made:
         dist.destroy_process_group()  # every group, the host group of `_gather_host_sizes` included
     _HOST_GROUP.clear()  # and no reference to it outlives the process group
+    return made
 
 
 def _slurm_port() -> str:
