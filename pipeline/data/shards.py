@@ -36,7 +36,9 @@ type, special-token ids, tokenizer hash, packing, totals, and the shard list wit
 name, rows, size and hashes). `check_layout` recomputes it, checks the special-token ids against
 the tokenizer beside the shards, and lists shard files in the directory that the manifest does
 not name, so a hand-edited id or a shard dropped from the manifest is refused by training (at
-start) and by `cpt-verify` alike. The hash holds no build settings (`build_args`, `num_proc`, input
+start) and by `cpt-verify` alike. Format 3 (the first that always writes the hash) requires it: an
+edit that also blanks `content_hash` is refused like any other; manifests of formats 1 and 2 (built
+before the hash existed) are read without it. The hash holds no build settings (`build_args`, `num_proc`, input
 paths) and never reads a shard, so byte-identical builds have the same hash whatever the shard
 file framing; it is the data identity recorded in checkpoints (`manifest_hash`).
 """
@@ -53,8 +55,10 @@ from typing import Any, Iterable
 import numpy as np
 import pyarrow as pa
 
-FORMAT_VERSION = 2  # 2: per-shard xxh3_64 hash
-READABLE_FORMAT_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2: per-shard xxh3_64 hash; 3: `content_hash` always written, so required
+READABLE_FORMAT_VERSIONS = (1, 2, 3)
+#: From this format on every build writes `content_hash`: a manifest of it without one was edited.
+CONTENT_HASH_REQUIRED_FROM = 3
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_SUBDIR = "tokenizer"
 SPECIAL_TOKEN_NAMES = ("pad", "cls", "sep", "mask", "unk")
@@ -178,7 +182,11 @@ def unlisted_shards(directory: str | os.PathLike, manifest: Manifest) -> list[st
 def check_manifest_fields(directory: str | os.PathLike, manifest: Manifest) -> list[str]:
     """The manifest against its own `content_hash` and the shard files present (see the module doc)."""
     problems = []
-    if manifest.content_hash and content_hash(manifest) != manifest.content_hash:
+    if not manifest.content_hash and manifest.format_version >= CONTENT_HASH_REQUIRED_FROM:
+        problems.append(f"{Path(directory) / MANIFEST_FILE}: content_hash is empty, but every format "
+                        f"{manifest.format_version} build writes it: the manifest was edited after the build; restore "
+                        "it or rebuild the shards")
+    elif manifest.content_hash and content_hash(manifest) != manifest.content_hash:
         problems.append(f"{Path(directory) / MANIFEST_FILE}: edited after the build: the fields training reads "
                         f"({', '.join(TRAINING_FIELDS)}) no longer match its content_hash; restore it or rebuild the "
                         "shards")

@@ -35,7 +35,7 @@ def _edit_manifest(directory: Path, edit) -> None:
 
 def test_every_shard_has_its_xxh3_hash_in_the_manifest(tiny_shards_dir):
     manifest = read_manifest(tiny_shards_dir)
-    assert manifest.format_version == FORMAT_VERSION == 2
+    assert manifest.format_version == FORMAT_VERSION == 3
     assert all(s.xxh3_64 == xxh3_file(tiny_shards_dir / s.name) and len(s.xxh3_64) == 16 for s in manifest.shards)
 
 
@@ -128,7 +128,7 @@ def test_merging_format_1_parts_records_xxh3_hashes(tiny_shards_dir, tmp_path):
                    + [s.pop("xxh3_64") for s in raw["shards"]])
     assert merge_main(["--out", str(tmp_path / "merged"), str(part)]) == 0
     merged = read_manifest(tmp_path / "merged")
-    assert merged.format_version == 2 and all(s.xxh3_64 == xxh3_file(tmp_path / "merged" / s.name) for s in merged.shards)
+    assert merged.format_version == FORMAT_VERSION and all(s.xxh3_64 == xxh3_file(tmp_path / "merged" / s.name) for s in merged.shards)
 
 
 def test_out_naming_a_regular_file_is_a_clear_error(tiny_corpus_file, tiny_tokenizer_dir, tiny_shards_dir, tmp_path,

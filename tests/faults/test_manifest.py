@@ -10,7 +10,7 @@ from pathlib import Path
 
 from data_prep.build_shards import build_shards
 from data_prep.verify import main as verify_main
-from pipeline.data.shards import MANIFEST_FILE, content_hash, hash_directory, manifest_file_sha256, manifest_hash, read_manifest
+from pipeline.data.shards import MANIFEST_FILE, Manifest, content_hash, hash_directory, manifest_file_sha256, manifest_hash, read_manifest
 from pipeline.train.loop import EXIT_CONFIG_ERROR
 from pipeline.train.run_meta import RunMeta
 from tests.faults.faults import copy_shards, error_line
@@ -54,13 +54,21 @@ def test_an_edited_field_without_a_tokenizer_to_compare_is_caught_by_the_content
     refused(shards, tmp_path, capsys, "manifest.json: edited after the build: the fields training reads")
 
 
+def test_an_edit_that_also_blanks_the_content_hash_is_refused(tiny_shards_dir, tmp_path, capsys):
+    """A format-3 manifest always carries its hash: an edit (here the sequence totals) that empties it
+    is refused, not read as a manifest from before the hash existed."""
+    shards = copy_shards(tiny_shards_dir, tmp_path / "shards")
+    edit_manifest(shards, lambda raw: raw.update(total_tokens=raw["total_tokens"] + 1, content_hash=""))
+    refused(shards, tmp_path, capsys, "manifest.json: content_hash is empty, but every format 3 build writes it")
+
+
 def test_a_shard_dropped_from_the_manifest_is_refused(tiny_shards_dir, tmp_path, capsys):
     shards = copy_shards(tiny_shards_dir, tmp_path / "shards")
 
     def drop_last(raw):  # totals adjusted, and the hash recomputed too: the directory still tells
         gone = raw["shards"].pop()
         raw["total_sequences"] -= gone["rows"]
-        raw["content_hash"] = ""
+        raw["content_hash"] = content_hash(Manifest.from_dict(raw))
     edit_manifest(shards, drop_last)
     name = read_manifest(tiny_shards_dir).shards[-1].name  # the file stays, the manifest forgets it
     refused(shards, tmp_path, capsys, f"{shards / name}: in the directory but not in manifest.json")
