@@ -2,12 +2,16 @@
 process gets RANK/WORLD_SIZE) ends the job with one line naming it and exit 5 (`EXIT_RANK_LOST`),
 at the next collective (a hung rank: after `train.dist_timeout_s`, tests/train/test_hung_rank.py);
 the newest checkpoint then resumes. Under torchrun, `pipeline.launch_requeue` passes the ranks'
-requeue code 75 on to the scheduler (torchrun itself exits 1)."""
+requeue code 75 on to the scheduler (torchrun itself exits 1). DeepSpeed's launcher passes 75 on
+when the ranks are signalled; `pipeline.launch_requeue --deepspeed` makes a signal to the launcher
+do the same (DeepSpeed alone would kill the ranks and exit 1)."""
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from pipeline.train.loop import EXIT_RANK_LOST
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
@@ -80,3 +84,58 @@ def test_the_wrappers_exit_code_rules():
 
     assert exit_code_of(failures(75, 75)) == 75
     assert exit_code_of(failures(5)) == 5 and exit_code_of(failures(75, 5)) == 1 and exit_code_of(failures(-9)) == 1
+
+
+def start_deepspeed(shards: Path, out: Path, *extra: str, wrapper: bool = False) -> subprocess.Popen:
+    """`deepspeed --num_gpus 2 --module pipeline.train ...` (two gloo ranks on a CPU machine), or the
+    same through `python -m pipeline.launch_requeue --deepspeed`, in a session of its own."""
+    args = ["--num_gpus", "2", "--master_port", str(free_port()), "--module", "pipeline.train", "--config", "tiny-mlm",
+            *overrides(shards, out, *extra)]
+    head = ["-m", "pipeline.launch_requeue", "--deepspeed"] if wrapper else ["-m", "deepspeed.launcher.runner"]
+    return subprocess.Popen([sys.executable, *head, *args], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def preempt_and_resume(shards: Path, out: Path, launcher: subprocess.Popen, signal_it) -> str:
+    """Wait for step 2, `signal_it(launcher)`, expect exit 75 and a checkpoint; then two ranks resume
+    from it and finish two more steps. Returns the launcher's output."""
+    try:
+        wait_for_step(out, 2, launcher)
+        signal_it(launcher)
+        code = launcher.wait(timeout=DEADLINE_S)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    log = output_of(launcher)
+    assert code == REQUEUE_EXIT_CODE, log[-3000:]
+    newest = latest(out)
+    assert newest is not None, log[-3000:]
+    end = int(newest.name.split("_")[1]) + 2
+    procs = start_ranks("tiny-mlm", shards, out, f"train.total_steps={end}", "train.allow_config_change=true")
+    assert wait_all(procs) == [0, 0], output_of(procs[0])[-3000:]
+    assert latest(out) == tag_dir(out, end)
+    return log
+
+
+def test_requeue_code_passes_through_the_deepspeed_launcher_when_the_ranks_are_signalled(tiny_shards_dir, tmp_path):
+    from pipeline.launch_requeue import deepspeed_ranks
+
+    out = tmp_path / "run"
+
+    def signal_the_ranks(launcher):  # as a scheduler's step signal does
+        ranks = deepspeed_ranks(launcher.pid)
+        assert len(ranks) == 2, [r.cmdline() for r in ranks]
+        for rank in ranks:
+            rank.send_signal(signal.SIGUSR1)
+
+    launcher = start_deepspeed(tiny_shards_dir, out, "train.total_steps=400", "train.checkpoint_every=1000")
+    preempt_and_resume(tiny_shards_dir, out, launcher, signal_the_ranks)
+
+
+def test_the_deepspeed_wrapper_turns_a_signal_to_the_launcher_into_a_requeue(tiny_shards_dir, tmp_path):
+    out = tmp_path / "run"
+    launcher = start_deepspeed(tiny_shards_dir, out, "train.total_steps=400", "train.checkpoint_every=1000",
+                               wrapper=True)
+    log = preempt_and_resume(tiny_shards_dir, out, launcher, lambda proc: proc.send_signal(signal.SIGTERM))
+    assert log.count("launch_requeue: got SIGTERM; sent SIGUSR1 to rank pid") == 2, log[-3000:]
+    assert "deepspeed exited 75 (the ranks checkpointed: requeue)" in log
