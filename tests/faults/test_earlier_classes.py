@@ -4,18 +4,22 @@ resumes to the end. (Bitwise-exact resumes after each signal and kill, on one an
 tests/train/test_preemption.py's; this suite checks what the operator sees and keeps.)"""
 from __future__ import annotations
 
+import os
 import signal
 import time
 
 import pytest
 
+import pipeline.train.loop as loop
+
 from pipeline.data.shards import read_manifest
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.train.loop import EXIT_CONFIG_ERROR, EXIT_NONFINITE
+from pipeline.train.checkpoint import verify_checkpoint
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.faults.faults import copy_shards, error_line, resumes_to_the_end
 from tests.train.runs import (DEADLINE_S, latest, losses, output_of, run_inprocess, start_subprocess, tag_dir,
-                              wait_for_step)
+                              wait_for_handler, wait_for_step)
 
 STEPS = ["train.total_steps=8", "train.checkpoint_every=2", "train.keep_last=2"]
 
@@ -69,3 +73,42 @@ def test_signal_or_kill_during_the_steps(how, tiny_shards_dir, tmp_path):
     assert "error:" not in output_of(proc)
     resumes_to_the_end("tiny-mlm", tiny_shards_dir, out, *steps)
     assert max(losses(out)) == 40
+
+
+def test_signal_during_a_save(monkeypatch, tiny_shards_dir, tmp_path):
+    """SIGTERM while step 4's checkpoint is being written: that save completes (not cut short, not
+    corrupted); the signal is acted on at the next step boundary, as at any other moment (the ranks
+    agree on it in the step's all-reduce): step 5 is checkpointed, the run exits 75, and it resumes
+    to the end."""
+    original = loop.save_checkpoint
+
+    def save_with_a_signal(engine, root, state, *args, **kwargs):
+        if state.step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the save
+        return original(engine, root, state, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "save_checkpoint", save_with_a_signal)
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == REQUEUE_EXIT_CODE
+    assert latest(out) == tag_dir(out, 5) and max(losses(out)) == 5
+    verify_checkpoint(tag_dir(out, 4), check_hashes=True)  # the save the signal interrupted is whole
+    monkeypatch.setattr(loop, "save_checkpoint", original)
+    resumes_to_the_end("tiny-mlm", tiny_shards_dir, out, *STEPS)
+    assert max(losses(out)) == 8
+
+
+def test_signal_during_the_start_up_of_a_resume(tiny_shards_dir, tmp_path):
+    """SIGTERM while a resumed run is still starting (before its first step): exit 75, nothing new
+    written, the resume point unchanged, and it still resumes to the end."""
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS[1:], "train.total_steps=4") == 0
+    before = latest(out)
+    proc = start_subprocess("tiny-mlm", tiny_shards_dir, out, *STEPS, "train.allow_config_change=true")
+    wait_for_handler(proc, signal.SIGTERM)
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=DEADLINE_S)
+    assert code == REQUEUE_EXIT_CODE, output_of(proc)[-3000:]
+    assert "error:" not in output_of(proc)
+    assert latest(out) == before == tag_dir(out, 4) and max(losses(out)) == 4
+    resumes_to_the_end("tiny-mlm", tiny_shards_dir, out, *STEPS, "train.allow_config_change=true")
+    assert max(losses(out)) == 8
