@@ -107,8 +107,10 @@ def check_output_dir(output_dir: Path, rank: int = 0) -> None:
 
 
 class RecordingWrites:
-    """A DeepSpeed checkpoint engine whose `save` records the first failure instead of raising it
-    (and skips later writes of the doomed tag); everything else is the wrapped engine's."""
+    """A DeepSpeed checkpoint engine whose `save` and `makedirs` record the first failure instead of
+    raising it (and skip later writes of the doomed tag); everything else is the wrapped engine's.
+    `makedirs` too: DeepSpeed's `save_checkpoint` creates the checkpoint root on rank 0 alone before
+    a barrier, so a raise there (disk full, read-only parent) would leave the other ranks waiting."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -118,6 +120,10 @@ class RecordingWrites:
         if not self.problem:
             self.problem = write_or_describe(Path(path), lambda: self._inner.save(state_dict, path),
                                              object_bytes(state_dict))
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        if not self.problem:
+            self.problem = write_or_describe(Path(path), lambda: self._inner.makedirs(path, exist_ok=exist_ok))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

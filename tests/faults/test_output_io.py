@@ -1,5 +1,5 @@
-"""Class 4, I/O failures: a full disk at the first save (DeepSpeed's copy of `zero_to_fp32.py`), an
-output directory that is a file or read-only. Each ends with one line naming the path and exit 4
+"""Class 4, I/O failures: a full disk at the first save (DeepSpeed's copy of `zero_to_fp32.py`) or
+when a later save creates its directories, an output directory that is a file or read-only. Each ends with one line naming the path and exit 4
 (`EXIT_SAVE_FAILED`, the code of every failed save), never a traceback; nothing partial is left
 as `latest`, and once the cause is gone the run goes on."""
 from __future__ import annotations
@@ -11,6 +11,7 @@ import subprocess
 import pytest
 
 import deepspeed.runtime.engine as ds_engine
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
 from pipeline.train.loop import EXIT_SAVE_FAILED
 from tests.faults.faults import error_line
 from tests.train.runs import latest, losses, run_inprocess, tag_dir
@@ -35,6 +36,29 @@ def test_full_disk_at_the_first_save(monkeypatch, tiny_shards_dir, tmp_path, cap
     assert "checkpoints/latest does not exist yet" in message
     assert latest(out) is None and not tag_dir(out, 2).exists()
     monkeypatch.setattr(ds_engine, "copyfile", copy)  # space freed
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == 0 and latest(out) == tag_dir(out, 4)
+
+
+def test_full_disk_when_a_later_save_creates_its_directories(monkeypatch, tiny_shards_dir, tmp_path, capsys):
+    """DeepSpeed creates the checkpoint directories through its checkpoint engine (rank 0 alone, then a
+    barrier): a failure there is one line and exit 4 too; step 2's checkpoint stays `latest`."""
+    out = tmp_path / "run"
+    makedirs = CheckpointEngine.makedirs
+    root_calls = []
+
+    def full(self, path, exist_ok=False):
+        root_calls.extend([path] if os.path.abspath(path) == str(out / "checkpoints") else [])
+        if len(root_calls) >= 2:  # the second save's first directory
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return makedirs(self, path, exist_ok=exist_ok)
+
+    monkeypatch.setattr(CheckpointEngine, "makedirs", full)
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == EXIT_SAVE_FAILED
+    message = error_line(capsys.readouterr().err)
+    assert message.startswith("no space left on device: ") and "Checkpoint step_00000004 was not written" in message, \
+        message
+    assert latest(out) == tag_dir(out, 2)
+    monkeypatch.setattr(CheckpointEngine, "makedirs", makedirs)  # space freed
     assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == 0 and latest(out) == tag_dir(out, 4)
 
 
