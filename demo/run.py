@@ -123,6 +123,13 @@ class Stages:
         print(f"   done in {self.times[self._name]:.1f}s{': ' + detail if detail else ''}", flush=True)
 
 
+def shown_live(line: str) -> bool:
+    """Whether a line of the training log is echoed to the console: DeepSpeed's [INFO] / [WARNING] CPU
+    chatter goes to the log only, except its op-build lines (`BUILD_LINE`), which end the start's one
+    long silence."""
+    return ("[WARNING]" not in line and "[INFO]" not in line) or BUILD_LINE.search(line) is not None
+
+
 def run_training(preset: str, overrides: Sequence[str], log_path: Path) -> None:
     """`python -m pipeline.train` in a child process (its own DeepSpeed/distributed state), output shown
     live and kept in `log_path`; a non-zero exit stops the demo with the log's tail."""
@@ -132,7 +139,7 @@ def run_training(preset: str, overrides: Sequence[str], log_path: Path) -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             log.write(line)
-            if ("[WARNING]" not in line and "[INFO]" not in line) or BUILD_LINE.search(line):  # CPU chatter: log only
+            if shown_live(line):
                 sys.stdout.write("   | " + line)
                 sys.stdout.flush()
         code = proc.wait()

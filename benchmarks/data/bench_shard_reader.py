@@ -6,23 +6,28 @@ measured side by side in one run on the same rows.
 
 Both directories hold identical rows (uint16 ids, random); the file-framed one is written with
 `pyarrow.ipc.new_file` as the previous writer did, the stream-framed one with today's
-`pipeline.data.shards.write_shard`. For each, best of `--trials` rounds in which the two framings
-alternate (after one untimed warm-up round, so the page cache holds both and the comparison is of
-the reader, not the disk; alternating makes load from other processes hit both alike):
+`pipeline.data.shards.write_shard`. The measures run in `--trials` rounds after one untimed warm-up
+round (so the page cache holds every directory and the comparison is of the reader, not the disk);
+in each round every framing runs each measure once, in an order rotated from round to round, so
+load from other processes on a shared machine hits every framing alike and none always runs first:
 
 1. open: `ShardDataset(dir).open()` without hashing (`verify=False`: the hash check reads every
    byte and does not depend on the framing), i.e. memory-map every shard, read its schema and
    expose zero-copy numpy views;
 2. random rows: `ShardDataset.take` of `--batch` rows drawn uniformly over the whole directory,
-   `--batches` times (what `PretrainBatches` does per micro-batch): rows/s;
-3. single rows: `ShardDataset[i]` for `--singles` random i: rows/s.
+   `--batches` times (what `PretrainBatches` does per micro-batch; copies the rows): rows/s;
+3. single rows: `ShardDataset[i]` for `--singles` random i: rows/s. It returns views into the
+   memory map, so it times the lookup (shard search, view creation) and reads no token bytes.
 
-Ratio = stream / file speed (>= 1: no loss); a second stream-framed copy is measured as a control,
-and its ratio to the first is the noise floor of that comparison on this machine. Output: `<out>/shard_reader.{json,md}`.
+Speeds are medians over the rounds. Ratios are paired: stream / file speed within each round (>= 1:
+no loss), reported as the median over the rounds with its 10th-90th percentile range; a second
+stream-framed copy is measured as a control, and its paired ratio to the first shows the noise of
+such a comparison on this machine. Output: `<out>/shard_reader.{json,md}`.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import tempfile
 import time
@@ -85,17 +90,27 @@ def build(directory: Path, writer: Callable[..., ShardInfo], shards: int, rows: 
     write_atomic(directory / MANIFEST_FILE, manifest.to_json())
 
 
-def interleaved_best(trials: int, fns: dict[str, Callable[[], None]]) -> dict[str, float]:
-    """Best time of each function over `trials` rounds, the functions alternating within each round
-    (so load from other processes on a shared machine hits both framings alike); one warm-up round."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
+def interleaved_times(trials: int, framings: Sequence[str], kinds: Sequence[str],
+                      fns: dict[tuple[str, str], Callable[[], None]]) -> dict[tuple[str, str], list[float]]:
+    """Every round's time of each (framing, kind), after one untimed warm-up round (page cache, imports).
+    Within a round each kind runs under every framing back to back, the framings' order rotated by one
+    each round: a framing that always ran first (or always after the same one) would carry that
+    position's share of the machine's load changes into the comparison."""
+    times: dict[tuple[str, str], list[float]] = {key: [] for key in fns}
     for trial in range(trials + 1):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            if trial:  # round 0 warms the page cache and imports
-                times[name].append(time.perf_counter() - start)
-    return {name: min(t) for name, t in times.items()}
+        order = [framings[(trial + i) % len(framings)] for i in range(len(framings))]
+        for kind in kinds:
+            for framing in order:
+                start = time.perf_counter()
+                fns[(framing, kind)]()
+                if trial:
+                    times[(framing, kind)].append(time.perf_counter() - start)
+    return times
+
+
+def speed_ratios(times_a: list[float], times_b: list[float]) -> np.ndarray:
+    """Per round, the speed of b relative to a: time(a) / time(b), each round's two times paired."""
+    return np.asarray(times_a) / np.asarray(times_b)
 
 
 def workloads(directory: Path, args: argparse.Namespace) -> dict[str, Callable[[], None]]:
@@ -120,6 +135,10 @@ def workloads(directory: Path, args: argparse.Namespace) -> dict[str, Callable[[
     return {"open": open_all, "take": take, "single": single}
 
 
+KINDS = ("open", "take", "single")
+MEASURES = {"open": "open_s", "take": "take_rows_per_s", "single": "single_rows_per_s"}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shards", type=int, default=8)
@@ -127,8 +146,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--batches", type=int, default=200)
-    parser.add_argument("--singles", type=int, default=20000)
-    parser.add_argument("--trials", type=int, default=15)
+    parser.add_argument("--singles", type=int, default=10000)
+    parser.add_argument("--trials", type=int, default=41, help="timed rounds")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="bench_shard_reader_"))
@@ -138,28 +157,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             directory = work / framing.split()[0]
             build(directory, writer, args.shards, args.rows, args.seq_len, seed=0)
             fns.update({(framing, kind): fn for kind, fn in workloads(directory, args).items()})
-        best = interleaved_best(args.trials, fns)
-        results = {framing: {"open_s": best[(framing, "open")],
-                             "take_rows_per_s": args.batch * args.batches / best[(framing, "take")],
-                             "single_rows_per_s": args.singles / best[(framing, "single")]}
-                   for framing, _ in FRAMINGS}
-        before, after = results["file (before)"], results["stream (now)"]
-        rows = [{"framing": name, **{k: round(v, 5 if k == "open_s" else 0) for k, v in r.items()}}
-                for name, r in results.items()]
-        control = results["stream-copy (control)"]
-        rows.append({"framing": "ratio control/stream (noise)", "open_s": round(after["open_s"] / control["open_s"], 3),
-                     "take_rows_per_s": round(control["take_rows_per_s"] / after["take_rows_per_s"], 3),
-                     "single_rows_per_s": round(control["single_rows_per_s"] / after["single_rows_per_s"], 3)})
-        rows.append({"framing": "ratio stream/file (speed)", "open_s": round(before["open_s"] / after["open_s"], 3),
-                     "take_rows_per_s": round(after["take_rows_per_s"] / before["take_rows_per_s"], 3),
-                     "single_rows_per_s": round(after["single_rows_per_s"] / before["single_rows_per_s"], 3)})
+        names = [framing for framing, _ in FRAMINGS]
+        times = interleaved_times(args.trials, names, KINDS, fns)
+        work_per_round = {"open": None, "take": args.batch * args.batches, "single": args.singles}
+
+        def value(seconds: float, kind: str) -> float:  # open stays a time; the reads become rows/s
+            return seconds if kind == "open" else work_per_round[kind] / seconds
+
+        rows = [{"framing": name, **{MEASURES[kind]: round(value(float(np.median(times[(name, kind)])), kind),
+                                                           5 if kind == "open" else 0) for kind in KINDS}}
+                for name in names]
+        file, stream, control = names
+        ratios = {"stream/file (speed)": {kind: speed_ratios(times[(file, kind)], times[(stream, kind)])
+                                          for kind in KINDS},
+                  "control/stream (noise)": {kind: speed_ratios(times[(stream, kind)], times[(control, kind)])
+                                             for kind in KINDS}}
+        for label, by_kind in ratios.items():
+            for statistic, q in (("median", 50), ("p10", 10), ("p90", 90)):
+                rows.append({"framing": f"ratio {label}, {statistic}",
+                             **{MEASURES[kind]: round(float(np.percentile(r, q)), 3) for kind, r in by_kind.items()}})
         notes = [f"{args.shards} shards x {args.rows} rows x {args.seq_len} uint16 tokens; take: {args.batches} "
-                 f"batches of {args.batch} uniform random rows; singles: {args.singles} random rows; best of "
-                 f"{args.trials} rounds alternating the framings, after a warm-up round (page cache warm for both)",
-                 "ratio stream/file > 1: the stream framing is faster; compare it with the control ratio (two "
-                 "identical stream-framed directories), the noise of this machine"]
+                 f"batches of {args.batch} uniform random rows; singles: {args.singles} random rows (views: no token "
+                 f"bytes read); {args.trials} rounds after a warm-up round (page cache warm for every directory), "
+                 "the framings' order rotated each round; speeds: medians over the rounds; "
+                 f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}",
+                 "ratios are paired per round (the same round's times) and summarised by their median and 10th / 90th "
+                 "percentiles; stream/file > 1: the stream framing is faster; compare its spread with the control's "
+                 "(two identical stream-framed directories), the noise of this machine"]
+        extra = {"round_times_s": {f"{framing} / {kind}": t for (framing, kind), t in times.items()}}
         paths = write_report("shard_reader", rows, args.out, "Shard reader: Arrow IPC file vs stream framing",
-                             notes=notes)
+                             notes=notes, extra=extra)
         print(paths["md"].read_text())
     finally:
         shutil.rmtree(work, ignore_errors=True)

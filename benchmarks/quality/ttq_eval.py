@@ -1,7 +1,8 @@
 """Evaluation of one converted checkpoint in the time-to-quality study.
 
 * `heldout_metrics`: on held-out shards the pretraining never saw, with the pipeline's own masking
-  and a fixed seed (every checkpoint sees identical masks), through `BertForMaskedLM`:
+  and a fixed seed (every checkpoint sees identical masks), through the masked LM class the converted
+  directory names (`AutoModelForMaskedLM`: `BertForMaskedLM` or `ModernBertForMaskedLM`):
     - masked-LM loss and accuracy at the masked positions;
     - `unigram_accuracy`: the accuracy of always answering the training data's most frequent token
       (`pipeline.eval.health.unigram_counts`) at *the same* positions: the plateau an MLM that
@@ -49,7 +50,7 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
     """Masked-LM loss / accuracy, the unigram plateau at the same positions, and the eval-mode mean
     token cosine of a converted model on held-out shards (see the module docstring)."""
     import torch
-    from transformers import BertForMaskedLM
+    from transformers import AutoModelForMaskedLM
 
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import ShardDataset
@@ -57,7 +58,9 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
     dataset = ShardDataset(shards_dir)
     collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = BertForMaskedLM.from_pretrained(str(model_dir)).eval().to(device)
+    # the class config.json names (either family): BertForMaskedLM on a ModernBERT export would build
+    # a BERT, load none of its tensors and evaluate random weights with only a warning
+    model = AutoModelForMaskedLM.from_pretrained(str(model_dir)).eval().to(device)
     total_loss, correct, plateau, count = 0.0, 0, 0, 0
     n = min(len(dataset), max_sequences)
     with torch.no_grad():
@@ -77,8 +80,8 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
         rows = np.unique(np.linspace(0, len(dataset) - 1, num=min(cos_rows, len(dataset))).round().astype(np.int64))
         clean = CorruptionCollator(("original",), dataset.special_tokens, dataset.vocab_size, seed).collate(
             *dataset.take(rows), rows)
-        hidden = model.bert(input_ids=clean["input_ids"].to(device),
-                            attention_mask=clean["attention_mask"].to(device)).last_hidden_state.cpu()
+        hidden = model.base_model(input_ids=clean["input_ids"].to(device),
+                                  attention_mask=clean["attention_mask"].to(device)).last_hidden_state.cpu()
         content = clean["attention_mask"].bool() & ~clean["special_mask"].bool()
         cosine = mean_token_cosine(hidden, content)
     return {"mlm_loss": total_loss / count, "mlm_acc": correct / count, "unigram_acc": plateau / count,

@@ -26,24 +26,26 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.model.arch import FAMILY_TITLES, HF_MASKED_LM
+
 #: The files `zero_to_fp32.py` (and `transformers`' save_pretrained) name their weights with.
 WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
 INDEX_FILES = ("pytorch_model.bin.index.json", "model.safetensors.index.json")
 README_FILE = "README.md"
 
-CHECKPOINT_README = """# Checkpoints of a contrastive-pretrain run
+CHECKPOINT_README = """# Checkpoints of a contrastive-pretrain run: {family} encoder (`model.arch={arch}`)
 
 Each `step_*` directory is one DeepSpeed checkpoint (weights, optimizer state, `pipeline_meta.json`);
-`latest` names the newest complete one. They hold the training model (fused QKV projection,
-objective heads), not a Hugging Face model.
+`latest` names the newest complete one. They hold the training model, not a Hugging Face model:
+{training_names}, and the objectives' own heads are beside the encoder.
 
-To get a Hugging Face `BertForMaskedLM` directory (config, safetensors, tokenizer, model card):
+To get a Hugging Face `{hf_class}` directory (config, safetensors, tokenizer, model card):
 
     cpt-convert {run_dir} hf_model/          # the latest checkpoint; or name a step_* directory
     # (the same as: python -m pipeline.export.convert {run_dir} hf_model/)
 
 Any ZeRO stage and rank count converts on a CPU. `zero_to_fp32.py` here is DeepSpeed's own helper:
-it writes the training model's names, which no Hugging Face class loads (and its
+it writes the training model's names, which `{hf_class}` does not load (and its
 `--safe_serialization` stops on the tied embeddings). If you already ran it, convert its output:
 
     cpt-convert {run_dir}/checkpoints/step_XXXXXXXX hf_model/ --weights ZERO_TO_FP32_OUTPUT_DIR
@@ -51,10 +53,19 @@ it writes the training model's names, which no Hugging Face class loads (and its
 To continue or extend the run: `cpt-train --resume {run_dir} train.total_steps=N`.
 Details: docs/conversion.md and docs/training.md of the contrastive-pretrain repository.
 """
+#: How the training model's names differ from the Hugging Face class's, per family (`model.arch`).
+_TRAINING_NAMES = {
+    "bert": "its attention has one fused `attention.self.qkv` projection where\n`BertForMaskedLM` has separate "
+            "query, key and value",
+    "modernbert": "its tensors are named `bert.*` / `cls.*` where\n`ModernBertForMaskedLM` has `model.*` / `head.*`",
+}
 
 
-def render_checkpoint_readme(checkpoints_dir: Path) -> str:
-    return CHECKPOINT_README.format(run_dir=checkpoints_dir.resolve().parent)
+def render_checkpoint_readme(checkpoints_dir: Path, arch: str) -> str:
+    """The README of a run's checkpoints directory, naming the run's family (`model.arch`) and the
+    Hugging Face class its checkpoints convert to."""
+    return CHECKPOINT_README.format(run_dir=checkpoints_dir.resolve().parent, arch=arch, family=FAMILY_TITLES[arch],
+                                    hf_class=HF_MASKED_LM[arch], training_names=_TRAINING_NAMES[arch])
 
 
 def consolidated_files(path: Path) -> list[Path]:

@@ -18,7 +18,7 @@ import yaml
 from pipeline.eval.health import COLLAPSE_COSINE, POSITIVE_COSINE_PINNED
 from pipeline.export.health_check import HealthReport
 from pipeline.export.hf_adapter import CORRECTED_HEAD_FORMULA, HFExport
-from pipeline.model.arch import arch_of, encoder_config_from_dict
+from pipeline.model.arch import FAMILY_TITLES, HF_MASKED_LM, arch_of, encoder_config_from_dict
 from pipeline.model.modernbert import is_modernbert
 from pipeline.train.run_meta import META_FILE, RunMeta
 
@@ -158,11 +158,11 @@ def health_section(health: Optional[HealthReport]) -> list[str]:
     return ["", "## Health check (at conversion)", "", _table(rows, ("measure", "value", "verdict"))]
 
 
-_FAMILY_TITLES = {"bert": "BERT", "modernbert": "ModernBERT-style"}
 _FAMILY_ROWS = {
-    "bert": "BERT (`BertForMaskedLM`): learned absolute positions, post-LayerNorm, GELU FFN",
-    "modernbert": "ModernBERT (`ModernBertForMaskedLM`, `model.arch=modernbert`): rotary positions, pre-LayerNorm "
-                  "without biases, GeGLU, alternating global / sliding-window attention, final norm, tied MLM head",
+    "bert": f"BERT (`{HF_MASKED_LM['bert']}`): learned absolute positions, post-LayerNorm, GELU FFN",
+    "modernbert": f"ModernBERT (`{HF_MASKED_LM['modernbert']}`, `model.arch=modernbert`): rotary positions, "
+                  "pre-LayerNorm without biases, GeGLU, alternating global / sliding-window attention, final norm, "
+                  "tied MLM head",
 }
 
 
@@ -245,7 +245,7 @@ def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, gener
         assert export.generator is not None
         enc = export.generator.config
     title = ("COCO-LM auxiliary generator" if generator_card
-             else _FAMILY_TITLES[arch_of(enc)] + " encoder pretrained with " + " + ".join(meta.objectives))
+             else FAMILY_TITLES[arch_of(enc)] + " encoder pretrained with " + " + ".join(meta.objectives))
     lines = [front_matter(meta, inputs, generator_card), f"# {title}", ""]
     problems = inputs.health.problems() if inputs.health and not generator_card else []
     if problems:

@@ -22,12 +22,21 @@ from pipeline.model.modernbert import (ARCH as MODERNBERT, ModernBertConfig, Mod
 
 ARCHS = ("bert", MODERNBERT)
 AnyEncoderConfig = Union[EncoderConfig, ModernBertConfig]
+#: What each family is called in cards and READMEs, and the Hugging Face class it converts to (and
+#: warm-starts from): the one table every text about a converted family reads.
+FAMILY_TITLES = {"bert": "BERT", MODERNBERT: "ModernBERT-style"}
+HF_MASKED_LM = {"bert": "BertForMaskedLM", MODERNBERT: "ModernBertForMaskedLM"}
+
+
+def arch_of_fields(fields: Mapping[str, Any]) -> str:
+    """The family of a stored config dict (`RunMeta.encoder_config`): BERT runs predate the `arch` key."""
+    return fields.get("arch", "bert")
 
 
 def encoder_config_from_dict(fields: Mapping[str, Any]) -> AnyEncoderConfig:
     """The config dataclass a stored dict (`RunMeta.encoder_config`, objective-heads info) describes."""
     fields = dict(fields)
-    if fields.get("arch", "bert") == MODERNBERT:
+    if arch_of_fields(fields) == MODERNBERT:
         return ModernBertConfig(**fields)
     fields.pop("arch", None)
     return EncoderConfig(**fields)

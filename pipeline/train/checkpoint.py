@@ -68,6 +68,7 @@ import torch
 from pipeline.config.checks import ConfigError
 from pipeline.config.run import config_differences, config_hash
 from pipeline.distributed import barrier, broadcast_object, first_problem
+from pipeline.model.arch import arch_of_fields
 from pipeline.train.checkpoint_writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
 from pipeline.train.run_meta import META_FILE, RunMeta
 
@@ -305,7 +306,8 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
         engine.save_checkpoint(str(root), tag=tag, client_state={}, save_latest=False)
     problem = writes.problem
     if is_main and not problem:
-        problem = _write_run_files(tag_dir, state, meta) or write_conversion_readme(root)
+        problem = (_write_run_files(tag_dir, state, meta)
+                   or write_conversion_readme(root, arch_of_fields(meta.encoder_config)))
     _fail_together(problem, root, tag_dir, is_main)  # also waits until every rank's files are written
     if finisher is not None:
         if is_main:
@@ -319,13 +321,14 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
     return tag_dir
 
 
-def write_conversion_readme(root: Path) -> str:
-    """`checkpoints/README.md`: how to convert these checkpoints (beside DeepSpeed's zero_to_fp32.py,
-    which alone yields no Hugging Face model; `pipeline.export.consolidated`); "" or what went wrong."""
+def write_conversion_readme(root: Path, arch: str) -> str:
+    """`checkpoints/README.md`: how to convert these checkpoints of family `arch` (beside DeepSpeed's
+    zero_to_fp32.py, which alone yields no Hugging Face model; `pipeline.export.consolidated`); "" or
+    what went wrong."""
     from pipeline.export.consolidated import README_FILE, render_checkpoint_readme
 
     path = root / README_FILE
-    text = render_checkpoint_readme(root)
+    text = render_checkpoint_readme(root, arch)
     if path.is_file() and path.read_text() == text:
         return ""
     return write_or_describe(path, lambda: _write_text_atomic(path, text))

@@ -57,6 +57,7 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
     assert list(summary["stage_seconds"]) == ["corpus", "tokenizer", "shards", "pretrain", "convert", "fill_mask",
                                                "outcome"]
     assert "skipped: --corpus given" in printed
+    assert "starting: imports, config and data checks" in printed  # the op-build note before the quiet start
     predictions = summary["fill_mask"][0]["predictions"]
     assert len(predictions) == 5 and all(0 <= p["score"] <= 1 for p in predictions)
     assert summary["final_metrics"]["step"] == 2

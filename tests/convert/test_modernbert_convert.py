@@ -93,6 +93,50 @@ def test_export_tensors_and_card(modernbert_run, modernbert_export):
     assert "token_type_embeddings" not in card  # BERT's segment-B advice does not apply
 
 
+@pytest.mark.slow  # zero_to_fp32.py runs in its own process, as a user runs it
+def test_zero_to_fp32_output_converts_to_the_same_modernbert(modernbert_run, modernbert_export, tmp_path):
+    """DeepSpeed's own `zero_to_fp32.py`, run as a user would on a ModernBERT checkpoint, writes the training
+    names (`bert.*`, which `ModernBertForMaskedLM` does not load); `cpt-convert TAG OUT --weights ITS_OUTPUT`
+    (its `.bin`, or safetensors with one name per tied storage) gives the very tensors of the direct export,
+    and the converted model computes the training model's logits."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForMaskedLM, ModernBertForMaskedLM
+
+    from pipeline.export.convert import main as convert_main
+    from tests.convert.test_zero_to_fp32 import zero_to_fp32
+
+    tag = tag_dir(modernbert_run, 3)
+    weights = {"bin": tmp_path / "z_bin", "safetensors": tmp_path / "z_safetensors"}
+    proc = zero_to_fp32(modernbert_run / "checkpoints", tag.name, weights["bin"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    state = torch.load(weights["bin"] / "pytorch_model.bin", weights_only=True)
+    assert "bert.encoder.layers.0.attn.Wqkv.weight" in state and not any(k.startswith("model.") for k in state)
+    weights["safetensors"].mkdir()
+    save_file({k: v.contiguous() for k, v in state.items() if k != "cls.predictions.decoder.weight"},
+              str(weights["safetensors"] / "model.safetensors"))
+
+    direct = load_file(modernbert_export / "model.safetensors")
+    ours = _ours(modernbert_run)
+    for form, source in weights.items():
+        out = tmp_path / f"hf_{form}"
+        assert convert_main([str(tag), str(out), "--weights", str(source)]) == 0, form
+        got = load_file(out / "model.safetensors")
+        assert got.keys() == direct.keys(), form
+        for key in direct:
+            assert torch.equal(got[key], direct[key]), (form, key)
+        assert "zero_to_fp32.py" in (out / "README.md").read_text()  # the card names where the weights came from
+        hf = AutoModelForMaskedLM.from_pretrained(str(out), attn_implementation="sdpa").eval()
+        assert type(hf) is ModernBertForMaskedLM
+        ids, mask, lengths = _probe(hf.config.vocab_size, hf.config.pad_token_id)
+        real = mask.bool()
+        with torch.no_grad():
+            ours.bert.encoder.attention = "varlen"
+            logits = ours.cls(ours.bert(ids, mask, seqlens=lengths).last_hidden)
+            reference = hf(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(logits[real], reference[real], rtol=0, atol=1e-4, msg=form)
+        assert reference.abs().max() > 0.1
+
+
 def test_cocolm_generator_exports_as_a_second_modernbert(tiny_shards_dir, tmp_path):
     """COCO-LM on ModernBERT: `--with-generator` writes `generator/`, a plain `ModernBertForMaskedLM` that
     computes the training generator's logits (shared embeddings -> generator layers + final norm -> its own

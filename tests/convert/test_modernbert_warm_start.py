@@ -1,6 +1,7 @@
 """`model.init_from` with a Hugging Face ModernBERT directory (`model.arch=modernbert`): the warm-started
 model computes the Hugging Face model's logits, a real run's step-1 loss is HF's loss, and a tiny learning
-rate exports the input weights; a directory of the other family is refused with the fix named."""
+rate exports the input weights, TACO and CAPT continue pretraining it; a directory of the other family is refused
+with the fix named."""
 from __future__ import annotations
 
 import json
@@ -110,6 +111,39 @@ def test_step_one_loss_is_hugging_face_loss_and_tiny_lr_exports_the_input(modern
     meta = json.loads((exported / "pipeline_meta.json").read_text())
     assert meta["base_model"]["name"] == "tiny-modernbert"
     assert "\nbase_model: tiny-modernbert\n" in (exported / "README.md").read_text().split("---")[1]
+
+
+@pytest.mark.parametrize("preset, metric", [("tiny-taco", "taco/loss"), ("tiny-capt", "capt/negatives")])
+def test_taco_and_capt_continue_pretraining_a_hugging_face_modernbert(preset, metric, modernbert_dir,
+                                                                      modernbert_shards, tmp_path):
+    """The issue's use case: continue pretraining a Hugging Face ModernBERT with TACO or CAPT (beside MLM).
+    Two steps at the preset's learning rate: the objective trains (finite losses, its own metrics) and the
+    encoder and MLM head start from the directory's weights: each checked tensor ends within two Adam steps
+    (at most about 1.4 lr each) of its Hugging Face value, which no fresh initialisation comes near (`save_tiny_modernbert`
+    moved every tensor by 0.05 * randn off its init); the continued run converts, naming its base model."""
+    from tests.train.runs import module_state, tag_dir
+
+    hf = load_file(modernbert_dir / "model.safetensors")
+    pairs = {"bert.embeddings.tok_embeddings.weight": "model.embeddings.tok_embeddings.weight",
+             "bert.encoder.layers.3.attn.Wqkv.weight": "model.layers.3.attn.Wqkv.weight",
+             "bert.encoder.layers.2.mlp.Wi.weight": "model.layers.2.mlp.Wi.weight",
+             "bert.encoder.final_norm.weight": "model.final_norm.weight",
+             "cls.predictions.transform.norm.weight": "head.norm.weight"}
+    out = tmp_path / "run"
+    assert run_inprocess(preset, modernbert_shards, out, ARCH, f"model.init_from={modernbert_dir}",
+                         "optim.warmup_steps=0", "train.total_steps=2", "train.checkpoint_every=2") == 0
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(torch.isfinite(torch.tensor(r["loss"])) and r[metric] > 0 for r in rows)
+    assert rows[1]["lr"] > 1e-4  # a real learning rate: the closeness below is not a frozen model's
+
+    trained = module_state(tag_dir(out, 2))
+    for ours, theirs in pairs.items():
+        assert trained[ours].shape == hf[theirs].shape, ours
+        moved = float((trained[ours] - hf[theirs]).abs().max())
+        assert 0 < moved < 4e-3, (ours, moved)
+    exported = convert(out, tmp_path / "hf")
+    assert json.loads((exported / "pipeline_meta.json").read_text())["base_model"]["name"] == "tiny-modernbert"
 
 
 def test_family_mismatch_and_unsupported_fields_are_named(modernbert_dir, bert_dir, modernbert_shards, tmp_path):

@@ -42,10 +42,11 @@ def test_taco_and_capt_combined_with_a_queue(tiny_shards_dir, tmp_path):
     assert last["capt/negatives"] > 3  # the queue holds the earlier steps' entries: more than in-batch
 
 
-@pytest.mark.parametrize("preset", ["tiny-mlm", "tiny-capt", "tiny-cocolm"])
+@pytest.mark.parametrize("preset", ["tiny-mlm", "tiny-mlm-nce", "tiny-taco", "tiny-capt", "tiny-cocolm", "tiny-infoword"])
 def test_modernbert_resume_is_bitwise_exact(preset, tiny_shards_dir, tmp_path):
     """Checkpoint at step 2 of 4, resume in a fresh directory: steps 3-4 (every logged metric, CAPT's
-    queue and COCO-LM's sampling included) and the final weights equal the uninterrupted run's bit for bit."""
+    queue, COCO-LM's sampling, TACO's and NCE's negative draws, InfoWord's span masks and n-gram picks
+    included) and the final weights equal the uninterrupted run's bit for bit."""
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     assert run_inprocess(preset, tiny_shards_dir, full, ARCH, *STEPS) == 0
     assert run_inprocess(preset, tiny_shards_dir, resumed, ARCH, *STEPS, f"train.resume={tag_dir(full, 2)}") == 0
@@ -54,6 +55,9 @@ def test_modernbert_resume_is_bitwise_exact(preset, tiny_shards_dir, tmp_path):
     for step in (3, 4):
         assert got[step] == expected[step], f"{preset}: step {step} differs after resume"
     assert expected[3]["loss"] != expected[4]["loss"]
+    objective = preset.removeprefix("tiny-")
+    if objective != "mlm":  # the objective's own loss is among the compared metrics, not only MLM's
+        assert f"{objective}/loss" in expected[3] and f"{objective}/loss" in got[3]
     final_full, final_resumed = module_state(tag_dir(full, 4)), module_state(tag_dir(resumed, 4))
     assert final_full.keys() == final_resumed.keys()
     assert "bert.encoder.layers.0.attn.Wqkv.weight" in final_full

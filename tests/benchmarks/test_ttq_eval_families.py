@@ -1,0 +1,59 @@
+"""The time-to-quality evaluation (`benchmarks.quality.ttq_eval.heldout_metrics`) evaluates the model a
+converted directory holds, of either family: its masked-LM loss, accuracy and token cosine are the training
+model's own on the same batches (it once loaded every export as `BertForMaskedLM`, which on a ModernBERT
+export evaluates a randomly initialised BERT)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from benchmarks.quality.ttq_eval import heldout_metrics, top_token_of
+from pipeline.data.corruption import CorruptionCollator
+from pipeline.data.reader import ShardDataset
+from pipeline.eval.health import mean_token_cosine
+from pipeline.export.convert import convert
+from pipeline.model.build import model_from_meta
+from pipeline.train.run_meta import RunMeta
+from tests.train.runs import module_state, run_inprocess, tag_dir
+
+SEQUENCES, BATCH, COS_ROWS = 16, 8, 6
+
+
+@pytest.mark.parametrize("arch", ["modernbert", "bert"])
+def test_heldout_metrics_are_the_training_models_own(arch, tiny_shards_dir, tmp_path):
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, f"model.arch={arch}", "optim.warmup_steps=0", "train.total_steps=2",
+                         "train.checkpoint_every=2") == 0
+    exported = convert(out, tmp_path / "hf")
+    top = top_token_of(tiny_shards_dir)
+    metrics = heldout_metrics(exported, tiny_shards_dir, top_token=top, max_sequences=SEQUENCES, cos_rows=COS_ROWS,
+                              batch_size=BATCH)
+
+    tag = tag_dir(out, 2)
+    ours = model_from_meta(RunMeta.read(tag))
+    ours.load_state_dict(module_state(tag), strict=False)
+    ours.eval()
+    dataset = ShardDataset(tiny_shards_dir)
+    collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, 0)
+    loss, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for start in range(0, SEQUENCES, BATCH):
+            rows = np.arange(start, start + BATCH)
+            batch = collator.collate(*dataset.take(rows), rows)
+            selected = batch["mlm_labels"] != -100
+            logits = ours.cls(ours.bert(batch["masked_ids"], batch["attention_mask"]).last_hidden)[selected]
+            target = batch["mlm_labels"][selected]
+            loss += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+            correct += int((logits.argmax(-1) == target).sum())
+            count += int(selected.sum())
+        rows = np.unique(np.linspace(0, len(dataset) - 1, num=COS_ROWS).round().astype(np.int64))
+        clean = CorruptionCollator(("original",), dataset.special_tokens, dataset.vocab_size, 0).collate(
+            *dataset.take(rows), rows)
+        hidden = ours.bert(clean["input_ids"], clean["attention_mask"]).last_hidden
+        cosine = mean_token_cosine(hidden, clean["attention_mask"].bool() & ~clean["special_mask"].bool())
+
+    assert metrics["masked_tokens"] == count > 0
+    assert metrics["mlm_loss"] == pytest.approx(loss / count, rel=1e-5)
+    assert metrics["mlm_acc"] == correct / count
+    assert metrics["token_cosine"] == pytest.approx(cosine, abs=1e-5)
