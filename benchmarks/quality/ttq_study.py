@@ -31,7 +31,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from benchmarks.throughput.bench_throughput import last_error_line
 from benchmarks.quality.ttq_data import StudyData
@@ -64,11 +64,13 @@ class RunKey:
         return work / "runs" / self.objective / f"lr_{self.lr:g}" / f"seed_{self.seed}"
 
 
-def check_study_args(args, work: Path) -> None:
-    """Record the defining settings in `<work>/study.json`, or refuse a work dir made with others
-    (adding objectives, pretraining or fine-tuning seeds to a study is fine: that is how it grows)."""
-    current = {k: getattr(args, k) for k in DEFINING_ARGS}
-    current["seeds"] = args.seeds[0]  # the sweep seed; later seeds may be added
+def check_study_args(args, work: Path, defining: Sequence[str] = DEFINING_ARGS, sweep_seed: bool = True) -> None:
+    """Record the `defining` settings in `<work>/study.json`, or refuse a work dir made with others
+    (adding objectives, pretraining or fine-tuning seeds to a study is fine: that is how it grows).
+    `sweep_seed`: the first seed is defining too (it runs the learning-rate sweep)."""
+    current = {k: getattr(args, k) for k in defining}
+    if sweep_seed:
+        current["seeds"] = args.seeds[0]  # the sweep seed; later seeds may be added
     current = json.loads(json.dumps(current, default=str))
     path = work / "study.json"
     if path.is_file():
