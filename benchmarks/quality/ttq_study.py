@@ -125,6 +125,7 @@ def run_child(cmd: list[str], log) -> int:
 
 def train_run(key: RunKey, data: StudyData, args, work: Path) -> dict:
     """Train (or resume) one run, convert every checkpoint, and record it in `train.json`."""
+    from pipeline.eval.signals import final_signals
     from pipeline.train.checkpoint import is_complete, list_tags
     from pipeline.train.metrics import read_jsonl
 
@@ -169,6 +170,8 @@ def train_run(key: RunKey, data: StudyData, args, work: Path) -> dict:
             "positive_cosines": {k: v for k, v in last.items() if k.endswith("positive_cosine")},
             "collapsed_steps": sum(1 for r in records if r.get("health/collapsed")),
             "logged_steps": len(records),
+            # each learning signal against its chance level over the last 20% of the logged steps
+            "signals": [s.to_dict() for s in final_signals(records)],
         },
         "final_train_loss": last.get("loss"),
     }
