@@ -7,8 +7,10 @@ row names must be learned (a contrastive loss at <= 0.85x its chance level, a ma
 the unigram plateau, an LM loss below the unigram entropy), every term with a declared chance too,
 and the token states must not have collapsed. A change that leaves an objective at chance (a
 detached gradient, a wrong sign, a broken sampler) fails here in about a minute, long before a
-GPU run would show it. `test_the_guard_fails_a_run_that_does_not_learn` checks that the judge
-does say "at chance" for a run that cannot learn.
+GPU run would show it (measured: with BERT-NCE's encoder states detached from its loss, so only
+the output embeddings learn, `mlm-nce/loss` ends at 0.93x chance and the row fails).
+`test_the_guard_fails_a_run_that_does_not_learn` checks that the judge does say "at chance" for a
+run that cannot learn.
 
 Adding an objective (COCO-LM, InfoWord and CAPT once issue 29's fixes make them learn): add one
 `Guard` row to `GUARDS` with its tiny preset and the terms that must be learned (the names it logs,
