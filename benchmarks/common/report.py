@@ -157,8 +157,9 @@ def panel_chart(
         for label, points in panels.get(name, {}).items():
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], linewidth=1.2, label=label)
-        for y, label in (hlines or {}).get(name, ()):
-            ax.axhline(y, color="black", linestyle=":", linewidth=1, label=label)
+        for i, (y, label) in enumerate((hlines or {}).get(name, ())):  # the first line dotted, the others dashed
+            ax.axhline(y, color="black" if i == 0 else "grey", linestyle=":" if i == 0 else "--", linewidth=1,
+                       label=label)
         ax.set_title(name, fontsize=9)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
