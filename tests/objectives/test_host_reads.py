@@ -211,7 +211,9 @@ def test_no_device_sync_in_the_step_on_cuda(case):
 
     objectives, options = CASES[case]
     options = {**options, **({"capt": {"queue_size": 0}} if "capt" in objectives else {})}
-    model = tiny_model(objectives, options).cuda()
+    model = tiny_model(objectives, options)
+    model.set_health_unigram(np.arange(VOCAB))  # the health metrics' unigram references (entropy: a device gather)
+    model = model.cuda()
     model.kernels = "auto"
     batch = {k: v.pin_memory() for k, v in collated(model).items()}
     model(move_batch(batch, torch.device("cuda")), sampling_seed=1)[0].backward()  # lazy init, kernel probes
