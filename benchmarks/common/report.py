@@ -2,7 +2,8 @@
 
 `write_report(name, rows, out_dir, title, bar=("label_column", "value_column"))` writes
 `<out_dir>/<name>.json`, `<name>.md` and (when `bar` is given) `<name>.png`, each atomically.
-`line_chart(series, path, ...)` draws curves (e.g. quality against steps) for reports with more plots.
+`line_chart(series, path, ...)` draws curves (e.g. quality against steps) for reports with more plots,
+`panel_chart(panels, path, ...)` a grid of them (one axis per panel).
 """
 from __future__ import annotations
 
@@ -129,6 +130,44 @@ def line_chart(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
+    _save_figure(fig, path)
+
+
+def panel_chart(
+    panels: dict[str, dict[str, Sequence[tuple[float, float]]]],
+    path: Path,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    hlines: dict[str, Sequence[tuple[float, str]]] | None = None,
+    columns: int = 2,
+) -> None:
+    """One small axis per panel (`{panel title: {label: [(x, y), ...]}}`, e.g. a curve per seed of
+    each learning signal), a shared x label, and per panel reference lines `hlines[panel] =
+    [(y, label), ...]` (PNG, atomic)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(panels) or ["(no data)"]
+    rows = (len(names) + columns - 1) // columns
+    fig, axes = plt.subplots(rows, columns, figsize=(5.0 * columns, 3.2 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for label, points in panels.get(name, {}).items():
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], linewidth=1.2, label=label)
+        for i, (y, label) in enumerate((hlines or {}).get(name, ())):  # the first line dotted, the others dashed
+            ax.axhline(y, color="black" if i == 0 else "grey", linestyle=":" if i == 0 else "--", linewidth=1,
+                       label=label)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=10)
     _save_figure(fig, path)
 
 

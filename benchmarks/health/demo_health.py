@@ -11,7 +11,9 @@ tokenizer; `benchmarks.quality.ttq_eval.heldout_metrics`):
   trained on, fresh masks: the plateau in the corpus's own domain; `corpus_*`),
 
 beside the training-time health metrics of the run's last logged step (`health/token_cosine`,
-`*/positive_cosine`) and the number of logged steps flagged `health/collapsed`. `--seeds` repeats
+`*/positive_cosine`), the number of logged steps flagged `health/collapsed`, and the learning signals
+not learned over the last 20% of the logged steps (`train_signals_at_chance`: each term against its
+chance level, the unigram plateau or entropy; `pipeline.eval.signals`). `--seeds` repeats
 each objective with other demo seeds (a recipe at the edge of collapse shows it on some seeds
 only). Writes `<out>/<name>.{json,md}` (default `demo_health`) with the device, versions and
 command; the demo outputs stay in `<work>/seed_<seed>/<objective>` (a finished one is reused).
@@ -36,8 +38,10 @@ from benchmarks.throughput.bench_throughput import parse_list  # noqa: E402
 def measure(objective: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     """One demo run and its health numbers (cached in `<work>/seed_<seed>/<objective>.health.json`)."""
     from benchmarks.quality.ttq_eval import cached, heldout_metrics, top_token_of
+    from benchmarks.quality.ttq_report import signals_at_chance
     from data_prep.build_shards import build_shards
     from demo.run import main as demo_main
+    from pipeline.eval.signals import final_signals
     from pipeline.train.metrics import read_jsonl
 
     out = work / f"seed_{seed}" / objective
@@ -56,6 +60,7 @@ def measure(objective: str, seed: int, args: argparse.Namespace, work: Path) -> 
                                   args.eval_sequences)
         records = read_jsonl(Path(summary["paths"]["metrics"]))
         last = records[-1]
+        signals = final_signals(records)
         return {"objective": objective, "steps": last["step"], "pretrain_seconds": summary["stage_seconds"]["pretrain"],
                 "demo_seconds": summary["total_seconds"], "heldout_token_cosine": metrics["token_cosine"],
                 "collapsed": metrics["collapsed"], "heldout_mlm_acc": metrics["mlm_acc"],
@@ -63,6 +68,8 @@ def measure(objective: str, seed: int, args: argparse.Namespace, work: Path) -> 
                 "heldout_mlm_loss": metrics["mlm_loss"], "train_token_cosine": last.get("health/token_cosine"),
                 "train_collapsed_logged_steps": sum(1 for r in records if r.get("health/collapsed")),
                 "logged_steps": len(records),
+                "train_signals_learned": f"{sum(x.learned for x in signals)}/{len(signals)}",
+                "train_signals_at_chance": signals_at_chance({"signals": [x.to_dict() for x in signals]}),
                 **{f"train_{k.replace('/', '_')}": v for k, v in last.items() if k.endswith("positive_cosine")},
                 "fill_mask_top": [item["predictions"][0]["token"] for item in summary["fill_mask"]]}
 

@@ -155,11 +155,23 @@ def run_rows(study: dict) -> list[dict]:
                        sst2_select=((final.get("downstream") or {}).get("pretrained", {}).get("select") or {}).get("mean"),
                        sst2_dev=((final.get("downstream") or {}).get("pretrained", {}).get("dev") or {}).get("mean"),
                        train_token_cosine=health["token_cosine"], train_collapsed_steps=health["collapsed_steps"],
+                       train_signals_at_chance=signals_at_chance(health),
                        **{f"train_{k.replace('/', '_')}": v for k, v in health["positive_cosines"].items()})
         else:
             row["error"] = run["train"].get("error")
         rows.append(row)
     return rows
+
+
+def signals_at_chance(train_health: dict) -> Optional[str]:
+    """The learning signals not learned over the last 20% of a run's logged steps (`pipeline.eval.signals`,
+    recorded by `ttq_study.train_run`): "none", the terms with value / reference, or None for a run
+    recorded before they were."""
+    signals = train_health.get("signals")
+    if signals is None:
+        return None
+    missed = [s for s in signals if not s["learned"]]
+    return "; ".join(f"{s['term']} {s['value']:.3f} vs {s['reference']:.3f}" for s in missed) or "none"
 
 
 def curve_rows(curves: dict) -> list[dict]:
@@ -226,7 +238,10 @@ def write_study_report(study: dict, args, data_notes: list[str], out: Path, extr
                  notes=notes[:1] + notes[3:4])
     write_report("time_to_quality_runs", runs, out, "Every run, sweep included: health and final numbers",
                  notes=[f"collapsed: held-out mean token cosine > {COLLAPSE_COSINE}; train_collapsed_steps: logged "
-                        "training steps with health/collapsed = 1"])
+                        "training steps with health/collapsed = 1",
+                        "train_signals_at_chance: the learning signals (pipeline.eval.signals: each term against its "
+                        "chance level, the unigram plateau or entropy, the collapse threshold) not learned over the "
+                        "last 20% of the logged steps"])
     write_report("time_to_quality_curves", curve_table, out, "Evaluation curves (mean, 95% interval over seeds)",
                  notes=notes[2:3])
     pngs = plots(curves, floor, health, out)

@@ -31,7 +31,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from benchmarks.throughput.bench_throughput import last_error_line
 from benchmarks.quality.ttq_data import StudyData
@@ -64,11 +64,13 @@ class RunKey:
         return work / "runs" / self.objective / f"lr_{self.lr:g}" / f"seed_{self.seed}"
 
 
-def check_study_args(args, work: Path) -> None:
-    """Record the defining settings in `<work>/study.json`, or refuse a work dir made with others
-    (adding objectives, pretraining or fine-tuning seeds to a study is fine: that is how it grows)."""
-    current = {k: getattr(args, k) for k in DEFINING_ARGS}
-    current["seeds"] = args.seeds[0]  # the sweep seed; later seeds may be added
+def check_study_args(args, work: Path, defining: Sequence[str] = DEFINING_ARGS, sweep_seed: bool = True) -> None:
+    """Record the `defining` settings in `<work>/study.json`, or refuse a work dir made with others
+    (adding objectives, pretraining or fine-tuning seeds to a study is fine: that is how it grows).
+    `sweep_seed`: the first seed is defining too (it runs the learning-rate sweep)."""
+    current = {k: getattr(args, k) for k in defining}
+    if sweep_seed:
+        current["seeds"] = args.seeds[0]  # the sweep seed; later seeds may be added
     current = json.loads(json.dumps(current, default=str))
     path = work / "study.json"
     if path.is_file():
@@ -123,6 +125,7 @@ def run_child(cmd: list[str], log) -> int:
 
 def train_run(key: RunKey, data: StudyData, args, work: Path) -> dict:
     """Train (or resume) one run, convert every checkpoint, and record it in `train.json`."""
+    from pipeline.eval.signals import final_signals
     from pipeline.train.checkpoint import is_complete, list_tags
     from pipeline.train.metrics import read_jsonl
 
@@ -167,6 +170,8 @@ def train_run(key: RunKey, data: StudyData, args, work: Path) -> dict:
             "positive_cosines": {k: v for k, v in last.items() if k.endswith("positive_cosine")},
             "collapsed_steps": sum(1 for r in records if r.get("health/collapsed")),
             "logged_steps": len(records),
+            # each learning signal against its chance level over the last 20% of the logged steps
+            "signals": [s.to_dict() for s in final_signals(records)],
         },
         "final_train_loss": last.get("loss"),
     }

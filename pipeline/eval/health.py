@@ -20,8 +20,10 @@ Two failure modes make a pretraining comparison meaningless, and neither shows i
 Used at conversion (`pipeline.export.health_check`: a loud warning and a section of the model
 card), by the benchmarks (every report states both numbers for every run) and during training:
 `step_health` reads an encoder output the step already computed (no extra forward) and logs
-`health/token_cosine` and `health/unigram_accuracy` (the plateau on this batch's masked positions,
-beside the objective's own masked accuracy, e.g. `mlm/accuracy`); `CollapseMonitor` adds the
+`health/token_cosine`, `health/unigram_accuracy` (the plateau on this batch's masked positions,
+beside the objective's own masked accuracy, e.g. `mlm/accuracy`) and `health/unigram_entropy` (the
+unigram predictor's cross-entropy at the same positions, the level a full-vocabulary LM loss such as
+`mlm/loss` or `cocolm/clm_lm_loss` must get below; `pipeline.eval.signals` pairs them); `CollapseMonitor` adds the
 `health/collapsed` flag and a warning when the run enters or leaves collapse. The top token comes
 from `unigram_counts` over a bounded, evenly spaced sample of shard rows (deterministic, read once
 at start-up, never a scan of the corpus).
@@ -134,9 +136,18 @@ def unigram_counts(dataset: Any, max_rows: int = UNIGRAM_SAMPLE_ROWS) -> np.ndar
     return counts
 
 
+def unigram_log_probs(counts: np.ndarray) -> Tensor:
+    """log q_v [V] (float64) of the add-one smoothed unigram distribution q_v = (c_v + 1) / sum_u (c_u + 1)
+    of `unigram_counts` (special tokens, zeroed there, keep the add-one mass): the one home of the
+    smoothing, shared by the output-bias start (`pipeline.model.build.unigram_bias`), the NCE log q and
+    `health/unigram_entropy`."""
+    smoothed = counts.astype(np.float64) + 1.0
+    return torch.from_numpy(np.log(smoothed / smoothed.sum()))
+
+
 @torch.no_grad()
 def step_health(cached: Mapping[tuple[str, str], Any], batch: Mapping[str, Tensor], structure_ids: Tensor,
-                top_token: Optional[int]) -> dict[str, Tensor]:
+                top_token: Optional[int], log_unigram: Optional[Tensor] = None) -> dict[str, Tensor]:
     """Health metrics of one micro-batch from encoder outputs it already has (`StepContext`'s cache):
 
     * `health/token_cosine`: `token_cosine_tensor` of the last hidden states of the content tokens
@@ -145,7 +156,10 @@ def step_health(cached: Mapping[tuple[str, str], Any], batch: Mapping[str, Tenso
       conversion check;
     * `health/unigram_accuracy`: the fraction of this batch's masked targets equal to `top_token`,
       i.e. the accuracy of the unigram predictor on exactly the positions the objective's masked
-      accuracy is measured on (when the batch has masked labels and `top_token` is known).
+      accuracy is measured on (when the batch has masked labels and `top_token` is known);
+    * `health/unigram_entropy`: -mean log q(target) over the same positions, q the smoothed unigram
+      distribution `log_unigram` [V] (`unigram_log_probs`, on the batch's device): the cross-entropy of
+      the unigram predictor, i.e. the loss a full-vocabulary LM reaches by ignoring the context.
     No host sync; empty when nothing applies."""
     out: dict[str, Tensor] = {}
     key = next((k for k in HEALTH_INPUTS if k in cached), None)
@@ -154,11 +168,17 @@ def step_health(cached: Mapping[tuple[str, str], Any], batch: Mapping[str, Tenso
         content = attention.bool() & ~torch.isin(ids, structure_ids.to(ids.device))
         out["health/token_cosine"] = token_cosine_tensor(cached[key].last_hidden, content)
     labels_key = next((k for k in LABEL_KEYS if k in batch), None)
-    if labels_key is not None and top_token is not None:
-        labels = batch[labels_key]
-        selected = labels != -100  # pipeline.batch.IGNORE_INDEX (this module stays import-light)
-        hits = (selected & (labels == top_token)).sum().float()
-        out["health/unigram_accuracy"] = hits / selected.sum().clamp(min=1).float()
+    if labels_key is None:
+        return out
+    labels = batch[labels_key]
+    selected = labels != -100  # pipeline.batch.IGNORE_INDEX (this module stays import-light)
+    count = selected.sum().clamp(min=1).float()
+    if top_token is not None:
+        out["health/unigram_accuracy"] = (selected & (labels == top_token)).sum().float() / count
+    if log_unigram is not None:
+        # a gather at every position (ignored ones read id 0, then weighted 0): no boolean indexing, no sync
+        log_q = log_unigram[labels.clamp(min=0)]
+        out["health/unigram_entropy"] = -(log_q * selected).sum() / count
     return out
 
 

@@ -11,6 +11,10 @@ are checked before anything is written:
 * a contrastive positive cosine pinned at 1.0 in the run's last logged metrics
   (`pipeline.eval.health.pinned_positive_cosines`, e.g. `capt/positive_cosine`).
 
+Beside them, the run's learning signals at its last logged step (`pipeline.eval.signals`: each
+term against its chance level, the unigram plateau or entropy) go into the model card; a signal
+at chance is reported there, not treated as collapse (one logged step is a noisy sample of it).
+
 An unhealthy checkpoint still converts (it may be wanted for a post-mortem), but the converter
 prints a loud warning on stderr and the model card carries it at the top.
 """
@@ -33,6 +37,7 @@ from pipeline.eval.health import (
     pinned_positive_cosines,
     positive_cosines,
 )
+from pipeline.eval.signals import Signal, learning_signals
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.train.run_meta import RunMeta
 
@@ -46,6 +51,7 @@ class HealthReport:
     probe_tokens: int = 0
     positive_cosines: dict[str, float] = field(default_factory=dict)
     note: str = ""
+    signals: list[Signal] = field(default_factory=list)  # the last logged step's learning signals
 
     @property
     def collapsed(self) -> bool:
@@ -85,15 +91,16 @@ def check_health(model: PretrainModel, state: dict[str, torch.Tensor], meta: Run
     """Both measures for the checkpoint weights `state` (its `bert.*` are loaded into `model`, the
     model `pipeline_meta.json` describes) and the run's last metrics."""
     positives = positive_cosines(meta.last_metrics)
+    signals = learning_signals(meta.last_metrics)
     path = Path(shards_dir or meta.data_dir or "")
     if not str(path) or not (path / "manifest.json").is_file():
-        return HealthReport(None, positive_cosines=positives,
+        return HealthReport(None, positive_cosines=positives, signals=signals,
                             note=f"shards not found at {path.name or '(no data_dir)'}: pass --shards DIR to measure")
     model.bert.load_state_dict({k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")})
     batch = probe_batch(path)
     cosine = encoder_token_cosine(model.bert, batch["input_ids"], batch["attention_mask"], batch["special_mask"])
     tokens = int((batch["attention_mask"].bool() & ~batch["special_mask"].bool()).sum())
-    return HealthReport(cosine, len(batch["input_ids"]), tokens, positives)
+    return HealthReport(cosine, len(batch["input_ids"]), tokens, positives, signals=signals)
 
 
 def announce(report: HealthReport, stream: Optional[TextIO] = None) -> None:

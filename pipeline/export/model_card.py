@@ -16,6 +16,7 @@ from typing import Any, Optional
 import yaml
 
 from pipeline.eval.health import COLLAPSE_COSINE, POSITIVE_COSINE_PINNED
+from pipeline.eval.signals import LOSS_RATIO, PLATEAU_MARGIN, Signal
 from pipeline.export.health_check import HealthReport
 from pipeline.export.hf_adapter import CORRECTED_HEAD_FORMULA, HFExport
 from pipeline.model.arch import FAMILY_TITLES, HF_MASKED_LM, arch_of, encoder_config_from_dict
@@ -155,7 +156,31 @@ def health_section(health: Optional[HealthReport]) -> list[str]:
     for key, value in sorted(health.positive_cosines.items()):
         verdict = "**PINNED at 1.0**" if key in health.pinned else "ok"
         rows.append((f"`{key}` (last logged step)", f"{value:.4f}", f"{verdict} (pinned at >= {POSITIVE_COSINE_PINNED})"))
-    return ["", "## Health check (at conversion)", "", _table(rows, ("measure", "value", "verdict"))]
+    return ["", "## Health check (at conversion)", "", _table(rows, ("measure", "value", "verdict"))] + signals_section(
+        health.signals)
+
+
+def signals_section(signals: list[Signal]) -> list[str]:
+    """The last logged step's learning signals against their chance levels (`pipeline.eval.signals`)."""
+    if not signals:
+        return []
+    rows = []
+    for s in signals:
+        if s.kind == "collapse":
+            continue  # the token cosine row above says it
+        if s.direction == "lower":
+            compared = f"{s.ratio:.2f}x {_REFERENCES[s.kind]} `{s.reference_key}` ({s.reference:.4f})"
+        else:
+            compared = f"{s.margin:+.4f} vs {_REFERENCES[s.kind]} `{s.reference_key}` ({s.reference:.4f})"
+        rows.append((f"`{s.term}`", f"{s.value:.4f}", compared, "learned" if s.learned else "**AT CHANCE**"))
+    if not rows:
+        return []
+    return ["", f"Learning signals at the last logged step (one step's sample; a contrastive loss is learned at <= "
+            f"{LOSS_RATIO}x its chance level, a masked accuracy {PLATEAU_MARGIN} above the unigram plateau, an LM "
+            "loss below the unigram entropy):", "", _table(rows, ("signal", "value", "against", "verdict"))]
+
+
+_REFERENCES = {"chance": "chance", "plateau": "unigram plateau", "entropy": "unigram entropy"}
 
 
 _FAMILY_ROWS = {

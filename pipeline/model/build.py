@@ -14,6 +14,7 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
+from pipeline.eval.health import unigram_log_probs
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.objectives.mlm_nce import LOG_PROPOSAL, log_proposal_samplers
@@ -48,7 +49,7 @@ def build_pretrain_model(encoder_config: AnyEncoderConfig, objectives: Mapping[s
 def unigram_bias(counts: np.ndarray) -> torch.Tensor:
     """b_v = log p_v - mean_u log p_u with p_v = (c_v + 1) / sum_u (c_u + 1): the output bias whose
     softmax (with zero hidden contribution) is the add-one smoothed unigram distribution."""
-    logp = np.log((counts.astype(np.float64) + 1.0) / float((counts.astype(np.float64) + 1.0).sum()))
+    logp = unigram_log_probs(counts).numpy()
     return torch.from_numpy(logp - logp.mean()).float()
 
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from pipeline import seeding
 from pipeline.batch import STRUCTURE_TOKENS, special_ids
-from pipeline.eval.health import step_health
+from pipeline.eval.health import step_health, unigram_log_probs
 from pipeline.model.arch import AnyEncoderConfig, build_encoder_and_head, configure_stacks, init_weights
 from pipeline.objectives.base import StepContext, StepProgress
 from pipeline.objectives.registry import build_objective
@@ -61,12 +62,22 @@ class PretrainModel(nn.Module):
                              persistent=False)
         #: most frequent training token (`health/unigram_accuracy`); set by the training loop, None: not logged
         self.health_top_token: Optional[int] = None
+        #: log q [V] of the smoothed unigram distribution (`health/unigram_entropy`); a non-persistent buffer
+        #: so it moves with the model (a host tensor indexed on the device would be a copy in the step)
+        self.register_buffer("health_log_unigram", None, persistent=False)
         init_weights(self, encoder_config)
         for obj in self.objectives.values():
             reset = getattr(obj, "reset_parameters", None)
             if reset is not None:
                 reset()
         configure_stacks(self, encoder_config, attention, compile_layers)
+
+    def set_health_unigram(self, counts: np.ndarray) -> None:
+        """The unigram references of the health metrics from the shards' token counts
+        (`pipeline.eval.health.unigram_counts`): the plateau's top token and the entropy's log q."""
+        self.health_top_token = int(counts.argmax())
+        device = self.structure_ids.device
+        self.health_log_unigram = unigram_log_probs(counts).float().to(device)
 
     @property
     def views(self) -> set[str]:
@@ -99,7 +110,8 @@ class PretrainModel(nn.Module):
             metrics[f"{name}/loss"] = loss.detach().float()
             metrics.update({f"{name}/{k}": v.detach().float() for k, v in parts.items()})
         if ctx.progress.record_metrics:  # health reads fp32 copies of hidden states: logged steps only
-            metrics.update(step_health(ctx.cached_outputs(), batch, self.structure_ids, self.health_top_token))
+            metrics.update(step_health(ctx.cached_outputs(), batch, self.structure_ids, self.health_top_token,
+                                       self.health_log_unigram))
         metrics["loss"] = total.detach()
         return total, metrics
 

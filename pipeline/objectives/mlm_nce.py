@@ -26,7 +26,8 @@ mentions a unigram distribution (Sec. 4); *choice* `negatives` (the pool):
     `functional.sampled_softmax_cross_entropy`; the counts are summed over the ranks by one
     all-reduce), so its cost is about a full-vocabulary MLM head.
 A negative equal to the target is masked out inside the loss. The negatives per masked position
-are logged (`negatives`). Uses the same head as `mlm` (`cls.predictions`).
+are logged (`negatives`), and on logged steps the loss at chance, `loss_chance` = mean_i
+ln(1 + |Neg_i|) (every score equal; `pipeline.eval.signals` calls the term learned at <= 0.85x it). Uses the same head as `mlm` (`cls.predictions`).
 
 What the head learns (and why conversion corrects its bias). With negatives drawn from a
 proposal q, the InfoNCE optimum is s(v, c) = log p(v | c) - log q(v) + const(c) (Oord et al.
@@ -76,18 +77,31 @@ class Negatives:
     def op_args(self) -> tuple[Tensor, ...]:
         return (self.ids,) if self.counts is None else (self.ids, self.counts, self.groups)
 
+    def sizes(self, targets: Tensor) -> Tensor:
+        """|Neg_i| [N] (float32): the negatives of each position, copies of its target excluded (the
+        loss masks them out), counted with multiplicity in the shared layout (the offsets log c_v
+        weigh each distinct id by its count)."""
+        if self.counts is None:
+            return (self.ids != targets[:, None]).sum(1).float()
+        total = self.counts.sum(1).float()[self.groups]  # look the target up: no [N, U] tensor
+        if self.ids.numel() == 0:
+            return total
+        pos = torch.searchsorted(self.ids, targets).clamp(max=self.ids.numel() - 1)
+        own = torch.where(self.ids[pos] == targets, self.counts[self.groups, pos].float(), torch.zeros_like(total))
+        return total - own
+
     def per_anchor(self, targets: Tensor) -> Tensor:
         """Mean size of Neg_i over the N positions, copies of the target excluded (a metric)."""
         if targets.numel() == 0:
             return torch.zeros((), device=targets.device)
-        if self.counts is None:
-            return (self.ids != targets[:, None]).sum(1).float().mean()
-        total = self.counts.sum(1).float()[self.groups]  # look the target up: no [N, U] tensor
-        if self.ids.numel() == 0:
-            return total.mean()
-        pos = torch.searchsorted(self.ids, targets).clamp(max=self.ids.numel() - 1)
-        own = torch.where(self.ids[pos] == targets, self.counts[self.groups, pos].float(), torch.zeros_like(total))
-        return (total - own).mean()
+        return self.sizes(targets).mean()
+
+    def chance_loss(self, targets: Tensor) -> Tensor:
+        """The loss at chance, mean_i ln(1 + |Neg_i|): with every score equal, -log of the positive's
+        share of the 1 + |Neg_i| candidates (`pipeline.eval.signals`: "learned" at <= 0.85x this)."""
+        if targets.numel() == 0:
+            return torch.zeros((), device=targets.device)
+        return torch.log1p(self.sizes(targets)).mean()
 
 
 class NegativeTokenSampler(nn.Module):
@@ -211,13 +225,19 @@ class MaskedLanguageModelingNCE(Objective):
         self.track_accuracy = track_accuracy
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
-        return nce_loss(ctx, self.ids_key, self.labels_key, self.sampler, self.track_accuracy)
+        return nce_loss(ctx, self.ids_key, self.labels_key, self.sampler, self.track_accuracy, chance_key="loss_chance")
 
 
 def nce_loss(
-    ctx: StepContext, ids_key: str, labels_key: str, sampler: NegativeTokenSampler, track_accuracy: bool
+    ctx: StepContext, ids_key: str, labels_key: str, sampler: NegativeTokenSampler, track_accuracy: bool,
+    chance_key: str = "nce_loss_chance",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """BERT-NCE on the selected positions of `ids_key` (shared by `mlm-nce` and `infoword`)."""
+    """BERT-NCE on the selected positions of `ids_key` (shared by `mlm-nce` and `infoword`).
+
+    On logged steps the metrics carry `chance_key`, the loss at chance (`Negatives.chance_loss`),
+    named after the metric the caller logs the loss under plus `_chance` (the contract of
+    `pipeline.eval.signals`): `loss_chance` for `mlm-nce` (its loss is the objective's), the default
+    `nce_loss_chance` for InfoWord's `nce_loss` term."""
     hidden = ctx.encode(ids_key).last_hidden
     labels = ctx.batch[labels_key]
     h_sel, targets, flat = gather_selected(hidden, labels, ctx.batch.get(positions_key(labels_key)))
@@ -231,4 +251,6 @@ def nce_loss(
     }
     if acc is not None:
         metrics["accuracy"] = acc
+    if ctx.progress.record_metrics:  # a metric only: no work on the steps that are not logged
+        metrics[chance_key] = negatives.chance_loss(targets)
     return loss, metrics

@@ -25,6 +25,9 @@ sequences are single contexts. A FULL-packed row joins several documents (`docum
     L_TC = mean_x -log( e^{f(g_x, g_c)} / (e^{f(g_x, g_c)} + sum_k e^{f(g_x, g_k^-)}) ),
     f(a, b) = cos(a, b) / tau
 
+At chance (every similarity equal) L_TC = ln(1 + K): logged as `loss_chance` on logged steps
+(`pipeline.eval.signals` calls the term learned at <= 0.85x it).
+
 Defaults (paper Sec. 4.1, Table 5): W=5, K=50, tau=0.07; positives/negatives detached (public
 reference code): the gradient flows through the anchors only. The paper's recipe is
 `objectives: {mlm: 1, taco: 1}`; with the default `view="masked"` MLM and TACO share one pass.
@@ -46,6 +49,7 @@ shapes (`draw_taco_indices`), so it never makes the host wait for the device.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -243,4 +247,7 @@ class TokenAlignmentContrastive(Objective):
         loss = ctx.op("token_contrastive_loss")(
             g, anchor_idx, positive_idx, negative_idx, self.tau, self.detach_candidates
         )
-        return loss, {"anchors": scalar_metric(anchor_idx.numel(), g.device)}
+        metrics = {"anchors": scalar_metric(anchor_idx.numel(), g.device)}
+        if ctx.progress.record_metrics:  # every anchor scores its positive against K drawn negatives
+            metrics["loss_chance"] = scalar_metric(math.log(1 + self.num_negatives), g.device)
+        return loss, metrics

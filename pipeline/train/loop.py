@@ -52,6 +52,7 @@ from pipeline.config.run import (
 )
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.eval.health import CollapseMonitor, unigram_counts
+from pipeline.eval.signals import format_signals, learning_signals
 from pipeline.model.build import build_pretrain_model
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.objectives.base import SAMPLED_SOFTMAX, StepProgress
@@ -305,8 +306,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     dataset = open_dataset(cfg.data.shards_dir, cfg.data.verify_shards)  # every rank checks the shards' bytes
-    # the unigram plateau (`health/unigram_accuracy`): the most frequent token of a bounded row sample
-    model.health_top_token = int(unigram_counts(dataset).argmax())
+    # the unigram references of the health metrics (plateau, entropy) from a bounded row sample
+    model.set_health_unigram(unigram_counts(dataset))
 
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))
@@ -499,9 +500,16 @@ class Run:
         if self.cfg.deepspeed.precision == "fp16":
             metrics["loss_scale"] = float(getattr(self.engine.optimizer, "loss_scale", float("nan")))
         self.writer.write(step, metrics)
-        if self.info.is_main and not self.cfg.train.progress_bar:
-            log.info("step %d/%d loss %.4f lr %.3e %.0f tok/s", step, self.cfg.train.total_steps,
-                     metrics.get("loss", float("nan")), lr, metrics["tokens_per_s"])
+        if self.info.is_main:
+            # each learning signal against its chance level (pipeline.eval.signals): on the step line, or,
+            # under a progress bar (no step lines), once at the end of the run
+            signals = format_signals(learning_signals(metrics))
+            if not self.cfg.train.progress_bar:
+                log.info("step %d/%d loss %.4f lr %.3e %.0f tok/s%s", step, self.cfg.train.total_steps,
+                         metrics.get("loss", float("nan")), lr, metrics["tokens_per_s"],
+                         f" | signals {signals}" if signals else "")
+            elif step == self.cfg.train.total_steps and signals:
+                log.info("learning signals at step %d (this step only; noisy): %s", step, signals)
         return metrics
 
     def checkpoint(self, last_metrics: dict, healthy: bool = True) -> None:

@@ -87,6 +87,8 @@ def test_demo_health_measures_the_real_demo_and_reuses_finished_objectives(tmp_p
     assert -1.0 <= row["heldout_token_cosine"] <= 1.0 and row["collapsed"] == (row["heldout_token_cosine"] > 0.9)
     assert row["acc_minus_unigram"] == pytest.approx(row["heldout_mlm_acc"] - row["unigram_acc"])
     assert row["seed"] == 1234  # the demo's own default seed
+    assert row["train_signals_learned"].endswith("/3")  # mlm/accuracy, mlm/loss and the token cosine, judged
+    assert isinstance(row["train_signals_at_chance"], str)
     demo_json = tmp_path / "work" / "seed_1234" / "mlm" / SUMMARY_FILE
     stamp = demo_json.stat().st_mtime_ns
     assert health_main(argv) == 0 and demo_json.stat().st_mtime_ns == stamp  # finished: not re-run

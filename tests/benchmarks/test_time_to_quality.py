@@ -142,6 +142,16 @@ def test_a_work_dir_refuses_other_settings_but_grows_with_objectives_and_seeds(t
         check_study_args(parse_args([*base, "--seeds", "7,1"]), tmp_path)
 
 
+def test_runs_table_names_the_signals_at_chance() -> None:
+    from benchmarks.quality.ttq_report import signals_at_chance
+
+    signals = [{"term": "taco/loss", "value": 0.4, "reference": 2.2, "learned": True},
+               {"term": "mlm/accuracy", "value": 0.058, "reference": 0.057, "learned": False}]
+    assert signals_at_chance({"signals": signals}) == "mlm/accuracy 0.058 vs 0.057"
+    assert signals_at_chance({"signals": signals[:1]}) == "none"
+    assert signals_at_chance({}) is None  # a run recorded before the signals were
+
+
 def test_cached_results_are_not_recomputed(tmp_path: Path) -> None:
     calls = []
     for _ in range(2):
@@ -167,6 +177,7 @@ def test_a_finished_run_is_skipped_on_a_rerun(tiny_shards_dir: Path, tmp_path: P
     assert first["status"] == "ok" and first["steps"] == [1, 2] and set(first["device_hours"]) == {"1", "2"}
     assert (run_dir / "hf" / "step_2" / "config.json").is_file() and not (run_dir / "checkpoints").exists()
     assert first["train_health"]["logged_steps"] == 2 and first["train_health"]["token_cosine"] is not None
+    assert {s["term"] for s in first["train_health"]["signals"]} == {"mlm/accuracy", "mlm/loss", "health/token_cosine"}
     log = (run_dir / "train.log").read_text()
     assert train_run(key, data, args, tmp_path) == first  # nothing re-trained or re-converted
     assert (run_dir / "train.log").read_text() == log

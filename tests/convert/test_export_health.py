@@ -58,6 +58,7 @@ def test_pinned_positive_cosine_is_flagged_from_the_last_metrics(tiny_shards_dir
     assert report.token_cosine is None and "--shards" in report.note
     assert report.pinned == {"capt/positive_cosine": 0.9996}
     assert report.problems() == ["capt/positive_cosine = 0.9996 (>= 0.999): the contrastive positive is pinned at 1.0"]
+    assert report.signals == []  # the last metrics hold no learning signal with its reference
     assert HealthReport(0.3, positive_cosines={"capt/positive_cosine": 0.8}).problems() == []
 
 

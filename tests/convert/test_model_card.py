@@ -108,3 +108,17 @@ def test_card_says_what_the_mlm_head_computes_when_nce_trained_it():
     card = render_model_card(meta, HFExport({}, None, {}, head_bias=kept), inputs, False)
     assert "The MLM head was trained by a full softmax (mlm)" in card and "Formula" not in card
     assert "## Masked-LM head" not in _card(_meta())  # no NCE objective: nothing to say
+
+
+def test_health_section_lists_the_learning_signals_against_their_chance_levels():
+    from pipeline.eval.signals import learning_signals
+
+    last = {"taco/loss": 0.5, "taco/loss_chance": 2.1972, "mlm/accuracy": 0.06, "health/unigram_accuracy": 0.057,
+            "health/token_cosine": 0.2}
+    card = _card(_meta(last_metrics=last), health=HealthReport(0.31, 16, 700, signals=learning_signals(last)))
+    section = card.split("## Health check (at conversion)")[1]
+    assert "| `taco/loss` | 0.5000 | 0.23x chance `taco/loss_chance` (2.1972) | learned |" in section
+    assert "| `mlm/accuracy` | 0.0600 | +0.0030 vs unigram plateau `health/unigram_accuracy` (0.0570) | **AT CHANCE** |" \
+        in section
+    assert "`health/token_cosine`" not in section  # the collapse row above already says it
+    assert "Learning signals" not in _card(_meta(), health=HealthReport(0.31, 16, 700))  # none: no subsection

@@ -143,6 +143,7 @@ def test_no_host_read_of_device_data_in_a_micro_batch(case):
     objectives, options = CASES[case]
     options = {**options, **({"capt": {"queue_size": 0}} if "capt" in objectives else {})}
     model = tiny_model(objectives, options)
+    model.set_health_unigram(np.arange(VOCAB))  # the health metrics' unigram references, as a training run has
     batch = collated(model)
     model(batch, sampling_seed=3)  # first call: lazy initialisation is not the step
     model.zero_grad()
@@ -153,6 +154,8 @@ def test_no_host_read_of_device_data_in_a_micro_batch(case):
           + (f"; {BEFORE[case]} before the collator built them (f44949b)" if case in BEFORE else ""))
     assert reads == [], reads
     assert torch.isfinite(loss)
+    if "mlm_labels" in batch or "span_labels" in batch:  # the logged step's metric-only work was counted too
+        assert {"health/unigram_accuracy", "health/unigram_entropy"} <= metrics.keys()
     if case in BEFORE:  # the objectives that used to read: without the collator's keys they still would
         assert len(bare_reads) > 0
 
@@ -208,7 +211,9 @@ def test_no_device_sync_in_the_step_on_cuda(case):
 
     objectives, options = CASES[case]
     options = {**options, **({"capt": {"queue_size": 0}} if "capt" in objectives else {})}
-    model = tiny_model(objectives, options).cuda()
+    model = tiny_model(objectives, options)
+    model.set_health_unigram(np.arange(VOCAB))  # the health metrics' unigram references (entropy: a device gather)
+    model = model.cuda()
     model.kernels = "auto"
     batch = {k: v.pin_memory() for k, v in collated(model).items()}
     model(move_batch(batch, torch.device("cuda")), sampling_seed=1)[0].backward()  # lazy init, kernel probes
