@@ -26,6 +26,9 @@ from benchmarks.gpu_suite.collect import (
     tracked_payloads,
 )
 
+from pipeline.config.run import load_config
+from pipeline.data.config import plan_batches
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -102,9 +105,29 @@ def test_dry_run_throughput_has_every_row_in_one_process(rehearsal, stage):
     assert mlm["tokens_vs_mlm"] == pytest.approx(1.0)
     hf = rows[1]
     assert hf["optim"] == mlm["optim"]  # the baseline uses the MLM preset's AdamW settings
+    assert {r["grad_accum"] for r in rows} == {data["settings"]["accum"]}  # hf-bert included
+    for r in rows:
+        if r["row"] != "hf-bert":  # each row trained with its preset's engine file
+            assert r["engine"] == load_config(r["preset"]).deepspeed.config
+            assert r["preset_grad_accum"] == plan_batches(load_config(r["preset"]).data, 1).grad_accum
     assert rows[2]["tokens_vs_hf_bert"] == pytest.approx(rows[2]["tokens_per_s"] / hf["tokens_per_s"])
     assert any("MFU = FLOPs" in n for n in data["notes"])
     assert (rehearsal[0] / stage / f"{stage}_profile.md").read_text().count("\n|") >= 3
+
+
+@pytest.mark.parametrize("length", [128, 512])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_throughput_rows_keep_their_presets_engine_and_share_one_accumulation(tmp_path, length, dry_run):
+    """The GPU rows measure each preset's own DeepSpeed settings (ZeRO-1 for the large presets, not
+    a suite-wide override); batch, precision and accumulation are the stage's, the same in every row."""
+    from benchmarks.gpu_suite.throughput_stage import OBJECTIVES, overrides, settings
+
+    s = settings(length, dry_run)
+    for preset in OBJECTIVES.values():
+        cfg = load_config(preset, overrides(s, tmp_path / "shards", tmp_path / "run"))
+        assert cfg.deepspeed.config == load_config(preset).deepspeed.config == "zero1", preset
+        assert cfg.deepspeed.precision == s["precision"] and cfg.data.micro_batch_size == s["micro_batch"]
+        assert plan_batches(cfg.data, 1).grad_accum == s["accum"]
 
 
 def test_dry_run_sanity_resumes_exactly_and_converts(rehearsal):
