@@ -72,8 +72,45 @@ def test_dry_run_env_checks_every_kernel_case(rehearsal):
     rows = data["tables"]["kernel correctness (kernel vs fp32 reference)"]
     assert [r["case"] for r in rows] == list(OPS)
     assert all(r["ok"] and r["grad_rel_err_max"] < 1e-5 for r in rows), rows
-    assert {r["requirement"] for r in data["tables"]["requirements"]} >= {"torch", "triton", "deepspeed", "transformers"}
+    requirements = {r["requirement"]: r for r in data["tables"]["requirements"]}
+    assert set(requirements) >= {"torch", "triton", "deepspeed", "transformers", "pyarrow", "xxhash", "pyyaml",
+                                 "safetensors", "torch.mm(bf16, bf16, out_dtype=float32)"}
+    assert all(r["ok"] for r in requirements.values()), requirements
     assert data["tables"]["pytest -m gpu"][0]["exit"] == 0  # on the CPU every gpu test is collected and skipped
+
+
+def test_requirements_hold_on_this_machines_real_versions():
+    """The real check, on this machine: every library the code needs is found at setup.cfg's minimum,
+    and torch has the `mm(..., out_dtype=float32)` overload COCO-LM's sampling GEMM calls."""
+    from benchmarks.gpu_suite.env_stage import MM_OUT_DTYPE, REQUIRED, check_requirements, minimums
+    from benchmarks.gpu_suite.stage_io import versions
+
+    rows, problems = check_requirements(need_cuda=False)
+    assert problems == []
+    found, specs = versions(), minimums()
+    libraries = {r["requirement"]: r for r in rows if r["requirement"] in REQUIRED}
+    assert list(libraries) == list(REQUIRED)
+    for lib, row in libraries.items():
+        assert row["found"] == found[lib] and row["minimum"] == (specs[lib] or "any") and row["ok"]
+    assert specs["pyarrow"] == ">=15" and specs["xxhash"] == ">=3.0" and specs["torch"] == ">=2.4"
+    (mm,) = [r for r in rows if r["requirement"] == MM_OUT_DTYPE]
+    assert mm["ok"] and mm["found"] == "runs (probed on meta)"  # no GPU here: the overload, on the meta device
+
+
+def test_requirements_fail_fast_naming_each_missing_thing_with_its_version(monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_suite import env_stage
+    from benchmarks.gpu_suite.stage_io import versions
+
+    old = {**versions(), "pyarrow": "14.0.2", "xxhash": None, "torch": "2.7.1+cu126", "safetensors": "0.4.5"}
+    _, problems = env_stage.check_requirements(False, found=old, mm_out_dtype=(False, "cuda"))
+    assert problems == ["pyarrow 14.0.2 (need >=15)", "xxhash not importable (need >=3.0)",
+                        "torch.mm(bf16, bf16, out_dtype=float32) missing on cuda in torch 2.7.1+cu126"]
+    monkeypatch.setattr(env_stage, "versions", lambda: old)
+    monkeypatch.setattr(env_stage, "mm_out_dtype_probe", lambda: (False, "cuda"))
+    with pytest.raises(env_stage.EnvironmentError_, match=r"pyarrow 14.0.2 \(need >=15\).*'torch': '2.7.1\+cu126'"):
+        env_stage.require_environment(SimpleNamespace(dry_run=True))
 
 
 def test_dry_run_kernels_has_every_case_and_implementation(rehearsal):
