@@ -2,7 +2,7 @@
 objective and sequence length, in tokens/s — does the host side outrun the GPU?
 
 Each configuration runs the real `PretrainBatches` over shards (synthetic by default,
-`benchmarks/synthetic_shards.py`: full `[CLS] ... [SEP]` rows, BERT's vocabulary size) and the
+`benchmarks/data/synthetic_shards.py`: full `[CLS] ... [SEP]` rows, BERT's vocabulary size) and the
 collator the training loop builds (`CorruptionCollator(model.views, ..., plans=model.host_plans())`,
 the index building that moved out of the step included):
 
@@ -122,7 +122,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/fast_path")
     parser.add_argument("--name", default="data_path")
     args = parser.parse_args(argv)
-    from benchmarks.synthetic_shards import write_synthetic_shards
+    from benchmarks.data.synthetic_shards import write_synthetic_shards
 
     given = {ShardDataset(d, verify=False).seq_len: d for d in args.shards}
     rows = []

@@ -2,10 +2,13 @@
 is right at BERT-large shapes.
 
 1. Requirements (`check_requirements`, also run first by every other stage): each library the code
-   imports, at the minimum version of `setup.cfg`, and on a GPU run a CUDA device. Anything missing
-   ends the stage at once, with the versions found, after its files are written (exit 1).
-   `torch.mm(bf16, bf16, out_dtype=float32)` (torch >= 2.8) is probed and reported: without it the
-   fused cross-entropy falls back to a bf16 product plus an fp32 copy (slower, same numbers).
+   imports (`REQUIRED`), at the minimum version `setup.cfg`'s install_requires gives it (read from
+   there: one home), on a GPU run a CUDA device, and `torch.mm(bf16, bf16, out_dtype=float32)`
+   (torch >= 2.8): COCO-LM's sampling GEMM calls it on CUDA with no fallback
+   (`pipeline.objectives.cocolm.sampling_logits`). It is probed on the GPU; on the dry run, with no
+   GPU, on the meta device (the overload exists in this torch; its CUDA kernel is not checked).
+   Anything missing ends the stage at once, with the versions found, after its files are written
+   (exit 1).
 2. `pytest -m gpu` (every GPU-only test of the project; on the dry run the kernel tests' gpu
    markers, which skip without CUDA).
 3. Correctness: every case of `benchmarks.kernels.bench_kernels.OPS` (each fused loss and layout)
@@ -17,17 +20,21 @@ is right at BERT-large shapes.
 """
 from __future__ import annotations
 
+import configparser
 import re
 import subprocess
 import sys
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
+from benchmarks.gpu_suite.plan import REPO
 from benchmarks.gpu_suite.stage_io import StageContext, versions
 from benchmarks.gpu_suite.targets import target
 
-#: Minimum versions (setup.cfg's install_requires); None = any version.
-REQUIRED = {"torch": "2.4", "triton": "3.0", "deepspeed": "0.15", "transformers": "4.44", "tokenizers": "0.19",
-            "numpy": None}
+#: The libraries the code needs on the GPU machine (distribution names; minimums: setup.cfg's install_requires).
+REQUIRED = ("torch", "triton", "deepspeed", "transformers", "tokenizers", "numpy", "pyarrow", "xxhash", "pyyaml",
+            "safetensors")
+MM_OUT_DTYPE = "torch.mm(bf16, bf16, out_dtype=float32)"
 LOSS_TOL = 1e-3
 GRAD_TOL = 2e-2
 ACCURACY_TOL = 1e-3
@@ -37,20 +44,42 @@ class EnvironmentError_(RuntimeError):
     """The image lacks something the code needs (the message lists it, with the versions found)."""
 
 
-def _version_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(m) for m in re.findall(r"\d+", text.split("+")[0])[:3])
+def minimums(setup_cfg: Path = REPO / "setup.cfg") -> dict[str, str]:
+    """Distribution name -> version specifier ("" = any) of setup.cfg's install_requires."""
+    from packaging.requirements import Requirement
+
+    parser = configparser.ConfigParser()
+    parser.read(setup_cfg)
+    lines = [ln.strip() for ln in parser["options"]["install_requires"].splitlines() if ln.strip()]
+    return {Requirement(ln).name.lower(): str(Requirement(ln).specifier) for ln in lines}
 
 
-def check_requirements(need_cuda: bool) -> tuple[list[dict[str, Any]], list[str]]:
-    """(one row per requirement, the problems); problems empty when everything is there."""
-    found = versions()
+def mm_out_dtype_probe() -> tuple[bool, str]:
+    """(does `torch.mm(bf16, bf16, out_dtype=float32)` run, where it was probed): on the GPU when
+    there is one, else on the meta device (the overload exists; no kernel runs)."""
+    import torch
+
+    from pipeline.kernels.linear_cross_entropy import _mm_fp32_out_supported
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "meta")
+    return _mm_fp32_out_supported(device), device.type
+
+
+def check_requirements(need_cuda: bool, found: Optional[dict[str, Optional[str]]] = None,
+                       mm_out_dtype: Optional[tuple[bool, str]] = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """(one row per requirement, the problems); problems empty when everything is there. `found`
+    (library versions) and `mm_out_dtype` (the probe's answer) default to this machine's."""
+    from packaging.specifiers import SpecifierSet
+
+    found = versions() if found is None else found
+    specs = minimums()
     rows, problems = [], []
-    for lib, minimum in REQUIRED.items():
-        have = found.get(lib)
-        ok = have is not None and (minimum is None or _version_tuple(have) >= _version_tuple(minimum))
-        rows.append({"requirement": lib, "minimum": minimum or "any", "found": have or "not importable", "ok": ok})
+    for lib in REQUIRED:
+        have, spec = found.get(lib), specs[lib]
+        ok = have is not None and SpecifierSet(spec).contains(have, prereleases=True)
+        rows.append({"requirement": lib, "minimum": spec or "any", "found": have or "not importable", "ok": ok})
         if not ok:
-            problems.append(f"{lib} {have or 'not importable'} (need >= {minimum or 'any'})")
+            problems.append(f"{lib} {have or 'not importable'} (need {spec or 'any version'})")
     import torch
 
     cuda = torch.cuda.is_available()
@@ -58,11 +87,11 @@ def check_requirements(need_cuda: bool) -> tuple[list[dict[str, Any]], list[str]
                  "found": torch.cuda.get_device_name(0) if cuda else "none", "ok": cuda or not need_cuda})
     if need_cuda and not cuda:
         problems.append("no CUDA device visible to torch")
-    if cuda:
-        from pipeline.kernels.linear_cross_entropy import _mm_fp32_out_supported
-
-        rows.append({"requirement": "torch.mm(out_dtype=float32)", "minimum": "optional (faster fused CE)",
-                     "found": str(_mm_fp32_out_supported(torch.device("cuda"))), "ok": True})
+    supported, where = mm_out_dtype_probe() if mm_out_dtype is None else mm_out_dtype
+    rows.append({"requirement": MM_OUT_DTYPE, "minimum": "needed (COCO-LM's sampling GEMM, torch >= 2.8)",
+                 "found": f"{'runs' if supported else 'missing'} (probed on {where})", "ok": supported})
+    if not supported:
+        problems.append(f"{MM_OUT_DTYPE} missing on {where} in torch {found.get('torch')}")
     return rows, problems
 
 
@@ -77,8 +106,6 @@ def require_environment(ctx: StageContext) -> None:
 def run_gpu_tests(ctx: StageContext) -> dict[str, Any]:
     """`pytest -m gpu` over the test files that hold a gpu marker (collecting every test module would
     import the dev extras the image may lack), in a subprocess bounded by the remaining budget."""
-    from benchmarks.gpu_suite.plan import REPO
-
     paths = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
                    if "mark.gpu" in p.read_text(errors="replace"))
     if ctx.dry_run:  # the rehearsal: the kernel tests only (every file would cost minutes of imports on one core)

@@ -23,7 +23,10 @@ from benchmarks.common.report import _atomic_write, markdown_table
 from benchmarks.gpu_suite.plan import CARRY_DIR, REPO, Stage
 
 SOURCE_FILE = "source.json"
-LIBRARIES = ("torch", "triton", "deepspeed", "transformers", "tokenizers", "numpy", "liger_kernel", "cut_cross_entropy")
+LIBRARIES = ("torch", "triton", "deepspeed", "transformers", "tokenizers", "numpy", "pyarrow", "xxhash", "pyyaml",
+             "safetensors", "liger_kernel", "cut_cross_entropy")
+#: Distribution name -> module name where they differ.
+IMPORT_NAMES = {"pyyaml": "yaml"}
 
 
 def source_info(root: Path = REPO) -> dict[str, Any]:
@@ -44,11 +47,15 @@ def source_info(root: Path = REPO) -> dict[str, Any]:
 
 
 def versions() -> dict[str, Optional[str]]:
-    """Python and library versions (None: not importable here)."""
+    """Python and library versions (None: not importable here). The module's `__version__`, else its
+    distribution's metadata (xxhash has no `__version__`)."""
+    from importlib import metadata
+
     out: dict[str, Optional[str]] = {"python": platform.python_version()}
     for lib in LIBRARIES:
         try:
-            out[lib] = __import__(lib).__version__
+            module = __import__(IMPORT_NAMES.get(lib, lib))
+            out[lib] = getattr(module, "__version__", None) or metadata.version(lib)
         except Exception:  # noqa: BLE001 - absent or broken: recorded as None, the env stage says why
             out[lib] = None
     return out

@@ -1,19 +1,26 @@
 """Stages `throughput-128` and `throughput-512`: BERT-large, bf16, one GPU; MLM, TACO, CAPT, COCO-LM,
 InfoWord and `hf-bert`, all rows of one length in one warm process.
 
-Each pipeline row is the real training loop (`pipeline.train.loop.train`: DeepSpeed engine, ZeRO-2,
-the objective's own large recipe for its options and optimizer, `model.size=large`) called in this
-process one after the other, so the CUDA context, DeepSpeed's fused-op build, Triton's autotuning
-and the allocator are warm after the first row, not paid per row as with a process per row
-(`benchmarks/throughput/bench_throughput.py`). Every row has the same micro-batch (16,384 tokens:
-128 x 128 or 32 x 512; 32 is capt-large's micro-batch) and gradient accumulation (2 micro-batches
-per optimizer step), `WARMUP` steps then `STEPS` timed ones, measured by the loop's own metrics
-(`bench_throughput.summarize_records`); peak memory is reset before each row. The global batch is
-micro x accumulation, not the presets' 8,192 sequences (one GPU would need 256 micro-batches a step).
-`hf-bert` is `benchmarks/throughput/hf_baseline.py` (transformers' BertForMaskedLM, SDPA, fused
-AdamW with the MLM preset's betas / eps / weight decay, the same micro-batch and accumulation) in
-the same process. Data: synthetic shards of the BERT vocabulary (30,522) written here (speed does
-not depend on token values; InfoWord's shared negative set is then close to its largest).
+Each pipeline row is the real training loop (`pipeline.train.loop.train`: DeepSpeed engine with the
+preset's own engine file - ZeRO-1 for every large preset, fp32 gradient accumulation under bf16,
+`ds_configs/README.md` - the objective's own large recipe for its options and optimizer,
+`model.size=large`) called in this process one after the other, so the CUDA context, DeepSpeed's
+fused-op build, Triton's autotuning and the allocator are warm after the first row, not paid per row
+as with a process per row (`benchmarks/throughput/bench_throughput.py`). Every row has the same
+micro-batch (16,384 tokens: 128 x 128 or 32 x 512; 32 is capt-large's micro-batch) and gradient
+accumulation (`GRAD_ACCUM` micro-batches per optimizer step), `WARMUP` steps then `STEPS` timed
+ones, measured by the loop's own metrics (`bench_throughput.summarize_records`); peak memory is
+reset before each row. Each row records its engine file, its accumulation and the accumulation its
+preset takes on one GPU (`preset_grad_accum`: 32 for taco-base, 128 for cocolm-/infoword-large, 256
+for capt-large), which the stage cannot use: 30 timed steps of 256 micro-batches are 128x the
+micro-batches of `GRAD_ACCUM` = 2 and would not fit the stage's budget
+(`benchmarks.gpu_suite.plan`). With an optimizer step every 2 micro-batches instead of every
+32-256, the rows' tokens/s and MFU are a lower bound on the presets' (the step's optimizer update
+is paid over fewer tokens). `hf-bert` is `benchmarks/throughput/hf_baseline.py` (transformers'
+BertForMaskedLM, SDPA, fused AdamW with the MLM preset's betas / eps / weight decay, the same
+micro-batch and accumulation) in the same process. Data: synthetic shards of the BERT vocabulary
+(30,522) written here (speed does not depend on token values; InfoWord's shared negative set is
+then close to its largest).
 
 MFU: `bench_throughput.MFU_FORMULA`, the training loop's FLOP counter (every encoder pass an
 objective makes) over the H100/H200 bf16 dense peak. The queue InfoNCE's share of the MLM step is
@@ -58,10 +65,12 @@ def settings(length: int, dry_run: bool) -> dict[str, Any]:
 
 
 def overrides(s: dict[str, Any], shards: Path, run_dir: Path) -> list[str]:
+    """The row's changes to its preset: size, shards, shape, batch and precision of the stage, run
+    control. The DeepSpeed engine file is the preset's (what the recipe trains with)."""
     total = s["warmup"] + s["steps"]
     return [f"model.size={s['size']}", f"data.shards_dir={shards}", f"data.seq_len={s['seq_len']}",
             f"data.micro_batch_size={s['micro_batch']}", f"data.global_batch_size={s['micro_batch'] * s['accum']}",
-            "deepspeed.config=zero2", f"deepspeed.precision={s['precision']}", f"train.total_steps={total}",
+            f"deepspeed.precision={s['precision']}", f"train.total_steps={total}",
             "train.log_every=1", f"train.checkpoint_every={total}", "train.keep_last=1", "train.resume=never",
             "train.tensorboard=false", "train.progress_bar=false", f"train.output_dir={run_dir}",
             f"data.num_workers={s['workers']}", f"optim.warmup_steps={max(1, s['warmup'])}"]
@@ -106,6 +115,7 @@ def _peak_above_start(row: dict[str, Any]) -> None:
 def pipeline_row(objective: str, s: dict[str, Any], shards: Path, work: Path) -> dict[str, Any]:
     from benchmarks.throughput.bench_throughput import summarize_records
     from pipeline.config.run import load_config
+    from pipeline.data.config import plan_batches
     from pipeline.train.loop import train
     from pipeline.train.metrics import read_jsonl
 
@@ -116,6 +126,8 @@ def pipeline_row(objective: str, s: dict[str, Any], shards: Path, work: Path) ->
     cfg = load_config(OBJECTIVES[objective], overrides(s, shards, run_dir))
     row["optim"] = {"lr": cfg.optim.lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
                     "weight_decay": cfg.optim.weight_decay}
+    row.update(engine=cfg.deepspeed.config, grad_accum=plan_batches(cfg.data, 1).grad_accum,
+               preset_grad_accum=plan_batches(load_config(OBJECTIVES[objective]).data, 1).grad_accum)
     code = train(cfg)
     if code != 0:
         raise RuntimeError(f"pipeline.train exit {code}")
@@ -130,7 +142,8 @@ def hf_row(s: dict[str, Any], shards: Path, work: Path, optim: dict[str, Any]) -
     from benchmarks.throughput import hf_baseline
     from benchmarks.throughput.bench_throughput import summarize_records
 
-    row: dict[str, Any] = {"row": HF_ROW, "preset": "BertForMaskedLM (sdpa)", **_fresh_memory()}
+    row: dict[str, Any] = {"row": HF_ROW, "preset": "BertForMaskedLM (sdpa)", "grad_accum": s["accum"],
+                           **_fresh_memory()}
     started = time.monotonic()
     args = Namespace(shards=str(shards), size=s["size"], seq_len=s["seq_len"], micro_batch=s["micro_batch"],
                      precision=s["precision"], steps=s["steps"], warmup=s["warmup"], lr=optim["lr"],
@@ -231,7 +244,11 @@ def run_length(ctx: StageContext, length: int) -> int:
         shutil.rmtree(work, ignore_errors=True)
     targets = judge(rows, length, queue_share, applicable=not ctx.dry_run)
     ctx.notes += [MFU_FORMULA, f"settings: {s}; every row {s['steps']} timed steps after {s['warmup']} warm-up steps, "
-                  f"one process"]
+                  f"one process",
+                  f"every row (hf-bert too) accumulates {s['accum']} micro-batches per optimizer step, its preset "
+                  "32-256 on one GPU (preset_grad_accum; not within the stage's budget): an optimizer update every "
+                  f"{s['accum']} micro-batches makes tokens/s and MFU here a lower bound on the presets'; "
+                  "engine: each preset's own DeepSpeed file (engine)"]
     if ctx.dry_run:
         ctx.notes.append("dry run: tiny model, short sequences, fp32 on the CPU; times are not performance, nothing judged")
 

@@ -106,7 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--before DIR is required")
     if not Path(args.shards, "manifest.json").is_file():
         sys.path.insert(0, args.after)
-        from benchmarks.synthetic_shards import write_synthetic_shards
+        from benchmarks.data.synthetic_shards import write_synthetic_shards
 
         write_synthetic_shards(args.shards, 30522, args.seq_len, rows=4096)
     rows = []

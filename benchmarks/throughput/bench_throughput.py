@@ -23,16 +23,23 @@ CAPT queue 64, ...: quick CPU runs); `--options paper` uses the objective option
 objective's paper preset (`taco-small`, `capt-small`, `cocolm-base`/`-large`, `infoword-base`).
 `--set key=value` adds any training override to every run.
 
+Gradient accumulation: every run takes `--grad-accum` micro-batches per optimizer step, by default
+the presets' (`preset`: what the `tiny-<objective>` presets the runs load take on one rank, 2 today;
+the presets must agree, since `overhead_vs_mlm` compares equal steps), so the optimizer steps as
+often as in the presets' training, not every micro-batch. `--grad-accum N` sets it, e.g. a paper
+preset's on one GPU (16 for capt-small, 256 for capt-large: `plan_batches(load_config(p).data, 1)`).
+
 Multi-rank / multi-node (the SLURM sweep, `slurm/bench.sbatch`): `--launcher` replaces `python`
 in the training command, e.g. `--launcher "torchrun --nproc_per_node 2"` or
 `--launcher "srun --ntasks-per-node 8 slurm/run_rank.sh LOGDIR python3"`; `--world-size` (default
-`$SLURM_NTASKS` or 1) sets the global batch to micro x world size (weak scaling), `--nodes`
+`$SLURM_NTASKS` or 1) sets the global batch to micro x accumulation x world size (weak scaling: the
+accumulation does not depend on the world size), `--nodes`
 (default `$SLURM_JOB_NUM_NODES` or 1) is recorded for `benchmarks/throughput/scaling.py`, which turns the
 JSON files of several node counts into scaling efficiency.
 
 Hugging Face baseline: `--hf-baseline` adds, per size x length x precision x micro-batch, a row
 `hf-bert`: `transformers.BertForMaskedLM` with SDPA attention in a plain torch loop with fused
-AdamW, on the same shards, micro-batches and precision (`benchmarks/throughput/hf_baseline.py`, one rank).
+AdamW, on the same shards, micro-batches, accumulation and precision (`benchmarks/throughput/hf_baseline.py`, one rank).
 Every pipeline row then gets `vs_hf_bert` = its tokens/s / hf-bert's tokens/s, printed with the
 MFU formula (`MFU_FORMULA`) next to the table.
 
@@ -96,11 +103,13 @@ def parse_list(text: str, kind: type = str) -> list:
 
 
 def train_overrides(case: BenchCase, shards_dir: Path, run_dir: Path, steps: int, world_size: int,
-                    options: str, extra: Sequence[str], num_workers: int = 0) -> list[str]:
-    """Dotted overrides of `pipeline.train` for one case (on top of the `tiny-<objective>` preset)."""
+                    options: str, extra: Sequence[str], num_workers: int = 0, grad_accum: int = 1) -> list[str]:
+    """Dotted overrides of `pipeline.train` for one case (on top of the `tiny-<objective>` preset):
+    global batch = micro x `grad_accum` x world size."""
     overrides = [
         f"model.size={case.preset}", f"data.shards_dir={shards_dir}", f"data.seq_len={case.seq_len}",
-        f"data.micro_batch_size={case.micro_batch}", f"data.global_batch_size={case.micro_batch * world_size}",
+        f"data.micro_batch_size={case.micro_batch}",
+        f"data.global_batch_size={case.micro_batch * grad_accum * world_size}",
         f"deepspeed.config=zero{case.zero}", f"deepspeed.precision={case.precision}",
         f"train.total_steps={steps}", "train.log_every=1", f"train.checkpoint_every={steps}",
         "train.keep_last=1", "train.resume=never", "train.tensorboard=false", "train.progress_bar=false",
@@ -109,6 +118,20 @@ def train_overrides(case: BenchCase, shards_dir: Path, run_dir: Path, steps: int
     if options == "paper":
         overrides.append(f"objective_options={json.dumps(paper_objective_options(case.objective, case.preset))}")
     return overrides + list(extra)
+
+
+def preset_grad_accum(objectives: Sequence[str]) -> int:
+    """Micro-batches per optimizer step of the `tiny-<objective>` presets the runs load, on one rank
+    (`pipeline.data.config.plan_batches`, the one home of the batch arithmetic); one rank, so that a
+    multi-node sweep keeps it and scales weakly. The presets must agree: `overhead_vs_mlm` compares
+    steps of equal size."""
+    from pipeline.config.run import load_config
+    from pipeline.data.config import plan_batches
+
+    found = {o: plan_batches(load_config(f"tiny-{o}").data, 1).grad_accum for o in objectives}
+    if len(set(found.values())) != 1:
+        raise ValueError(f"the presets' gradient accumulation differs ({found}): choose one with --grad-accum N")
+    return next(iter(found.values()))
 
 
 #: The paper recipe whose objective options `--options paper` uses (one home: the paper presets).
@@ -147,6 +170,7 @@ def summarize_records(records: Sequence[dict], warmup: int) -> dict:
         "measured_steps": len(measured),
         "step_time_s": statistics.median(times),
         "tokens_per_s": sum(tokens) / sum(times),
+        "tokens_per_step": round(statistics.fmean(tokens)),  # micro x accumulation x ranks x tokens per row
         "samples_per_s": statistics.fmean(r["samples_per_s"] for r in measured),
         "tflops_per_device": statistics.fmean(r["tflops_per_device"] for r in measured),
         "mfu": statistics.fmean(r["mfu"] for r in measured) if all("mfu" in r for r in measured) else None,
@@ -210,13 +234,14 @@ def run_case(case: BenchCase, shards_dir: Path, work_dir: Path, args: argparse.N
         cmd = [sys.executable, str(Path(__file__).resolve().parent / "hf_baseline.py"), "--shards", str(shards_dir),
                "--size", case.preset, "--seq-len", str(case.seq_len), "--micro-batch", str(case.micro_batch),
                "--precision", case.precision, "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--num-workers", str(args.num_workers), "--out", str(run_dir)]
+               "--grad-accum", str(args.grad_accum), "--num-workers", str(args.num_workers), "--out", str(run_dir)]
     else:
         overrides = train_overrides(case, shards_dir, run_dir, args.warmup + args.steps, args.world_size,
-                                    args.options, args.set, args.num_workers)
+                                    args.options, args.set, args.num_workers, args.grad_accum)
         launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
         cmd = [*launcher, "-m", "pipeline.train", "--config", f"tiny-{case.objective}", *overrides]
-    row: dict = {**asdict(case), "nodes": args.nodes, "world_size": args.world_size, "error": None}
+    row: dict = {**asdict(case), "nodes": args.nodes, "world_size": args.world_size, "grad_accum": args.grad_accum,
+                 "error": None}
     log_path = work_dir / "logs" / f"{case.label}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -259,7 +284,7 @@ def resolve_shards(args: argparse.Namespace, out: Path) -> dict[int, Path]:
         return by_len
     from benchmarks.data.synthetic_shards import write_synthetic_shards
 
-    rows = max(256, 2 * args.world_size * max(args.micro_batches) * (args.warmup + args.steps))
+    rows = max(256, 2 * args.world_size * max(args.micro_batches) * args.grad_accum * (args.warmup + args.steps))
     by_len = {}
     for seq_len in args.seq_lens:
         by_len[seq_len] = out / "data" / f"synthetic-L{seq_len}-V{args.vocab_size}"
@@ -290,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="fp32", help="fp32, bf16, fp16 (comma-separated)")
     p.add_argument("--micro-batch", default="8", help="micro-batch sizes per device (comma-separated)")
     p.add_argument("--steps", type=int, default=10, help="measured steps per configuration")
+    p.add_argument("--grad-accum", default="preset",
+                   help="micro-batches per optimizer step: 'preset' (the tiny-<objective> presets' on one rank) or N")
     p.add_argument("--warmup", type=int, default=3, help="unmeasured steps first (allocator, autotuning, caches)")
     p.add_argument("--options", choices=OPTIONS_MODES, default="tiny", help="objective options: tiny presets' or papers'")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra pipeline.train override")
@@ -339,6 +366,15 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
             parser.error(f"{flag} {values}: each must be one of {allowed}")
     if args.steps < 1 or args.warmup < 0 or args.world_size < 1:
         parser.error("--steps >= 1, --warmup >= 0 and --world-size >= 1 required")
+    if args.grad_accum == "preset":
+        try:
+            args.grad_accum = preset_grad_accum(["mlm", *args.objectives] if args.with_mlm else args.objectives)
+        except ValueError as err:
+            parser.error(str(err))
+    elif not args.grad_accum.isdigit() or int(args.grad_accum) < 1:
+        parser.error(f"--grad-accum {args.grad_accum!r}: 'preset' or an integer >= 1")
+    else:
+        args.grad_accum = int(args.grad_accum)
     if args.hf_baseline and (args.world_size != 1 or args.launcher):
         parser.error("--hf-baseline compares one device: use it without --launcher and with --world-size 1")
     if args.num_workers is None:
@@ -371,7 +407,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for row in rows:
         row["config"] = f"{row['objective']}/{row['preset']}/L{row['seq_len']}/z{row['zero']}/{row['precision']}"
     data = {s: str(d) for s, d in shards.items()}
-    notes = [f"{args.warmup} warm-up steps, then {args.steps} measured steps per configuration; step time = median",
+    notes = [f"{args.warmup} warm-up steps, then {args.steps} measured steps per configuration; step time = median; "
+             f"{args.grad_accum} micro-batches per optimizer step",
              f"objective options: {args.options}; data: {'given shards' if args.shards else 'synthetic shards'} {data}",
              "overhead_vs_mlm = step time / MLM's step time (same size, length, ZeRO stage, precision, batch; "
              "measured in this run)", MFU_FORMULA]

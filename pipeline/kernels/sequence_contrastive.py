@@ -41,10 +41,12 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: (BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of the score tiles and (BLOCK_M, BLOCK_K, BLOCK_D, num_warps)
 #: of the gradient matmuls. Chosen from ptxas reports for sm_90 (no register spills) - not tuned by
 #: timing, which needs a GPU. Score tiles: 8 warps share the 64 x 64 tile, so a thread holds half
-#: the accumulator: bf16 76 registers (Triton 3.6; 80 with 3.9) instead of 168 with 4 warps, i.e.
-#: 24 resident warps per SM instead of 12 for the same tiles (65,536 registers / SM). fp32 inputs
-#: (3-pass tf32x3 dots) stay at 154-168: fp32 contrastive runs are the reference precision, not
-#: the fast path (`tests/kernels/compile_sm90.py` prints every variant's registers).
+#: the accumulator: bf16 76-80 registers (114 with groups; Triton 3.6, the GPU image's; 76-80 and
+#: 111-115 with 3.9) instead of 168 with 4 warps, i.e. 24 resident warps per SM instead of 12 for
+#: the same tiles (65,536 registers / SM). fp32 inputs (3-pass tf32x3 dots) stay at 163-168 (3.6;
+#: 154 with 3.9): fp32 contrastive runs are the reference precision, not the fast path. No variant
+#: spills. Measured 2026-11-25 by `tests/kernels/test_compile_sm90.py` (both Tritons; CI fetches
+#: 3.6 with `scripts/fetch_gpu_image_triton.sh`); every variant's count: docs/kernels.md.
 SCORE_BLOCKS = (64, 64, 32, 8)
 MATMUL_BLOCKS = (64, 32, 64, 4)
 

@@ -153,9 +153,9 @@ def build_deepspeed_config(engine: dict, batch: BatchPlan, precision: str, grad_
     out["bf16"] = {"enabled": precision == "bf16"}
     if precision == "bf16":
         # Gradients accumulate over micro-batches in fp32, not bf16 (8-bit mantissa: a sum of 8+
-        # micro-batches loses the small ones). DeepSpeed 0.19.8 honours it with ZeRO-0/1 (its
-        # BF16_Optimizer keeps fp32 gradient buffers); ZeRO-2/3 accumulate in bf16 whatever it says.
-        # `deepspeed.extra.data_types` overrides it.
+        # micro-batches loses the small ones). DeepSpeed 0.19.8 honours it at ZeRO-0/1 (BF16_Optimizer's
+        # fp32 buffers) and ZeRO-2/3 (fp32 gradient partitions): measured in
+        # tests/train/test_engine_fast_path.py. `deepspeed.extra.data_types` overrides it.
         out.setdefault("data_types", {"grad_accum_dtype": "fp32"})
     out["fp16"] = {"enabled": precision == "fp16", **(fp16_scaling if precision == "fp16" else {})}
     if load_universal:

@@ -15,11 +15,13 @@ from benchmarks.throughput.bench_throughput import (
     main,
     paper_objective_options,
     parse_args,
+    preset_grad_accum,
     summarize_records,
     train_overrides,
 )
 from benchmarks.data.synthetic_shards import SPECIAL_TOKENS, write_synthetic_shards
 from pipeline.config.run import load_config
+from pipeline.data.config import plan_batches
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -76,6 +78,27 @@ def test_overrides_and_argument_errors(tmp_path: Path, capsys) -> None:
     assert last_error_line("Traceback\n  File x\nRuntimeError: CUDA out of memory\n") == "RuntimeError: CUDA out of memory"
 
 
+def test_gradient_accumulation_is_the_presets_unless_given(tmp_path: Path, capsys) -> None:
+    """The runs step the optimizer as the presets they load do (not every micro-batch): by default the
+    tiny presets' accumulation on one rank, whatever the world size (weak scaling); `--grad-accum N`
+    overrides it; the global batch is micro x accumulation x world size."""
+    presets = plan_batches(load_config("tiny-mlm").data, 1).grad_accum
+    assert presets > 1  # tiny-mlm: global 8 = micro 4 x 2
+    assert preset_grad_accum(["mlm", "taco", "capt", "cocolm", "infoword", "mlm-nce"]) == presets
+    args = parse_args(["--objectives", "taco", "--world-size", "4", "--out", str(tmp_path)])
+    assert args.grad_accum == presets
+    assert parse_args(["--grad-accum", "16", "--out", str(tmp_path)]).grad_accum == 16
+    for bad in ("0", "x"):
+        with pytest.raises(SystemExit):
+            parse_args(["--grad-accum", bad, "--out", str(tmp_path)])
+        assert "--grad-accum" in capsys.readouterr().err
+    case = BenchCase("taco", "tiny", 64, 1, "fp32", 4)
+    for world, accum in ((1, presets), (4, 16)):
+        ov = train_overrides(case, tmp_path, tmp_path, 5, world, "tiny", [], grad_accum=accum)
+        assert f"data.global_batch_size={4 * accum * world}" in ov
+        assert plan_batches(load_config("tiny-taco", ov).data, world).grad_accum == accum
+
+
 def test_synthetic_shards_are_read_by_the_training_reader(tmp_path: Path) -> None:
     from pipeline.data.reader import ShardDataset
 
@@ -105,6 +128,8 @@ def test_cpu_run_writes_a_well_formed_report(tmp_path: Path, tiny_shards_dir: Pa
     assert set(rows) == {"mlm", "taco"} and report["hardware"]["torch"]
     for row in rows.values():
         assert row["error"] is None and row["measured_steps"] == 2 and row["world_size"] == 1
+        # the presets' accumulation (2 micro-batches of 4 x 64 per step), not an optimizer step per micro-batch
+        assert row["grad_accum"] == 2 and 4 * 64 < row["tokens_per_step"] <= 2 * 4 * 64
         assert row["step_time_s"] > 0 and row["peak_mem_gb"] > 0
         assert row["tokens_per_s"] > 0 and row["wall_s"] > 2 * row["step_time_s"]
     assert rows["mlm"]["overhead_vs_mlm"] == 1.0 and rows["taco"]["overhead_vs_mlm"] > 0
@@ -147,6 +172,7 @@ def test_cpu_run_with_the_hugging_face_baseline(tmp_path: Path, tiny_shards_dir:
     assert set(rows) == {"mlm", "hf-bert"}
     hf, mlm = rows["hf-bert"], rows["mlm"]
     assert hf["error"] is None and hf["measured_steps"] == 2 and hf["tokens_per_s"] > 0 and hf["tflops_per_device"] > 0
+    assert hf["grad_accum"] == mlm["grad_accum"] == 2 and hf["tokens_per_step"] > 4 * 64  # same accumulation
     assert mlm["vs_hf_bert"] == pytest.approx(mlm["tokens_per_s"] / hf["tokens_per_s"])
     assert MFU_FORMULA in printed and "x hf-bert" in printed
     md = (out / "throughput.md").read_text()

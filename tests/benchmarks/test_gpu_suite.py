@@ -26,6 +26,9 @@ from benchmarks.gpu_suite.collect import (
     tracked_payloads,
 )
 
+from pipeline.config.run import load_config
+from pipeline.data.config import plan_batches
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -69,8 +72,45 @@ def test_dry_run_env_checks_every_kernel_case(rehearsal):
     rows = data["tables"]["kernel correctness (kernel vs fp32 reference)"]
     assert [r["case"] for r in rows] == list(OPS)
     assert all(r["ok"] and r["grad_rel_err_max"] < 1e-5 for r in rows), rows
-    assert {r["requirement"] for r in data["tables"]["requirements"]} >= {"torch", "triton", "deepspeed", "transformers"}
+    requirements = {r["requirement"]: r for r in data["tables"]["requirements"]}
+    assert set(requirements) >= {"torch", "triton", "deepspeed", "transformers", "pyarrow", "xxhash", "pyyaml",
+                                 "safetensors", "torch.mm(bf16, bf16, out_dtype=float32)"}
+    assert all(r["ok"] for r in requirements.values()), requirements
     assert data["tables"]["pytest -m gpu"][0]["exit"] == 0  # on the CPU every gpu test is collected and skipped
+
+
+def test_requirements_hold_on_this_machines_real_versions():
+    """The real check, on this machine: every library the code needs is found at setup.cfg's minimum,
+    and torch has the `mm(..., out_dtype=float32)` overload COCO-LM's sampling GEMM calls."""
+    from benchmarks.gpu_suite.env_stage import MM_OUT_DTYPE, REQUIRED, check_requirements, minimums
+    from benchmarks.gpu_suite.stage_io import versions
+
+    rows, problems = check_requirements(need_cuda=False)
+    assert problems == []
+    found, specs = versions(), minimums()
+    libraries = {r["requirement"]: r for r in rows if r["requirement"] in REQUIRED}
+    assert list(libraries) == list(REQUIRED)
+    for lib, row in libraries.items():
+        assert row["found"] == found[lib] and row["minimum"] == (specs[lib] or "any") and row["ok"]
+    assert specs["pyarrow"] == ">=15" and specs["xxhash"] == ">=3.0" and specs["torch"] == ">=2.4"
+    (mm,) = [r for r in rows if r["requirement"] == MM_OUT_DTYPE]
+    assert mm["ok"] and mm["found"] == "runs (probed on meta)"  # no GPU here: the overload, on the meta device
+
+
+def test_requirements_fail_fast_naming_each_missing_thing_with_its_version(monkeypatch):
+    from types import SimpleNamespace
+
+    from benchmarks.gpu_suite import env_stage
+    from benchmarks.gpu_suite.stage_io import versions
+
+    old = {**versions(), "pyarrow": "14.0.2", "xxhash": None, "torch": "2.7.1+cu126", "safetensors": "0.4.5"}
+    _, problems = env_stage.check_requirements(False, found=old, mm_out_dtype=(False, "cuda"))
+    assert problems == ["pyarrow 14.0.2 (need >=15)", "xxhash not importable (need >=3.0)",
+                        "torch.mm(bf16, bf16, out_dtype=float32) missing on cuda in torch 2.7.1+cu126"]
+    monkeypatch.setattr(env_stage, "versions", lambda: old)
+    monkeypatch.setattr(env_stage, "mm_out_dtype_probe", lambda: (False, "cuda"))
+    with pytest.raises(env_stage.EnvironmentError_, match=r"pyarrow 14.0.2 \(need >=15\).*'torch': '2.7.1\+cu126'"):
+        env_stage.require_environment(SimpleNamespace(dry_run=True))
 
 
 def test_dry_run_kernels_has_every_case_and_implementation(rehearsal):
@@ -102,9 +142,29 @@ def test_dry_run_throughput_has_every_row_in_one_process(rehearsal, stage):
     assert mlm["tokens_vs_mlm"] == pytest.approx(1.0)
     hf = rows[1]
     assert hf["optim"] == mlm["optim"]  # the baseline uses the MLM preset's AdamW settings
+    assert {r["grad_accum"] for r in rows} == {data["settings"]["accum"]}  # hf-bert included
+    for r in rows:
+        if r["row"] != "hf-bert":  # each row trained with its preset's engine file
+            assert r["engine"] == load_config(r["preset"]).deepspeed.config
+            assert r["preset_grad_accum"] == plan_batches(load_config(r["preset"]).data, 1).grad_accum
     assert rows[2]["tokens_vs_hf_bert"] == pytest.approx(rows[2]["tokens_per_s"] / hf["tokens_per_s"])
     assert any("MFU = FLOPs" in n for n in data["notes"])
     assert (rehearsal[0] / stage / f"{stage}_profile.md").read_text().count("\n|") >= 3
+
+
+@pytest.mark.parametrize("length", [128, 512])
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_throughput_rows_keep_their_presets_engine_and_share_one_accumulation(tmp_path, length, dry_run):
+    """The GPU rows measure each preset's own DeepSpeed settings (ZeRO-1 for the large presets, not
+    a suite-wide override); batch, precision and accumulation are the stage's, the same in every row."""
+    from benchmarks.gpu_suite.throughput_stage import OBJECTIVES, overrides, settings
+
+    s = settings(length, dry_run)
+    for preset in OBJECTIVES.values():
+        cfg = load_config(preset, overrides(s, tmp_path / "shards", tmp_path / "run"))
+        assert cfg.deepspeed.config == load_config(preset).deepspeed.config == "zero1", preset
+        assert cfg.deepspeed.precision == s["precision"] and cfg.data.micro_batch_size == s["micro_batch"]
+        assert plan_batches(cfg.data, 1).grad_accum == s["accum"]
 
 
 def test_dry_run_sanity_resumes_exactly_and_converts(rehearsal):

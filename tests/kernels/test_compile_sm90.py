@@ -2,10 +2,9 @@
 the installed Triton and with the Triton of the GPU image (3.6), side by side.
 
 The GPU image's Triton is an unpacked wheel in `$CPT_TRITON_GPU_IMAGE` (default
-`~/.cache/contrastive-pretrain/triton-3.6.0`), put first on PYTHONPATH of the compile process:
-
-    pip download triton==3.6.0 --no-deps -d /tmp/tw
-    python -m zipfile -e /tmp/tw/triton-3.6.0-*.whl ~/.cache/contrastive-pretrain/triton-3.6.0
+`~/.cache/contrastive-pretrain/triton-3.6.0`), put first on PYTHONPATH of the compile process.
+`bash scripts/fetch_gpu_image_triton.sh` puts it there from PyPI (idempotent; `scripts/test.sh`,
+and so CI, runs it first); it reads `GPU_IMAGE_TRITON` and `GPU_IMAGE_DIR` from this module.
 """
 from __future__ import annotations
 
@@ -46,7 +45,7 @@ def test_all_kernel_variants_compile_for_hopper_without_spills(which):
     triton_dir = None
     if which == "gpu-image":
         if not (GPU_IMAGE_DIR / "triton" / "__init__.py").is_file():
-            pytest.skip(f"no Triton {GPU_IMAGE_TRITON} at {GPU_IMAGE_DIR} (see this module's docstring to unpack it)")
+            pytest.skip(f"no Triton {GPU_IMAGE_TRITON} at {GPU_IMAGE_DIR}: bash scripts/fetch_gpu_image_triton.sh")
         triton_dir = str(GPU_IMAGE_DIR)
     version, reports = compile_all(triton_dir)
     if which == "gpu-image":
