@@ -28,28 +28,25 @@ after each micro-batch's loss. tau follows the inverted triangle of Eq. 6,
 tau(t) = |t - T/2| / T + 0.05, from `ctx.progress`; pass a number as `tau` for a fixed temperature.
 
 The queue joins at `queue_start` x T (*deviation at small scale*; default 0, the paper's queue from
-the first step). What went wrong (issue 29, measured at the time-to-quality study's size: 2 x 128,
-32 x 64 tokens, 300 steps, lr 1e-3, queue 64): at initialisation every sequence has the same
-representation (BERT's 0.02-std init leaves h_[CLS] nearly input-independent: mean cosine between
-different sequences' s is 0.99995), so the loss starts at chance, ln(2b - 1 + Q). In that state
-the queue's rows are near-copies of one point, and they are constants: pushing an anchor away from
-them pushes every anchor the same way (it spreads nothing), while they take Q / (2b - 1 + Q) of
-the softmax mass away from the in-batch negatives, whose repulsion is what spreads the
-representations. The positive's pull (make x and x^ agree) then wins, and the cheapest way to
-satisfy it is to ignore the input: with the queue from step 0 the sequences' spread shrank (1 - cos
-from 5e-5 to 0 by step 50), the token states followed (held-out token cosine -> 1 by step 40-50)
-and the loss sat at ln 127 on every seed tried (1, 2, 3: collapsed on 274, 264 and 105 of 300
-logged steps), with MLM on the unigram plateau. Without the queue the same runs leave chance
-within 20 steps (in-batch repulsion spreads the sequences); with a fixed tau of 0.1, with a 10x
-lower CAPT weight or with half the learning rate the queue-from-step-0 runs still sat at chance
-(so neither Eq. 6 nor the weight against MLM nor the learning rate is the cause: the weight-0.1 and
-lr-5e-4 runs kept the tokens apart through MLM but the sequence contrast stayed at chance until
-tau fell below 0.1). With the queue from 0.2 x T on (after the in-batch contrast has spread the
-sequences), no step collapsed on seeds 1-5 (`docs/objectives.md#capt`). XBM (Wang et al. 2020)
-states the condition for a memory of past embeddings to stand in for current ones: "slow drift";
-degenerate representations drift nowhere, but a queue of them is no set of negatives either.
-`queue_start` is a fraction of the run, like Eq. 6's schedule, so the tiny presets' runs of any
-length keep the same shape.
+the first step; `tiny-capt` uses 0.2). What went wrong (issue 29, at the time-to-quality study's
+size: 2 x 128, 32 x 64 tokens, 300 steps, lr 1e-3, queue 64; `docs/objectives.md#capt` has the
+tables): at initialisation every sequence has the same representation (BERT's 0.02-std init leaves
+h_[CLS] nearly input-independent: mean cosine of different sequences' s 0.99995), so the loss
+starts at chance, ln(2b - 1 + Q). In that state the queue's rows are constants that are
+near-copies of one point: pushing the anchors away from them pushes every anchor the same way (it
+spreads nothing), while they take Q / (2b - 1 + Q) of the softmax mass from the in-batch negatives,
+the only ones whose repulsion spreads the sequences. The positive's pull then wins, and the
+cheapest way to make x and x^ agree is to ignore the input: with the queue from step 0 the spread
+went to zero, the token states followed (token cosine >= 0.9 on 274, 264, 105 of 300 steps, seeds
+1-3), the loss sat at chance and MLM on the unigram plateau. Not the cause: Eq. 6 (a fixed tau of
+0.1 collapses alike; the collapse starts at tau ~0.45), CAPT's weight against MLM or the learning
+rate (weight 0.1 or lr 5e-4 keep the token states apart through MLM, but the sequence contrast
+stays at chance). Without the queue the loss leaves chance within ~40 steps; with the queue joining
+at 0.2 x T, after the in-batch contrast has spread the sequences, no seed of 1-5 collapsed and the
+loss ends at ~0.6-0.75x chance. XBM (Wang et al. 2020) names the condition for a memory of past
+embeddings to stand in for current ones, "slow drift"; a memory of a degenerate configuration
+drifts nowhere and is still no set of negatives. A fraction of the run, like Eq. 6's schedule, so
+a preset keeps its shape at any run length.
 
 Logged learning signals (the contract of `pipeline.eval.signals`): `loss` with `loss_chance` =
 ln(2b - 1 + extra rows), the loss when every candidate scores alike (x 2b x micro-batches for
