@@ -43,7 +43,7 @@ went to zero, the token states followed (token cosine >= 0.9 on 274, 264, 105 of
 rate (weight 0.1 or lr 5e-4 keep the token states apart through MLM, but the sequence contrast
 stays at chance). Without the queue the loss leaves chance within ~40 steps; with the queue joining
 at 0.2 x T, after the in-batch contrast has spread the sequences, no seed of 1-5 collapsed and the
-loss ends at ~0.6-0.75x chance. XBM (Wang et al. 2020) names the condition for a memory of past
+loss ends at 0.67-0.74x chance. XBM (Wang et al. 2020) names the condition for a memory of past
 embeddings to stand in for current ones, "slow drift"; a memory of a degenerate configuration
 drifts nowhere and is still no set of negatives. A fraction of the run, like Eq. 6's schedule, so
 a preset keeps its shape at any run length.
