@@ -27,6 +27,34 @@ which both views of the whole global batch are enqueued (detached, FIFO, gathere
 after each micro-batch's loss. tau follows the inverted triangle of Eq. 6,
 tau(t) = |t - T/2| / T + 0.05, from `ctx.progress`; pass a number as `tau` for a fixed temperature.
 
+The queue joins at `queue_start` x T (*deviation at small scale*; default 0, the paper's queue from
+the first step; `tiny-capt` uses 0.2). What went wrong (issue 29, at the time-to-quality study's
+size: 2 x 128, 32 x 64 tokens, 300 steps, lr 1e-3, queue 64; `docs/objectives.md#capt` has the
+tables): at initialisation every sequence has the same representation (BERT's 0.02-std init leaves
+h_[CLS] nearly input-independent: mean cosine of different sequences' s 0.99995), so the loss
+starts at chance, ln(2b - 1 + Q). In that state the queue's rows are constants that are
+near-copies of one point: pushing the anchors away from them pushes every anchor the same way (it
+spreads nothing), while they take Q / (2b - 1 + Q) of the softmax mass from the in-batch negatives,
+the only ones whose repulsion spreads the sequences. The positive's pull then wins, and the
+cheapest way to make x and x^ agree is to ignore the input: with the queue from step 0 the spread
+went to zero, the token states followed (token cosine >= 0.9 on 274, 264, 105 of 300 steps, seeds
+1-3), the loss sat at chance and MLM on the unigram plateau. Not the cause: Eq. 6 (a fixed tau of
+0.1 collapses alike; the collapse starts at tau ~0.45), CAPT's weight against MLM or the learning
+rate (weight 0.1 or lr 5e-4 keep the token states apart through MLM, but the sequence contrast
+stays at chance). Without the queue the loss leaves chance within ~40 steps; with the queue joining
+at 0.2 x T, after the in-batch contrast has spread the sequences, no seed of 1-5 collapsed and the
+loss ends at 0.67-0.74x chance. XBM (Wang et al. 2020) names the condition for a memory of past
+embeddings to stand in for current ones, "slow drift"; a memory of a degenerate configuration
+drifts nowhere and is still no set of negatives. A fraction of the run, like Eq. 6's schedule, so
+a preset keeps its shape at any run length.
+
+Logged learning signals (the contract of `pipeline.eval.signals`): `loss` with `loss_chance` =
+ln(2b - 1 + extra rows), the loss when every candidate scores alike (x 2b x micro-batches for
+`reduction: sum`); with the adaptive tau, also `floor_tau_loss` / `floor_tau_loss_chance`, the same
+candidates scored at tau's fixed minimum 0.05, because Eq. 6 makes the loss itself rise again over
+the run's second half; and the collapse diagnosis `negative_cosine` (mean cosine of different
+sequences' views) and `queue_cosine` (views against queue rows). All on logged steps only.
+
 In-batch negatives (`batch_negatives`): "local" (default) contrasts each pair with the other 2b - 2
 views of its own micro-batch; "global" adds the views of every other rank's micro-batch (all-gathered,
 detached: gradient flows through this rank's views only), the paper's "training batch" of Eq. 2
@@ -41,6 +69,7 @@ recipe is `objectives: {mlm: 1, capt: 1}`; MLM then reuses the masked pass.
 """
 from __future__ import annotations
 
+import math
 from typing import Mapping, Optional
 
 import torch
@@ -51,7 +80,7 @@ from pipeline.batch import VIEW_INPUTS, choose_view
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
-from pipeline.objectives.functional import REDUCTIONS, adaptive_temperature
+from pipeline.objectives.functional import ADAPTIVE_TAU_FLOOR as TAU_FLOOR, REDUCTIONS, adaptive_temperature
 from pipeline.objectives.memory_queue import MemoryQueue
 
 CORRUPTIONS = ("masked", "wwm_masked", "shuffled")
@@ -74,7 +103,8 @@ class AggregationMLP(nn.Module):
 class ContrastivePretraining(Objective):
     """CAPT (see the module docstring). Options: corruption, tau (None = adaptive Eq. 6),
     queue_size (0 disables the queue), gather_queue (all-gather across ranks), reduction
-    ("mean" | "sum"), batch_negatives ("local" | "global")."""
+    ("mean" | "sum"), batch_negatives ("local" | "global"), queue_start (fraction of the run before
+    which the queue is neither filled nor read)."""
 
     name = "capt"
     views = ("masked",)
@@ -89,6 +119,7 @@ class ContrastivePretraining(Objective):
         gather_queue: bool = True,
         reduction: str = "mean",
         batch_negatives: str = "local",
+        queue_start: float = 0.0,
     ) -> None:
         super().__init__()
         choose_view("corruption", corruption, CORRUPTIONS)
@@ -98,6 +129,8 @@ class ContrastivePretraining(Objective):
             raise ValueError(f"queue_size must be >= 0, got {queue_size}")
         if reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        if not 0.0 <= queue_start < 1.0:
+            raise ValueError(f"queue_start must be a fraction of the run in [0, 1), got {queue_start}")
         if batch_negatives not in BATCH_NEGATIVES:
             raise ValueError(f"batch_negatives must be one of {BATCH_NEGATIVES}, got {batch_negatives!r}")
         self.views = ("original", corruption)
@@ -107,6 +140,12 @@ class ContrastivePretraining(Objective):
         self.queue = MemoryQueue(queue_size, encoder_config.hidden_size) if queue_size else None
         self.gather_queue = gather_queue
         self.reduction, self.batch_negatives = reduction, batch_negatives
+        self.queue_start = queue_start
+
+    def queue_active(self, step: int, total_steps: int) -> bool:
+        """Whether the queue is filled and read at optimizer step `step` of `total_steps`:
+        from step queue_start x T on (every step when queue_start is 0, the paper's recipe)."""
+        return self.queue is not None and step >= self.queue_start * total_steps
 
     def temperature(self, step: int, total_steps: int) -> float:
         return self.tau if self.tau is not None else adaptive_temperature(step, total_steps)
@@ -120,13 +159,14 @@ class ContrastivePretraining(Objective):
         s_hat = self.represent(ctx.encode(self.corrupted_key).last_hidden[:, 0])
         tau = self.temperature(ctx.progress.step, ctx.progress.total_steps)
         views = torch.cat([s, s_hat]).detach()
+        use_queue = self.queue_active(ctx.progress.step, ctx.progress.total_steps)
         gathered = None
-        if self.batch_negatives == "global" or (self.queue is not None and self.gather_queue and self.training):
+        if self.batch_negatives == "global" or (use_queue and self.gather_queue and self.training):
             gathered = all_gather_row_blocks(views)  # one collective serves both the negatives and the queue
         extra = []
         if self.batch_negatives == "global":
             extra.append(split_own_block(gathered)[1])  # the other ranks' views of this step
-        queued = self.queue.negatives(s.device) if self.queue is not None else None
+        queued = self.queue.negatives(s.device) if use_queue else None
         if queued is not None:
             extra.append(queued)
         negatives = torch.cat(extra) if extra else None
@@ -136,9 +176,6 @@ class ContrastivePretraining(Objective):
         )
         if self.reduction == "sum":
             loss = loss * ctx.progress.micro_batches  # Eq. 4 over the global batch (module docstring)
-        if self.queue is not None and self.training:
-            rows = torch.cat(gathered) if gathered is not None and self.gather_queue else views
-            self.queue.enqueue(rows, gather=False)
         metrics = {
             "tau": scalar_metric(tau, s.device),
             "positive_cosine": (s * s_hat).sum(-1).mean().detach(),
@@ -146,7 +183,44 @@ class ContrastivePretraining(Objective):
             # per anchor: the other 2b - 2 views of the batch, the positive excluded, and the extra rows
             "negatives": scalar_metric(2 * s.shape[0] - 2 + (0 if negatives is None else negatives.shape[0]), s.device),
         }
+        if ctx.progress.record_metrics:
+            # Chance level of the loss: every candidate scored alike, each term is ln(candidates per anchor)
+            # = ln(negatives + 1); a sum reduction sums 2b such terms, scaled like the loss.
+            chance = math.log(2 * s.shape[0] - 1 + (0 if negatives is None else negatives.shape[0]))
+            terms = 2 * s.shape[0] * ctx.progress.micro_batches if self.reduction == "sum" else 1
+            metrics["loss_chance"] = scalar_metric(terms * chance, s.device)
+            metrics.update(self.spread_metrics(s, s_hat, queued))
+            if self.tau is None:
+                # The adaptive tau makes the loss rise again over the last half by construction (its floor
+                # grows with tau); the same candidates scored at tau's fixed minimum show whether the
+                # representations still improve. Per term (mean), so its chance is ln(candidates).
+                with torch.no_grad():
+                    metrics["floor_tau_loss"] = ctx.op("sequence_contrastive_loss")(
+                        s, s_hat, TAU_FLOOR, negatives, normalize=True, symmetric=True, same_view_negatives=True)
+                metrics["floor_tau_loss_chance"] = scalar_metric(chance, s.device)
+        if use_queue and self.training:  # last: `queued` may be the queue's own storage, which this overwrites
+            rows = torch.cat(gathered) if gathered is not None and self.gather_queue else views
+            self.queue.enqueue(rows, gather=False)
         return loss, metrics
+
+    @staticmethod
+    @torch.no_grad()
+    def spread_metrics(s: Tensor, s_hat: Tensor, queued: Optional[Tensor]) -> dict[str, Tensor]:
+        """How far apart the representations are (the collapse diagnosis of the module docstring):
+
+            negative_cosine = mean over ordered pairs of views of different sequences of u . v
+            queue_cosine    = mean over (view of this batch, queue row) of u . q
+
+        from the sums of the unit vectors, O(b D): with U the 2b views, |sum U|^2 counts every
+        ordered pair once, the 2b self-pairs (1 each) and the 2b positive pairs (2 sum_i s_i . s^_i)."""
+        views = torch.cat([s, s_hat])
+        n, total = views.shape[0], views.sum(0)
+        metrics = {}
+        if n > 2:  # one sequence has no in-batch negative
+            metrics["negative_cosine"] = (total @ total - n - 2 * (s * s_hat).sum()) / (n * (n - 2))
+        if queued is not None:
+            metrics["queue_cosine"] = total @ F.normalize(queued.float(), dim=-1, eps=1e-8).sum(0) / (n * queued.shape[0])
+        return metrics
 
     def extra_state_for_checkpoint(self) -> Optional[dict]:
         return None if self.queue is None else {"queue": self.queue.state_dict()}

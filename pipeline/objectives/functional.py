@@ -356,13 +356,17 @@ def prediction_accuracy(
     return correct / targets.numel()
 
 
+#: The minimum of CAPT's adaptive temperature (Eq. 6), reached at mid-training.
+ADAPTIVE_TAU_FLOOR = 0.05
+
+
 def adaptive_temperature(step: int, total_steps: int) -> float:
     """CAPT's inverted-triangle temperature (Luo et al. 2021, Eq. 6):
 
         tau(t) = |t - T/2| / T + 0.05
 
-    0.55 at t = 0 and t = T, 0.05 at t = T/2.
+    0.55 at t = 0 and t = T, 0.05 (`ADAPTIVE_TAU_FLOOR`) at t = T/2.
     """
     if total_steps <= 0:
         raise ValueError(f"adaptive_temperature: total_steps must be positive, got {total_steps}")
-    return abs(step - total_steps / 2) / total_steps + 0.05
+    return abs(step - total_steps / 2) / total_steps + ADAPTIVE_TAU_FLOOR

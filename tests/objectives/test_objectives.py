@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from pipeline.objectives.registry import OBJECTIVES
 from pipeline.objectives.base import StepContext, StepProgress
+from pipeline.objectives.functional import sequence_contrastive_loss
 from pipeline.objectives.infoword import build_ngram_inputs
 from tests.objectives.conftest import VOCAB, make_batch, tiny_model
 
@@ -214,6 +215,60 @@ def test_capt_queue_rows_are_negatives_of_the_next_step():
     assert no_queue.extra_state_for_checkpoint() == {}
 
 
+def test_capt_queue_joins_at_queue_start_of_the_run():
+    model = tiny_model({"capt": 1.0}, {"capt": {"tau": 0.1, "queue_size": 64, "queue_start": 0.2}},
+                       dropout=0.0, attention_dropout=0.0)
+    capt, batch = model.objectives["capt"], make_batch()
+    for step in (1, 19):  # before step 0.2 x 100: neither read nor filled
+        _, metrics = model(batch, StepProgress(step, 100))
+        assert len(capt.queue) == 0 and metrics["capt/negatives"].item() == 2 * 4 - 2
+    _, metrics = model(batch, StepProgress(20, 100))
+    assert len(capt.queue) == 8 and metrics["capt/negatives"].item() == 2 * 4 - 2  # filled, read from the next step
+    _, metrics = model(batch, StepProgress(21, 100))
+    assert len(capt.queue) == 16 and metrics["capt/negatives"].item() == 2 * 4 - 2 + 8
+    paper = tiny_model({"capt": 1.0}, {"capt": {"queue_size": 64}})
+    paper(batch, StepProgress(1, 100))
+    assert len(paper.objectives["capt"].queue) == 8  # default 0: the paper's queue from the first step
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_capt_loss_chance_is_log_candidates_and_what_an_uninformed_encoder_scores(reduction):
+    """Every candidate scored alike (tau -> inf): the loss is ln(2b - 1 + queue rows) per term."""
+    model = tiny_model({"capt": 1.0}, {"capt": {"tau": 1e6, "queue_size": 64, "reduction": reduction}})
+    batch = make_batch(batch_size=4)
+    model(batch, StepProgress(1, 10, micro_batches=2))  # fills 8 queue rows
+    loss, metrics = model(batch, StepProgress(2, 10, micro_batches=2))
+    terms = 2 * 4 * 2 if reduction == "sum" else 1
+    assert metrics["capt/loss_chance"].item() == pytest.approx(terms * math.log(2 * 4 - 1 + 8), rel=1e-6)
+    assert metrics["capt/loss_chance"].item() == pytest.approx(terms * math.log(metrics["capt/negatives"].item() + 1))
+    assert loss.item() == pytest.approx(metrics["capt/loss_chance"].item(), rel=1e-4)
+
+
+def test_capt_spread_metrics_are_the_mean_cosines_and_logged_steps_only():
+    model = tiny_model({"capt": 1.0}, {"capt": {"queue_size": 16}}, dropout=0.0, attention_dropout=0.0)
+    capt = model.objectives["capt"]
+    model(make_batch(batch_size=8, seed=1), StepProgress(1, 10))  # the queue is full: the loss reads its storage
+    batch, queued = make_batch(batch_size=5), capt.queue.ordered()
+    _, metrics = model(batch, StepProgress(2, 10))
+    with torch.no_grad():
+        s = capt.represent(model.bert(batch["input_ids"], batch["attention_mask"]).last_hidden[:, 0])
+        s_hat = capt.represent(model.bert(batch["masked_ids"], batch["attention_mask"]).last_hidden[:, 0])
+    views, b = torch.cat([s, s_hat]), s.shape[0]
+    sequence = torch.arange(2 * b) % b
+    other = sequence[:, None] != sequence[None, :]
+    assert metrics["capt/negative_cosine"].item() == pytest.approx((views @ views.T)[other].mean().item(), abs=1e-5)
+    expected_queue = (views @ F.normalize(queued, dim=-1).T).mean().item()
+    assert metrics["capt/queue_cosine"].item() == pytest.approx(expected_queue, abs=1e-5)
+    # the adaptive tau's floor, 0.05, scores the same candidates: comparable over the whole run
+    floor = sequence_contrastive_loss(s, s_hat, 0.05, queued, normalize=True, symmetric=True, same_view_negatives=True)
+    assert metrics["capt/floor_tau_loss"].item() == pytest.approx(floor.item(), rel=1e-5)
+    assert metrics["capt/floor_tau_loss_chance"].item() == pytest.approx(math.log(2 * b - 1 + len(queued)))
+    _, quiet = model(batch, StepProgress(3, 10, record_metrics=False))
+    assert not {"capt/negative_cosine", "capt/queue_cosine", "capt/floor_tau_loss", "capt/loss_chance"} & set(quiet)
+    fixed = tiny_model({"capt": 1.0}, {"capt": {"tau": 0.1, "queue_size": 0}})
+    assert "capt/floor_tau_loss" not in fixed(batch, StepProgress(1, 10))[1]  # a fixed tau: the loss itself compares
+
+
 def test_taco_anchor_choice_and_log_k_plus_one_at_initialisation():
     batch = make_batch()
     eligible = batch["attention_mask"].bool() & ~batch["special_mask"]
@@ -257,6 +312,7 @@ def test_infoword_encodes_the_ngrams_alone_and_skips_sentences_without_spans():
         ("taco", {"window": 1}, "objective_options.taco.window"),
         ("capt", {"corruption": "drop"}, "objective_options.capt.corruption"),
         ("capt", {"tau": -1.0}, "objective_options.capt.tau"),
+        ("capt", {"queue_start": 1.0}, "objective_options.capt.queue_start"),
         ("cocolm", {"sample_mode": "train"}, "objective_options.cocolm.sample_mode"),
         ("infoword", {"score": "l1"}, "objective_options.infoword.score"),
     ],
