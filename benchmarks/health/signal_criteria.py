@@ -8,7 +8,11 @@ A run passes when every criterion that applies to its objective is met:
    "the end" is the mean over the last 20% of the logged steps (`TAIL_FRACTION`);
 2. **still falling**: that mean strictly below the mean over the 20% of logged steps before it
    (`still_improving`; a term that has converged and gone flat misses: the issue asks for a signal
-   that is still being learned at the end of the budget, not one that stalled);
+   that is still being learned at the end of the budget, not one that stalled). A term whose
+   temperature follows a schedule is judged on its fixed-temperature twin (`TREND_TWINS`): CAPT's
+   Eq. 6 raises tau from 0.05 back to 0.55 over the second half of the run, which raises
+   `capt/loss` for unchanged representations, so its trend shows the schedule, not learning;
+   `capt/floor_tau_loss` scores the same candidates at tau = 0.05 throughout;
 3. COCO-LM: replaced-token detection **AUC >= 0.85** at the end (`RTD_AUC_MIN`; any `cocolm/...auc`
    term) and its **corrective-LM loss below the unigram entropy** (`cocolm/clm_lm_loss` against
    `health/unigram_entropy`);
@@ -42,6 +46,8 @@ REQUIRED_CHANCE_TERMS: dict[str, tuple[str, ...]] = {
     "capt": ("capt/loss",),
     "cocolm": ("cocolm/scl_loss",),
 }
+#: Terms whose "still falling" is judged on another logged term (module docstring, criterion 2).
+TREND_TWINS: dict[str, str] = {"capt/loss": "capt/floor_tau_loss"}
 #: COCO-LM's replaced-token detection must reach this AUC at the end.
 RTD_AUC_MIN = 0.85
 CLM_LOSS = "cocolm/clm_lm_loss"
@@ -65,8 +71,14 @@ def contrastive_criteria(records: Sequence[Mapping[str, Any]], signals: Mapping[
             continue
         out.append(criterion(f"{term} <= {LOSS_RATIO}x chance at the end", s.learned, s.ratio, LOSS_RATIO,
                              f"{s.value:.4f} vs chance {s.reference:.4f}"))
-        out.append(criterion(f"{term} still falling", still_improving(records, s), detail=(
-            f"mean of the last {TAIL_FRACTION:.0%} of logged steps below the mean of the {TAIL_FRACTION:.0%} before")))
+        twin = signals.get(TREND_TWINS.get(term, term))
+        if twin is None:
+            out.append(criterion(f"{term} still falling", False,
+                                 detail=f"its fixed-temperature twin {TREND_TWINS[term]} is not logged"))
+            continue
+        out.append(criterion(f"{term} still falling", still_improving(records, twin), detail=(
+            f"mean of the last {TAIL_FRACTION:.0%} of logged steps below the mean of the {TAIL_FRACTION:.0%} before"
+            + (f", judged on {twin.term} (fixed temperature)" if twin.term != term else ""))))
     return out
 
 

@@ -104,3 +104,21 @@ def test_tiny_harness_run_writes_every_file_and_skips_a_finished_run(tiny_corpus
     assert json.loads((out / "learning_signals_taco.json").read_text())["runs"][0]["wall_s"] == run["wall_s"]
     # a work directory made with other settings is refused
     assert main([*argv[:-4], "--steps", "7", "--out", str(out), "--work-dir", str(work)]) == 2
+
+
+def test_capt_loss_trend_is_judged_at_the_fixed_floor_temperature():
+    """CAPT's Eq. 6 raises tau in the second half, so `capt/loss` rises while its fixed-tau twin falls:
+    the twin decides "still falling"; when the twin rises too, the criterion misses."""
+    chance = math.log(127)
+
+    def capt(loss, floor):
+        return [{"step": s + 1, "capt/loss": loss(s), "capt/loss_chance": chance, "capt/floor_tau_loss": floor(s),
+                 "capt/floor_tau_loss_chance": chance, "mlm/accuracy": 0.08, "health/unigram_accuracy": 0.057,
+                 "health/token_cosine": 0.2} for s in range(100)]
+    rising_with_tau = capt(lambda s: chance * (0.5 + 0.002 * s), lambda s: chance * (0.6 - 0.002 * s))
+    verdict = judge_run("capt", rising_with_tau, HEALTHY, token_head=True)
+    assert verdict["met"], missed(verdict)
+    assert any("judged on capt/floor_tau_loss" in c["detail"] for c in verdict["criteria"])
+    both_rising = capt(lambda s: chance * (0.5 + 0.002 * s), lambda s: chance * (0.4 + 0.002 * s))
+    assert missed(judge_run("capt", both_rising, HEALTHY, token_head=True)) == [
+        "capt/floor_tau_loss still falling", "capt/loss still falling"]
