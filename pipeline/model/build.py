@@ -17,9 +17,7 @@ import torch
 from pipeline.eval.health import unigram_log_probs
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.model.pretrainer import PretrainModel
-from pipeline.objectives.base import SAMPLED_SOFTMAX
 from pipeline.objectives.mlm_nce import LOG_PROPOSAL, log_proposal_samplers
-from pipeline.objectives.registry import mlm_head_training
 from pipeline.seeding import seed_init
 
 
@@ -55,35 +53,17 @@ def unigram_bias(counts: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(logp - logp.mean()).float()
 
 
-def head_trained_by_sampled_softmax_only(objectives: Mapping[str, float]) -> bool:
-    """Whether only sampled-softmax objectives (`mlm-nce`, InfoWord's NCE) train the shared MLM head."""
-    kinds = set(mlm_head_training(objectives).values())
-    return kinds == {SAMPLED_SOFTMAX}
-
-
 @torch.no_grad()
 def set_output_biases(model: PretrainModel, bias: torch.Tensor) -> list[str]:
-    """Copy `bias` [V] into every vocabulary output bias trained by a full softmax: the MLM head's
-    (`cls.predictions.decoder.bias`) and any objective's own 1-D vocabulary-sized bias (COCO-LM's
-    generator head). Returns their names.
-
-    The unigram start is the context-free optimum of a full softmax (softmax(b) = q). A head trained
-    only by NCE with negatives drawn from q has another one: its optimal scores are
-    log p(v | c) - log q(v) + const (`mlm_nce`), i.e. a constant when the context is ignored, so its
-    bias stays at zero. Measured at the time-to-quality study's size (BERT-NCE, seed 1): started at
-    log q the NCE loss begins at 1.66x its chance level ln(K + 1) (4.68 vs 2.82) and spends its first
-    ~100 steps unlearning the start; from zero it begins at chance (2.83)."""
+    """Copy `bias` [V] into every vocabulary output bias: the MLM head's (`cls.predictions.decoder.bias`)
+    and any objective's own 1-D vocabulary-sized bias (COCO-LM's generator head). Returns their names."""
     vocab = model.config.vocab_size
     if bias.shape != (vocab,):
         raise ValueError(f"output bias of shape {tuple(bias.shape)} for a vocabulary of {vocab}")
-    head_bias = "cls.predictions.decoder.bias"
-    skip = {head_bias} if head_trained_by_sampled_softmax_only(model.weights) else set()
     names = []
     for name, param in model.named_parameters():
-        if name in skip:
-            continue
-        if name == head_bias or (name.startswith("objectives.") and name.endswith(".bias")
-                                 and param.shape == (vocab,)):
+        if name == "cls.predictions.decoder.bias" or (name.startswith("objectives.") and name.endswith(".bias")
+                                                      and param.shape == (vocab,)):
             param.copy_(bias.to(param.dtype))
             names.append(name)
     return names

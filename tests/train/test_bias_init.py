@@ -59,24 +59,6 @@ def test_nce_log_q_is_the_shards_log_unigram_frequency_and_no_output_bias(tiny_s
         assert not model.cls.predictions.decoder.bias.detach().any()  # model.mlm_bias_init=zero still holds
 
 
-@pytest.mark.parametrize("preset,objectives,head_starts_at_unigram", [
-    ("tiny-mlm-nce", None, False),  # NCE alone trains the head: its context-free optimum is 0, not log q
-    ("tiny-infoword", None, False),
-    ("tiny-mlm-nce", "{mlm: 1.0, mlm-nce: 1.0}", True),  # a full softmax trains it too
-])
-def test_the_unigram_start_is_each_heads_context_free_optimum(tiny_shards_dir, preset, objectives,
-                                                               head_starts_at_unigram):
-    overrides = [f"data.shards_dir={tiny_shards_dir}", "model.mlm_bias_init=unigram"]
-    cfg = load_config(preset, overrides + ([f"objectives={objectives}"] if objectives else []))
-    model = build_run_model(cfg, check_run(cfg, 1, False))
-    expected = unigram_bias(unigram_counts(ShardDataset(tiny_shards_dir)))
-    head = model.cls.predictions.decoder.bias.detach()
-    assert torch.equal(head, expected) if head_starts_at_unigram else not head.any()
-    for objective in model.objectives.values():  # log q itself is set either way
-        sampler = getattr(objective, "sampler", None)
-        assert sampler is None or torch.equal(sampler.log_proposal, expected)
-
-
 def test_nce_log_q_is_set_at_a_fresh_start_and_the_same_after_a_resume(tiny_shards_dir, tmp_path):
     """A fresh 2-step `mlm-nce` run checkpoints log q = unigram_bias(unigram_counts(shards)); a run
     resumed from its step 1 writes the same at step 2 (and repeats step 2 bit for bit)."""
