@@ -500,7 +500,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     notes = [f"{args.warmup} warm-up steps, then {args.steps} measured steps per configuration; step time = median; "
              f"{args.grad_accum} micro-batches per optimizer step",
              f"objective options: {args.options}; data: {'given shards' if args.shards else 'synthetic shards'} {data}",
-             "overhead_vs_mlm = step time / MLM's step time (same size, length, ZeRO stage, precision, batch; "
+             "overhead_vs_mlm = step time / MLM's step time (same family, size, length, ZeRO stage, precision, batch; "
              "measured in this run)", MFU_FORMULA]
     if len(args.archs) > 1:
         notes.append("tokens_vs_bert / mfu_vs_bert = tokens/s / MFU of a ModernBERT row over the BERT row of the same "
