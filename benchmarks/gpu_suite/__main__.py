@@ -1,9 +1,9 @@
 """`python -m benchmarks.gpu_suite`: one front door for the project's GPU evidence.
 
-    python -m benchmarks.gpu_suite --plan                 # the device commands in order, budgets, carry list
+    python -m benchmarks.gpu_suite --plan [modernbert]    # a plan's device commands in order, budgets, carry list
     python -m benchmarks.gpu_suite --prepare              # here: wheels + carried data; prints the commands
     python -m benchmarks.gpu_suite --stage NAME --out D   # on the GPU machine (D = $OUT): one stage's files
-    python -m benchmarks.gpu_suite --dry-run --out D      # CPU rehearsal of every stage + the plan check
+    python -m benchmarks.gpu_suite --dry-run --out D      # CPU rehearsal of every stage of every plan + the plan checks
     python -m benchmarks.gpu_suite --collect DIR [DIR..]  # here: file a command's results, regenerate README's table
 
 Exit codes: 0 done (a stage that ran but missed a target still exits 0: its files say so); 1 a
@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = p.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--plan", action="store_true", help="print the GPU commands in order and check the limits")
+    mode.add_argument("--plan", nargs="?", const="core", metavar="NAME",
+                      help="print a plan's GPU commands in order and check the limits (core, the default, runs first; "
+                           "modernbert: the ModernBERT comparison, a lease of its own)")
     mode.add_argument("--prepare", action="store_true", help="build .whl and the carried data folder, print the commands")
     mode.add_argument("--stage", metavar="NAME", help="run one stage (add --dry-run for its CPU rehearsal)")
     mode.add_argument("--collect", nargs="+", metavar="DIR", help="file result folders and regenerate README's table")
@@ -49,10 +51,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from benchmarks.gpu_suite import plan
 
     if args.plan:
-        print(plan.describe())
+        if args.plan not in plan.PLANS:
+            parser.error(f"--plan {args.plan}: no such plan; choose from {', '.join(plan.PLANS)}")
+        stages = plan.PLANS[args.plan]
+        print(plan.describe(stages, args.plan))
         from benchmarks.gpu_suite.prepare import carry_problems
 
-        problems = plan.check_plan(carry_bytes=plan.travelling_bytes()) + carry_problems()
+        problems = plan.check_plan(stages, carry_bytes=plan.travelling_bytes()) + carry_problems()
         for line in problems:
             print(f"plan check: {line}")
         print("plan check: fits every limit" if not problems else "plan check: FAILED")
@@ -113,12 +118,12 @@ def run_stage(stage, out: Path, dry_run: bool) -> int:
 
 
 def dry_run_all(out: Path) -> int:
-    """Every stage's rehearsal, each in its own process as on the GPU machine, then the plan check with
-    the measured times against the dry budgets and the files each wrote."""
+    """Every stage's rehearsal (every plan's), each in its own process as on the GPU machine, then each
+    plan's check with the measured times against the dry budgets and the files each wrote."""
     from benchmarks.gpu_suite import plan
 
     measured, files, failed = {}, {}, []
-    for stage in plan.STAGES:
+    for stage in plan.ALL_STAGES:
         stage_out = out / stage.name
         started = time.monotonic()
         code = subprocess.run([sys.executable, "-m", "benchmarks.gpu_suite", "--stage", stage.name, "--dry-run",
@@ -128,7 +133,12 @@ def dry_run_all(out: Path) -> int:
         if code != 0 or not (stage_out / f"{stage.name}.json").is_file():
             failed.append(f"{stage.name}: exit {code}")
         print(f"dry run {stage.name}: exit {code}, {measured[stage.name]:.1f} s, {files[stage.name]} files", flush=True)
-    problems = failed + plan.check_plan(measured_s=measured, dry_run=True, files_written=files)
+    problems = list(failed)
+    for name, stages in plan.PLANS.items():
+        mine = {s.name for s in stages}
+        problems += [f"plan {name}: {line}" for line in plan.check_plan(
+            stages, measured_s={k: v for k, v in measured.items() if k in mine}, dry_run=True,
+            files_written={k: v for k, v in files.items() if k in mine})]
     for line in problems:
         print(f"plan check: {line}")
     print("dry run: every stage ran and the plan fits" if not problems else "dry run: FAILED")

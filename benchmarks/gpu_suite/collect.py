@@ -9,7 +9,10 @@ commit, exact command, versions and wall time.
 The README's performance table (between `TABLE_START` and `TABLE_END`) is then regenerated from the
 stage JSON files that git tracks under `benchmarks/results/gpu/` (the index: committed or staged),
 never from anything else: with none, it says that nothing is measured yet. `--table` regenerates it
-alone. Only the newest run folder of each device is shown; every row names its file.
+alone. Per device, each stage's newest result is shown (the plans run on different leases, so the core
+plan's and the ModernBERT plan's newest results may sit in different run folders); every target names its
+file. Throughput rows name their model (family and size); ModernBERT rows carry their ratio to the BERT
+row of the same shape measured beside them (`vs BERT`: tokens/s, `MFU vs BERT`).
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ from pathlib import Path
 from typing import Any, Iterable, Optional
 
 from benchmarks.common.report import _atomic_write, markdown_table
-from benchmarks.gpu_suite.plan import REPO, STAGES
+from benchmarks.gpu_suite.plan import ALL_STAGES, REPO
 from benchmarks.gpu_suite.stage_io import device_slug, verdict
 
 RESULTS = Path("benchmarks") / "results" / "gpu"
@@ -41,7 +44,7 @@ def read_stage_files(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
     if not folder.is_dir():
         raise CollectError(f"{folder}: not a folder (give the folder a device command's files came back to)")
     found = []
-    names = {s.name for s in STAGES}
+    names = {s.name for s in ALL_STAGES}
     for path in sorted(list(folder.glob("*.json")) + list(folder.glob("*/*.json"))):
         try:
             payload = json.loads(path.read_text())
@@ -114,40 +117,51 @@ def tracked_payloads(root: Path = REPO) -> list[tuple[str, dict[str, Any]]]:
 
 
 def render_table(payloads: list[tuple[str, dict[str, Any]]]) -> str:
-    """README's block: per device, its newest run's throughput rows and every target with met / missed."""
+    """README's block: per device, each stage's newest result: the throughput rows and every target with
+    met / missed."""
     gpu = [(p, d) for p, d in payloads if not d.get("dry_run") and d.get("device", {}).get("cuda_available")]
     if not gpu:
         return NOT_MEASURED + "\n"
-    newest: dict[str, str] = {}
+    newest: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}  # (device, stage) -> its newest result
     for path, d in gpu:
-        slug = device_slug(d["device"]["name"])
-        newest[slug] = max(newest.get(slug, ""), str(Path(path).parent))
+        key = (device_slug(d["device"]["name"]), d["stage"])
+        if key not in newest or str(Path(path).parent) > str(Path(newest[key][0]).parent):
+            newest[key] = (path, d)
+    order = [s.name for s in ALL_STAGES]
     lines = []
-    for slug, folder in sorted(newest.items()):
-        run = [(p, d) for p, d in gpu if str(Path(p).parent) == folder]
+    for slug in sorted({device for device, _ in newest}):
+        run = sorted((v for (device, _), v in newest.items() if device == slug), key=lambda x: order.index(x[1]["stage"]))
         first = run[0][1]
+        folders = sorted({str(Path(p).parent) for p, _ in run})
         commits = sorted({d["source"].get("commit", "")[:10] for _, d in run})
-        lines += [f"**{first['device']['name']}** ([{folder}]({folder})), commit {', '.join(commits)}, torch "
-                  f"{first['versions'].get('torch')}, triton {first['versions'].get('triton')}:", ""]
+        lines += [f"**{first['device']['name']}** ({', '.join(f'[{f}]({f})' for f in folders)}), commit "
+                  f"{', '.join(commits)}, torch {first['versions'].get('torch')}, triton {first['versions'].get('triton')}:",
+                  ""]
         throughput = []
         for path, d in sorted(run, key=lambda x: x[1].get("seq_len") or 0):
             if d["stage"].startswith("throughput"):
                 for rows in d["tables"].values():
-                    throughput += [{"L": d.get("seq_len"), "row": r.get("row"), "tokens/s": _n(r.get("tokens_per_s"), 0),
-                                    "seq/s": _n(r.get("samples_per_s"), 1), "MFU": _pct(r.get("mfu")),
-                                    "peak GiB": _n(r.get("peak_above_start_gb", r.get("peak_mem_gb")), 1), "vs MLM": _n(r.get("tokens_vs_mlm"), 2),
-                                    "vs hf-bert": _n(r.get("tokens_vs_hf_bert"), 2), "error": r.get("error", "")}
-                                   for r in rows]
+                    throughput += [throughput_cells(r, d) for r in rows]
         if throughput:
             from benchmarks.throughput.bench_throughput import MFU_FORMULA
 
             lines += [markdown_table(throughput), f"{MFU_FORMULA}.", ""]
         targets = [{"stage": d["stage"], "target": t["name"], "measured": _n(t.get("measured"), 3),
                     "needs": t["target"], "result": verdict(t.get("met")), "file": f"[json]({p})"}
-                   for p, d in sorted(run, key=lambda x: [s.name for s in STAGES].index(x[1]["stage"]))
-                   for t in d["targets"]]
+                   for p, d in run for t in d["targets"]]
         lines += [markdown_table(targets) if targets else "_no targets recorded_\n"]
     return "\n".join(lines)
+
+
+def throughput_cells(r: dict[str, Any], d: dict[str, Any]) -> dict[str, str]:
+    """The README's cells for one row of a throughput stage (its model: family and size preset)."""
+    family = "BERT" if r.get("arch", "bert") == "bert" else "ModernBERT"
+    return {"L": d.get("seq_len"), "model": f"{family} {r.get('size', '')}".strip(),
+            "row": r.get("row"), "tokens/s": _n(r.get("tokens_per_s"), 0), "seq/s": _n(r.get("samples_per_s"), 1),
+            "MFU": _pct(r.get("mfu")), "peak GiB": _n(r.get("peak_above_start_gb", r.get("peak_mem_gb")), 1),
+            "vs MLM": _n(r.get("tokens_vs_mlm"), 2), "vs hf-bert": _n(r.get("tokens_vs_hf_bert"), 2),
+            "vs BERT": _n(r.get("tokens_vs_bert"), 3), "MFU vs BERT": _n(r.get("mfu_vs_bert"), 3),
+            "error": r.get("error", "")}
 
 
 def _n(v: Optional[float], digits: int) -> str:

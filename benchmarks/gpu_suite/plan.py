@@ -7,6 +7,14 @@ wheel install is at most `STAGE_LIMIT_S` (8 minutes), the whole plan at most `PL
 (25 minutes), a stage writes at most `MAX_STAGE_FILES` files. `check_plan` returns every violated
 limit; a stage whose measured time exceeds its budget (the dry run's CPU time against its dry budget,
 or a GPU run's recorded wall time against its GPU budget) is one of them.
+
+Two plans, each one lease (`PLANS`): `core`, issue 22's evidence (BERT-large), runs first; `modernbert`,
+issue 30's same-size architecture comparison, is a second, optional plan for the next lease. It cannot
+join the core plan: the core stages take 24.3 of the 25 minutes, and ModernBERT rows beside the BERT
+rows would need about 10 more minutes. Its stages re-measure the BERT partner of every ModernBERT row in
+the same warm process rather than pairing with the core plan's rows, because a ratio is only read
+between rows measured side by side on one GPU (another lease may be another card, or the same card
+under other conditions).
 """
 from __future__ import annotations
 
@@ -48,6 +56,7 @@ class Stage:
         return INSTALL + f"python3 -m benchmarks.gpu_suite --stage {self.name} --out $OUT"
 
 
+#: The core plan (issue 22): run first on a lease.
 STAGES: tuple[Stage, ...] = (
     Stage("env", "environment and kernel correctness", 150, 60, "benchmarks.gpu_suite.env_stage:run"),
     Stage("kernels", "fused losses against eager, compile and peers", 360, 60, "benchmarks.gpu_suite.kernels_stage:run"),
@@ -55,9 +64,20 @@ STAGES: tuple[Stage, ...] = (
     Stage("throughput-512", "BERT-large throughput at L=512", 270, 90, "benchmarks.gpu_suite.throughput_stage:run_512"),
     Stage("sanity", "base-size training sanity on WikiText-2", 180, 90, "benchmarks.gpu_suite.sanity_stage:run"),
 )
+#: The ModernBERT plan (issue 30 item 5): BERT-large and ModernBERT large-24 pair by pair, one length per
+#: command; 10 rows in a budget that gives each about as long as a core throughput row.
+MODERNBERT_STAGES: tuple[Stage, ...] = (
+    Stage("throughput-modernbert-128", "ModernBERT large-24 vs BERT-large throughput at L=128", 390, 90,
+          "benchmarks.gpu_suite.throughput_stage:run_modernbert_128"),
+    Stage("throughput-modernbert-512", "ModernBERT large-24 vs BERT-large throughput at L=512", 390, 90,
+          "benchmarks.gpu_suite.throughput_stage:run_modernbert_512"),
+)
+PLANS: dict[str, tuple[Stage, ...]] = {"core": STAGES, "modernbert": MODERNBERT_STAGES}
+#: Every stage of every plan (what `--stage NAME` runs, the dry run rehearses and `--collect` files).
+ALL_STAGES: tuple[Stage, ...] = tuple(stage for stages in PLANS.values() for stage in stages)
 
 
-def stage_named(name: str, stages: Sequence[Stage] = STAGES) -> Stage:
+def stage_named(name: str, stages: Sequence[Stage] = ALL_STAGES) -> Stage:
     for stage in stages:
         if stage.name == name:
             return stage
@@ -109,9 +129,12 @@ def travelling_bytes(root: Path = REPO, carry: Iterable[str] = CARRY) -> int:
     return total
 
 
-def describe(stages: Sequence[Stage] = STAGES) -> str:
-    """`--plan`: the commands in order, with the budgets and the carry list."""
-    lines = [f"GPU plan: {len(stages)} commands, run in this order; carry each with: {list(CARRY)}",
+def describe(stages: Sequence[Stage] = STAGES, name: str = "core") -> str:
+    """`--plan [NAME]`: the commands in order, with the budgets and the carry list."""
+    others = [p for p in PLANS if p != name]
+    lines = [f"GPU plan {name!r} (one lease; the other plans, each its own lease: "
+             f"{', '.join(f'--plan {p}' for p in others) or 'none'}): {len(stages)} commands, run in this order; "
+             f"carry each with: {list(CARRY)}",
              f"(prepare the carried folders here first: python -m benchmarks.gpu_suite --prepare)", ""]
     total = 0.0
     for i, stage in enumerate(stages, 1):

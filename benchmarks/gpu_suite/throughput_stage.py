@@ -26,6 +26,17 @@ MFU: `bench_throughput.MFU_FORMULA`, the training loop's FLOP counter (every enc
 objective makes) over the H100/H200 bf16 dense peak. The queue InfoNCE's share of the MLM step is
 the CAPT loss (Triton kernel, one pair per sequence of the micro-batch, queue 8,192) timed here over
 the MLM step time per micro-batch.
+
+Stages `throughput-modernbert-128` / `-512` (the `modernbert` plan, `benchmarks.gpu_suite.plan`): the
+same rows with `model.arch=modernbert model.size=large-24` (24 x 1024 x 16 heads, GeGLU 2624, window
+128, global every 3rd layer) beside their BERT-large partners, objective by objective (`PAIRED_ORDER`:
+BERT then ModernBERT, MLM first), in one warm process. Only the architecture differs within a pair:
+preset, optimizer, engine, micro-batch, accumulation, length and precision are the row's recipe and
+the stage's. Each ModernBERT row gets `tokens_vs_bert` and `mfu_vs_bert` against its partner
+(`bench_throughput.add_arch_ratios`; none when the partner did not run), and `tokens_vs_mlm` against
+ModernBERT's own MLM row. No hf-bert row (its peer would be transformers' ModernBertForMaskedLM) and
+no targets: issue 30 asks for the ratios, not a threshold. The dry run pairs BERT `capt-small` with
+ModernBERT `small` (6 x 256 x 4 heads), the smallest pair of equal shape, so the ratio is rehearsed.
 """
 from __future__ import annotations
 
@@ -47,28 +58,39 @@ OBJECTIVES = {"mlm": "mlm-capt-large", "taco": "taco-base", "capt": "capt-large"
 HF_ROW = "hf-bert"
 #: MLM and hf-bert first: the rows most targets need run before the budget can run out.
 ROW_ORDER = ("mlm", HF_ROW, "taco", "capt", "cocolm", "infoword")
+#: The ModernBERT stages' rows, (family, objective): each BERT row just before its ModernBERT partner,
+#: so a spent budget cuts whole pairs (at most one row without its partner), MLM first.
+PAIRED_ORDER = tuple((arch, objective) for objective in OBJECTIVES for arch in ("bert", "modernbert"))
+#: model.size per family: the same 24 x 1024 x 16-head shape (`bench_throughput.bert_partner_size`).
+SIZES = {"bert": "large", "modernbert": "large-24"}
+#: What a ModernBERT row shares with its BERT partner besides the objective and the shape.
+PAIR_MATCH = ("seq_len", "engine", "precision", "micro_batch", "grad_accum")
 MICRO_BATCH = {128: 128, 512: 32}
 GRAD_ACCUM = 2
 WARMUP, STEPS = 8, 30
 VOCAB = 30522
-#: The rehearsal: tiny model, short sequences, a few steps (CPU, fp32).
-DRY = dict(size="tiny", seq_len={128: 32, 512: 64}, micro_batch=2, warmup=1, steps=2, vocab=1001)
+#: The rehearsal: tiny model (the paired stages: the smallest same-shape pair), short sequences, a few
+#: steps (CPU, fp32).
+DRY = dict(sizes={"bert": "tiny"}, paired_sizes={"bert": "capt-small", "modernbert": "small"},
+           seq_len={128: 32, 512: 64}, micro_batch=2, warmup=1, steps=2, vocab=1001)
 
 
-def settings(length: int, dry_run: bool) -> dict[str, Any]:
+def settings(length: int, dry_run: bool, paired: bool = False) -> dict[str, Any]:
+    """The stage's shape, batch, steps and precision; `sizes`: model.size per family it runs."""
     if dry_run:
-        return dict(size=DRY["size"], seq_len=DRY["seq_len"][length], micro_batch=DRY["micro_batch"],
-                    accum=GRAD_ACCUM, warmup=DRY["warmup"], steps=DRY["steps"], vocab=DRY["vocab"], precision="fp32",
-                    workers=0)
-    return dict(size="large", seq_len=length, micro_batch=MICRO_BATCH[length], accum=GRAD_ACCUM, warmup=WARMUP,
-                steps=STEPS, vocab=VOCAB, precision="bf16", workers=2)
+        return dict(sizes=DRY["paired_sizes" if paired else "sizes"], seq_len=DRY["seq_len"][length],
+                    micro_batch=DRY["micro_batch"], accum=GRAD_ACCUM, warmup=DRY["warmup"], steps=DRY["steps"],
+                    vocab=DRY["vocab"], precision="fp32", workers=0)
+    return dict(sizes=SIZES if paired else {"bert": SIZES["bert"]}, seq_len=length, micro_batch=MICRO_BATCH[length],
+                accum=GRAD_ACCUM, warmup=WARMUP, steps=STEPS, vocab=VOCAB, precision="bf16", workers=2)
 
 
-def overrides(s: dict[str, Any], shards: Path, run_dir: Path) -> list[str]:
-    """The row's changes to its preset: size, shards, shape, batch and precision of the stage, run
-    control. The DeepSpeed engine file is the preset's (what the recipe trains with)."""
+def overrides(s: dict[str, Any], shards: Path, run_dir: Path, arch: str = "bert") -> list[str]:
+    """The row's changes to its preset: family and size, shards, shape, batch and precision of the stage,
+    run control. The DeepSpeed engine file is the preset's (what the recipe trains with)."""
     total = s["warmup"] + s["steps"]
-    return [f"model.size={s['size']}", f"data.shards_dir={shards}", f"data.seq_len={s['seq_len']}",
+    return [f"model.arch={arch}", f"model.size={s['sizes'][arch]}", f"data.shards_dir={shards}",
+            f"data.seq_len={s['seq_len']}",
             f"data.micro_batch_size={s['micro_batch']}", f"data.global_batch_size={s['micro_batch'] * s['accum']}",
             f"deepspeed.precision={s['precision']}", f"train.total_steps={total}",
             "train.log_every=1", f"train.checkpoint_every={total}", "train.keep_last=1", "train.resume=never",
@@ -112,18 +134,24 @@ def _peak_above_start(row: dict[str, Any]) -> None:
         row["peak_above_start_gb"] = round(row["peak_mem_gb"] - row["resident_before_gb"], 2)
 
 
-def pipeline_row(objective: str, s: dict[str, Any], shards: Path, work: Path) -> dict[str, Any]:
+def _shape(s: dict[str, Any], arch: str) -> dict[str, Any]:
+    """What identifies a row's model and batch in its table (and pairs it: `PAIR_MATCH`)."""
+    return {"arch": arch, "size": s["sizes"][arch], "seq_len": s["seq_len"], "precision": s["precision"],
+            "micro_batch": s["micro_batch"]}
+
+
+def pipeline_row(objective: str, s: dict[str, Any], shards: Path, work: Path, arch: str = "bert") -> dict[str, Any]:
     from benchmarks.throughput.bench_throughput import summarize_records
     from pipeline.config.run import load_config
     from pipeline.data.config import plan_batches
     from pipeline.train.loop import train
     from pipeline.train.metrics import read_jsonl
 
-    run_dir = work / objective
+    run_dir = work / f"{arch}-{objective}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    row: dict[str, Any] = {"row": objective, "preset": OBJECTIVES[objective], **_fresh_memory()}
+    row: dict[str, Any] = {"row": objective, **_shape(s, arch), "preset": OBJECTIVES[objective], **_fresh_memory()}
     started = time.monotonic()
-    cfg = load_config(OBJECTIVES[objective], overrides(s, shards, run_dir))
+    cfg = load_config(OBJECTIVES[objective], overrides(s, shards, run_dir, arch))
     row["optim"] = {"lr": cfg.optim.lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
                     "weight_decay": cfg.optim.weight_decay}
     row.update(engine=cfg.deepspeed.config, grad_accum=plan_batches(cfg.data, 1).grad_accum,
@@ -142,10 +170,10 @@ def hf_row(s: dict[str, Any], shards: Path, work: Path, optim: dict[str, Any]) -
     from benchmarks.throughput import hf_baseline
     from benchmarks.throughput.bench_throughput import summarize_records
 
-    row: dict[str, Any] = {"row": HF_ROW, "preset": "BertForMaskedLM (sdpa)", "grad_accum": s["accum"],
-                           **_fresh_memory()}
+    row: dict[str, Any] = {"row": HF_ROW, **_shape(s, "bert"), "preset": "BertForMaskedLM (sdpa)",
+                           "grad_accum": s["accum"], **_fresh_memory()}
     started = time.monotonic()
-    args = Namespace(shards=str(shards), size=s["size"], seq_len=s["seq_len"], micro_batch=s["micro_batch"],
+    args = Namespace(shards=str(shards), size=s["sizes"]["bert"], seq_len=s["seq_len"], micro_batch=s["micro_batch"],
                      precision=s["precision"], steps=s["steps"], warmup=s["warmup"], lr=optim["lr"],
                      betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"],
                      grad_accum=s["accum"], seed=1234, num_workers=s["workers"], out=str(work / HF_ROW))
@@ -155,13 +183,21 @@ def hf_row(s: dict[str, Any], shards: Path, work: Path, optim: dict[str, Any]) -
     return row
 
 
-def add_ratios(rows: list[dict[str, Any]]) -> None:
-    by = {r["row"]: r for r in rows}
-    mlm, hf = by.get("mlm", {}), by.get(HF_ROW, {})
+def add_ratios(rows: list[dict[str, Any]], paired: bool = False) -> list[str]:
+    """`tokens_vs_mlm` / `mfu_vs_mlm` against the MLM row of the same family; without `paired` (the core
+    stages, BERT only) `tokens_vs_hf_bert` against hf-bert; with it, `tokens_vs_bert` / `mfu_vs_bert` of
+    each ModernBERT row against its BERT partner (`bench_throughput.add_arch_ratios`, whose printable
+    lines are returned)."""
+    from benchmarks.throughput.bench_throughput import add_arch_ratios
+
+    by = {(r["arch"], r["row"]): r for r in rows}
     for r in rows:
+        mlm = by.get((r["arch"], "mlm"), {})
         r["tokens_vs_mlm"] = T.ratio(r.get("tokens_per_s"), mlm.get("tokens_per_s"))
         r["mfu_vs_mlm"] = T.ratio(r.get("mfu"), mlm.get("mfu"))
-        r["tokens_vs_hf_bert"] = T.ratio(r.get("tokens_per_s"), hf.get("tokens_per_s"))
+        if not paired:
+            r["tokens_vs_hf_bert"] = T.ratio(r.get("tokens_per_s"), by.get(("bert", HF_ROW), {}).get("tokens_per_s"))
+    return add_arch_ratios(rows, name="row", size="size", match=PAIR_MATCH) if paired else []
 
 
 def queue_infonce_ms(s: dict[str, Any], device) -> float:
@@ -193,33 +229,45 @@ def judge(rows: list[dict[str, Any]], length: int, queue_share: Optional[float],
     return out
 
 
-def charts(rows: list[dict[str, Any]], length: int) -> dict[str, Callable]:
+def charts(rows: list[dict[str, Any]], title: str, paired: bool) -> dict[str, Callable]:
     from benchmarks.common.report import bar_chart
 
-    done = [r for r in rows if r.get("tokens_per_s")]
-    out = {"tokens": lambda p: bar_chart(done, "row", "tokens_per_s", p, f"BERT-large L={length}: tokens/s")}
+    done = [{**r, "label": f"{r['arch']} {r['row']}" if paired else r["row"]} for r in rows if r.get("tokens_per_s")]
+    out = {"tokens": lambda p: bar_chart(done, "label", "tokens_per_s", p, f"{title}: tokens/s")}
     if any(r.get("mfu") for r in done):
-        out["mfu"] = lambda p: bar_chart(done, "row", "mfu", p, f"BERT-large L={length}: MFU")
+        out["mfu"] = lambda p: bar_chart(done, "label", "mfu", p, f"{title}: MFU")
+    if paired and any(r.get("tokens_vs_bert") for r in done):
+        out["vs_bert"] = lambda p: bar_chart(done, "label", "tokens_vs_bert", p, f"{title}: tokens/s vs BERT")
     return out
 
 
-def run_length(ctx: StageContext, length: int) -> int:
+def table_title(s: dict[str, Any], dry_run: bool, paired: bool) -> str:
+    sizes = " vs ".join(f"BERT-{size}" if arch == "bert" else f"ModernBERT {size}" for arch, size in s["sizes"].items())
+    return f"{sizes} L={s['seq_len']}" + (" (dry run)" if dry_run else "")
+
+
+def run_length(ctx: StageContext, length: int, paired: bool = False) -> int:
+    """One stage: every row of one length in this process (`paired`: the ModernBERT stages' pairs), the
+    ratios, and for the core stages the queue InfoNCE share, the targets and the profile."""
     from benchmarks.data.synthetic_shards import write_synthetic_shards
     from benchmarks.gpu_suite.env_stage import require_environment
     from benchmarks.throughput.bench_throughput import MFU_FORMULA
 
     require_environment(ctx)
-    s = settings(length, ctx.dry_run)
+    s = settings(length, ctx.dry_run, paired)
+    order = PAIRED_ORDER if paired else tuple(("bert", name) for name in ROW_ORDER)
     work = Path(tempfile.mkdtemp(prefix=f"gpu_suite_{ctx.stage.name}_"))
     rows: list[dict[str, Any]] = []
+    queue_share = None
     try:
         shards = work / "shards"
         rows_needed = max(256, 2 * s["micro_batch"] * s["accum"] * (s["warmup"] + s["steps"]))
         write_synthetic_shards(shards, s["vocab"], s["seq_len"], rows=rows_needed)
         mlm_optim = None
-        for name in ROW_ORDER:
+        for arch, name in order:
+            label = name if not paired else f"{arch} {name}"
             if not ctx.has_time(25):
-                ctx.skip(f"row {name}", "stage budget spent")
+                ctx.skip(f"row {label}", "stage budget spent")
                 continue
             try:
                 if name == HF_ROW:
@@ -227,30 +275,36 @@ def run_length(ctx: StageContext, length: int) -> int:
                         raise RuntimeError("no MLM row: the hf-bert row takes its optimizer settings from it")
                     row = hf_row(s, shards, work, mlm_optim)
                 else:
-                    row = pipeline_row(name, s, shards, work)
-                    mlm_optim = row["optim"] if name == "mlm" else mlm_optim
+                    row = pipeline_row(name, s, shards, work, arch)
+                    mlm_optim = row["optim"] if (arch, name) == ("bert", "mlm") else mlm_optim
             except Exception as err:  # noqa: BLE001 - an OOM or a failed run is that row's result
-                row = {"row": name, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"}
+                row = {"row": name, **_shape(s, arch),
+                       "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"}
             rows.append(row)
-            print(f"row {name}: " + json.dumps({k: v for k, v in row.items() if k != "optim"}, default=str), flush=True)
-        add_ratios(rows)
-        queue_share = None
+            print(f"row {label}: " + json.dumps({k: v for k, v in row.items() if k != "optim"}, default=str), flush=True)
+        pair_lines = add_ratios(rows, paired)
         mlm = next((r for r in rows if r["row"] == "mlm" and r.get("step_time_s")), None)
-        if mlm is not None and ctx.has_time(10):
+        if not paired and mlm is not None and ctx.has_time(10):
             ms = queue_infonce_ms(s, ctx.device)
             queue_share = ms / (mlm["step_time_s"] * 1e3 / s["accum"])
             ctx.notes.append(f"queue InfoNCE: {ms:.3f} ms per micro-batch of {s['micro_batch']} pairs (queue 8,192)")
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    targets = judge(rows, length, queue_share, applicable=not ctx.dry_run)
+    targets = [] if paired else judge(rows, length, queue_share, applicable=not ctx.dry_run)
     ctx.notes += [MFU_FORMULA, f"settings: {s}; every row {s['steps']} timed steps after {s['warmup']} warm-up steps, "
                   f"one process",
-                  f"every row (hf-bert too) accumulates {s['accum']} micro-batches per optimizer step, its preset "
-                  "32-256 on one GPU (preset_grad_accum; not within the stage's budget): an optimizer update every "
-                  f"{s['accum']} micro-batches makes tokens/s and MFU here a lower bound on the presets'; "
+                  f"every row{'' if paired else ' (hf-bert too)'} accumulates {s['accum']} micro-batches per optimizer "
+                  "step, its preset 32-256 on one GPU (preset_grad_accum; not within the stage's budget): an optimizer "
+                  f"update every {s['accum']} micro-batches makes tokens/s and MFU here a lower bound on the presets'; "
                   "engine: each preset's own DeepSpeed file (engine)"]
+    if paired:
+        ctx.notes += ["tokens_vs_bert / mfu_vs_bert: a ModernBERT row's tokens/s / MFU over its BERT partner's (same "
+                      "objective and preset, same-shape size, length, engine, precision, micro-batch and accumulation; "
+                      "measured in this process just before it); none where the partner did not run; tokens_vs_mlm: "
+                      "against the MLM row of the same family; no targets (issue 30 asks for the ratios)"] + pair_lines
     if ctx.dry_run:
-        ctx.notes.append("dry run: tiny model, short sequences, fp32 on the CPU; times are not performance, nothing judged")
+        ctx.notes.append("dry run: small models, short sequences, fp32 on the CPU; times are not performance, "
+                         "nothing judged")
 
     def profile() -> None:  # two MLM steps of the same recipe
         from pipeline.config.run import load_config
@@ -264,8 +318,10 @@ def run_length(ctx: StageContext, length: int) -> int:
         finally:
             shutil.rmtree(pwork, ignore_errors=True)
 
-    ctx.write({f"BERT-large L={length}" if not ctx.dry_run else f"tiny L={s['seq_len']} (dry run)": rows}, targets,
-              charts=charts(rows, length), profile=profile, extra={"settings": s, "seq_len": length})
+    title = table_title(s, ctx.dry_run, paired)
+    # the paired stages judge nothing, so a profile (written only for a missed target) would never be written
+    ctx.write({title: rows}, targets, charts=charts(rows, title, paired), profile=None if paired else profile,
+              extra={"settings": s, "seq_len": length})
     return 0
 
 
@@ -275,3 +331,11 @@ def run_128(ctx: StageContext) -> int:
 
 def run_512(ctx: StageContext) -> int:
     return run_length(ctx, 512)
+
+
+def run_modernbert_128(ctx: StageContext) -> int:
+    return run_length(ctx, 128, paired=True)
+
+
+def run_modernbert_512(ctx: StageContext) -> int:
+    return run_length(ctx, 512, paired=True)

@@ -1,6 +1,6 @@
 """Throughput of every objective against MLM: tokens/s, step time, MFU, peak memory, overhead ratio.
 
-For each objective x model size x sequence length x ZeRO stage x precision, this runs the real
+For each objective x encoder family x model size x sequence length x ZeRO stage x precision, this runs the real
 training command (`python -m pipeline.train`, DeepSpeed engine, the objective's `tiny-<objective>`
 preset for the objective weights) for `--warmup + --steps` steps in a fresh process, then reads
 its `metrics.jsonl`: step time, tokens/s, MFU (from `pipeline.train.metrics`' FLOP counter) and peak
@@ -37,11 +37,20 @@ accumulation does not depend on the world size), `--nodes`
 (default `$SLURM_JOB_NUM_NODES` or 1) is recorded for `benchmarks/throughput/scaling.py`, which turns the
 JSON files of several node counts into scaling efficiency.
 
+Encoder families: `--archs bert,modernbert` runs every configuration for each family
+(`model.arch`); `--sizes` names each family's size presets, a plain name for every listed family
+that has it, `family:size` for one family only (`--archs bert,modernbert --sizes
+capt-small,small`, or `bert:large,modernbert:large-24` on a GPU). Every ModernBERT row with a BERT
+row of the same shape (`bert_partner_size`: equal layers, hidden size and heads; capt-small <->
+small, large <-> large-24) and the same objective, length, ZeRO stage, precision and micro-batch
+gets `tokens_vs_bert` = its tokens/s / the BERT row's and `mfu_vs_bert` likewise
+(`add_arch_ratios`); a row without such a partner gets none.
+
 Hugging Face baseline: `--hf-baseline` adds, per size x length x precision x micro-batch, a row
 `hf-bert`: `transformers.BertForMaskedLM` with SDPA attention in a plain torch loop with fused
 AdamW, on the same shards, micro-batches, accumulation and precision (`benchmarks/throughput/hf_baseline.py`, one rank).
-Every pipeline row then gets `vs_hf_bert` = its tokens/s / hf-bert's tokens/s, printed with the
-MFU formula (`MFU_FORMULA`) next to the table.
+Every BERT row then gets `vs_hf_bert` = its tokens/s / hf-bert's tokens/s, printed with the
+MFU formula (`MFU_FORMULA`, each family's) next to the table.
 
 Output: `<out>/throughput.json`, `throughput.md` and PNG bar charts (tokens/s, overhead vs MLM,
 and MFU when measured), with hardware and library versions.
@@ -69,9 +78,13 @@ from benchmarks.common.report import bar_chart, write_report  # noqa: E402
 
 OPTIONS_MODES = ("tiny", "paper")
 HF_ROW = "hf-bert"
-#: How MFU is computed (pipeline.train.metrics; the hf-bert row applies the same formula to the same model).
+#: How MFU is computed, per family: what the training loop's FLOP counter adds up (`pipeline.train.metrics`
+#: for BERT, `ModernBertLayerStack.pass_flops` for ModernBERT); the hf-bert row applies BERT's to the same model.
 MFU_FORMULA = ("MFU = FLOPs / (step time x devices x peak); FLOPs per micro-batch = 3 [n_layers (2 B s (4 h^2 + 2 h f) "
-               "+ 4 B s^2 h) + 2 N h^2 + 2 N h V] (Megatron-style; MLM head on the N predicted rows only; "
+               "+ 4 B s^2 h) + 2 N h^2 + 2 N h V] for BERT, 3 [sum_l (2 T (4 h^2 + 3 h f) + 4 h P_l) + 2 N h^2 + 2 N h V] "
+               "for ModernBERT (T tokens processed; 3 h f: GeGLU's W_i maps h to 2f; P_l = sum_b s_b^2 in global layers, "
+               "sum_b window_pairs(s_b, w) in local ones, w = local_attention / 2, window_pairs(s, w) = s (2w + 1) - "
+               "w (w + 1) for s > w, else s^2) (Megatron-style; MLM head on the N predicted rows only; "
                "backward = 2x forward; every extra encoder pass of an objective counted the same way)")
 
 
@@ -80,15 +93,17 @@ class BenchCase:
     """One measured configuration."""
 
     objective: str
-    preset: str  # model size preset (pipeline.model.encoder.SIZE_PRESETS)
+    preset: str  # model size preset of the family (ModelConfig.size_presets)
     seq_len: int
     zero: int
     precision: str
     micro_batch: int
+    arch: str = "bert"  # model.arch
 
     @property
     def label(self) -> str:
-        return f"{self.objective}-{self.preset}-L{self.seq_len}-z{self.zero}-{self.precision}-mb{self.micro_batch}"
+        family = "" if self.arch == "bert" else f"{self.arch}-"  # BERT labels as before the families
+        return f"{family}{self.objective}-{self.preset}-L{self.seq_len}-z{self.zero}-{self.precision}-mb{self.micro_batch}"
 
 
 def parse_list(text: str, kind: type = str) -> list:
@@ -107,7 +122,8 @@ def train_overrides(case: BenchCase, shards_dir: Path, run_dir: Path, steps: int
     """Dotted overrides of `pipeline.train` for one case (on top of the `tiny-<objective>` preset):
     global batch = micro x `grad_accum` x world size."""
     overrides = [
-        f"model.size={case.preset}", f"data.shards_dir={shards_dir}", f"data.seq_len={case.seq_len}",
+        f"model.arch={case.arch}", f"model.size={case.preset}", f"data.shards_dir={shards_dir}",
+        f"data.seq_len={case.seq_len}",
         f"data.micro_batch_size={case.micro_batch}",
         f"data.global_batch_size={case.micro_batch * grad_accum * world_size}",
         f"deepspeed.config=zero{case.zero}", f"deepspeed.precision={case.precision}",
@@ -141,15 +157,15 @@ PAPER_PRESETS = {"mlm": None, "mlm-nce": None, "taco": "taco-small", "capt": "ca
 
 def paper_objective_options(objective: str, size: str) -> dict:
     """`objective_options` of the objective's paper preset (`pipeline/config/presets/`); COCO-LM's
-    generator depth follows the model size (`cocolm-large` for `large`). Objectives without a paper
-    preset run with their constructor defaults."""
+    generator depth follows the model size (`cocolm-large` for `large` and ModernBERT's `large-24` /
+    `large`). Objectives without a paper preset run with their constructor defaults."""
     from pipeline.config.loader import available_presets, load_raw
     from pipeline.config.run import RunConfig
 
     preset = PAPER_PRESETS.get(objective)
     if preset is None:
         return {}
-    if objective == "cocolm" and size == "large" and "cocolm-large" in available_presets():
+    if objective == "cocolm" and size.startswith("large") and "cocolm-large" in available_presets():
         preset = "cocolm-large"
     return dict(load_raw(preset, RunConfig).get("objective_options") or {})
 
@@ -184,9 +200,10 @@ def summarize_records(records: Sequence[dict], warmup: int) -> dict:
 
 
 def add_overhead_ratios(rows: list[dict]) -> None:
-    """`overhead_vs_mlm` = step time / step time of MLM with the same size, length, ZeRO, precision, batch."""
+    """`overhead_vs_mlm` = step time / step time of MLM with the same family, size, length, ZeRO, precision, batch."""
     def key(row: dict) -> tuple:
-        return tuple(row[k] for k in ("preset", "seq_len", "zero", "precision", "micro_batch"))
+        return (row.get("arch", "bert"),) + tuple(row[k] for k in ("preset", "seq_len", "zero", "precision",
+                                                                   "micro_batch"))
 
     mlm = {key(r): r["step_time_s"] for r in rows if r["objective"] == "mlm" and r.get("step_time_s")}
     for row in rows:
@@ -195,10 +212,10 @@ def add_overhead_ratios(rows: list[dict]) -> None:
 
 
 def add_hf_ratios(rows: list[dict]) -> list[str]:
-    """`vs_hf_bert` = tokens/s over the hf-bert row's of the same size, length, precision and micro-batch;
-    returns one printable line per pipeline row that has a baseline."""
+    """`vs_hf_bert` = tokens/s over the hf-bert row's of the same size, length, precision and micro-batch
+    (BERT rows only: the baseline is BertForMaskedLM); returns one printable line per row that has one."""
     def key(row: dict) -> tuple:
-        return tuple(row[k] for k in ("preset", "seq_len", "precision", "micro_batch"))
+        return (row.get("arch", "bert"),) + tuple(row[k] for k in ("preset", "seq_len", "precision", "micro_batch"))
 
     base = {key(r): r["tokens_per_s"] for r in rows if r["objective"] == HF_ROW and r.get("tokens_per_s")}
     lines = []
@@ -209,6 +226,54 @@ def add_hf_ratios(rows: list[dict]) -> list[str]:
             lines.append(f"{row['objective']} {row['preset']} L{row['seq_len']} {row['precision']} mb{row['micro_batch']}"
                          f" z{row['zero']}: {row['tokens_per_s']:.0f} / {ref:.0f} tokens/s = "
                          f"{row['vs_hf_bert']:.2f}x {HF_ROW}")
+    return lines
+
+
+def family_sizes(arch: str) -> dict[str, dict[str, int]]:
+    """Size presets of a family (`ModelConfig.size_presets`: the model config's own dispatch)."""
+    from pipeline.model.config import ModelConfig
+
+    return ModelConfig(arch=arch).size_presets()
+
+
+def bert_partner_size(arch: str, size: str) -> Optional[str]:
+    """The BERT size preset of the same shape (layers, hidden size, heads) as `arch`'s `size`, or None:
+    ModernBERT `small` <-> BERT `capt-small` (6 x 256 x 4), `large-24` <-> `large` (24 x 1024 x 16). The
+    MLP differs by design (GeGLU against a GELU FFN), so it is not part of the shape compared."""
+    shape = ("num_layers", "hidden_size", "num_heads")
+    mine = family_sizes(arch).get(size)
+    if mine is None:
+        return None
+    return next((name for name, other in family_sizes("bert").items()
+                 if all(other[k] == mine[k] for k in shape)), None)
+
+
+#: What an architecture ratio holds fixed besides the objective and the paired size (bench_throughput's rows).
+ARCH_MATCH = ("seq_len", "zero", "precision", "micro_batch")
+
+
+def add_arch_ratios(rows: list[dict], name: str = "objective", size: str = "preset",
+                    match: Sequence[str] = ARCH_MATCH) -> list[str]:
+    """`tokens_vs_bert` = a non-BERT row's tokens/s / the tokens/s of the BERT row with the same `name`
+    (objective), the paired size (`bert_partner_size`) and the same `match` fields; `mfu_vs_bert` the
+    same with MFU. A row without such a partner (no BERT row of its shape, or the partner failed) gets
+    None, never a ratio to another configuration. BERT rows get None. Returns one printable line per ratio."""
+    def key(row: dict, row_size: Optional[str]) -> tuple:
+        return (row.get(name), row_size) + tuple(row.get(k) for k in match)
+
+    bert = {key(r, r.get(size)): r for r in rows if r.get("arch", "bert") == "bert" and r.get("tokens_per_s")}
+    lines = []
+    for row in rows:
+        arch = row.get("arch", "bert")
+        partner = None if arch == "bert" else bert.get(key(row, bert_partner_size(arch, row.get(size))))
+        ours = row.get("tokens_per_s")
+        row["tokens_vs_bert"] = ours / partner["tokens_per_s"] if partner and ours else None
+        row["mfu_vs_bert"] = row["mfu"] / partner["mfu"] if partner and row.get("mfu") and partner.get("mfu") else None
+        if row["tokens_vs_bert"] is not None:
+            lines.append(f"{arch} {row.get(name)} {row.get(size)} vs bert {partner.get(size)} "
+                         + " ".join(f"{k}={row.get(k)}" for k in match)
+                         + f": {ours:.0f} / {partner['tokens_per_s']:.0f} tokens/s = {row['tokens_vs_bert']:.3f}x"
+                         + (f", MFU {row['mfu_vs_bert']:.3f}x" if row["mfu_vs_bert"] is not None else ""))
     return lines
 
 
@@ -292,14 +357,30 @@ def resolve_shards(args: argparse.Namespace, out: Path) -> dict[int, Path]:
     return by_len
 
 
+def arch_sizes(archs: Sequence[str], sizes: Sequence[str]) -> list[tuple[str, str]]:
+    """(family, size) pairs of `--archs` x `--sizes`: a plain size for every listed family that has it,
+    `family:size` for that family only. ValueError names a size no listed family has."""
+    pairs = []
+    for item in sizes:
+        family, _, size = item.rpartition(":")
+        if family and family not in archs:
+            raise ValueError(f"--sizes {item}: {family} is not in --archs {','.join(archs)}")
+        found = [a for a in ([family] if family else archs) if size in family_sizes(a)]
+        if not found:
+            raise ValueError(f"--sizes {item}: no size {size!r} in "
+                             + "; ".join(f"{a}: {sorted(family_sizes(a))}" for a in ([family] if family else archs)))
+        pairs += [(a, size) for a in found if (a, size) not in pairs]
+    return pairs
+
+
 def cases(args: argparse.Namespace) -> Iterable[BenchCase]:
     objectives = list(dict.fromkeys(["mlm", *args.objectives] if args.with_mlm else args.objectives))
-    for preset, seq_len, precision, micro in itertools.product(args.sizes, args.seq_lens, args.precision,
-                                                               args.micro_batches):
-        if args.hf_baseline:  # no ZeRO in a plain torch loop: one row per shape, recorded as stage 0
+    for (arch, preset), seq_len, precision, micro in itertools.product(args.arch_sizes, args.seq_lens, args.precision,
+                                                                       args.micro_batches):
+        if args.hf_baseline and arch == "bert":  # no ZeRO in a plain torch loop: one row per shape, recorded as stage 0
             yield BenchCase(HF_ROW, preset, seq_len, 0, precision, micro)
         for zero, objective in itertools.product(args.zero, objectives):
-            yield BenchCase(objective, preset, seq_len, zero, precision, micro)
+            yield BenchCase(objective, preset, seq_len, zero, precision, micro, arch)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,8 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--objectives", default="mlm,taco,capt,cocolm,infoword", help="comma-separated objective names")
     p.add_argument("--no-mlm", dest="with_mlm", action="store_false", help="do not add the MLM baseline")
-    p.add_argument("--sizes", default="tiny", help="model size presets (tiny, taco-small, capt-small, base, large; "
-                                                   "with --set model.arch=modernbert: tiny, small, base, large, large-24)")
+    p.add_argument("--archs", default="bert", help="encoder families (model.arch), e.g. bert,modernbert")
+    p.add_argument("--sizes", default="tiny", help="size presets, each run for every family of --archs that has it "
+                                                   "(bert: tiny, taco-small, capt-small, base, large; modernbert: tiny, "
+                                                   "small, base, large, large-24); family:size for one family only")
     p.add_argument("--seq-lens", default="128", help="sequence lengths, e.g. 128,512")
     p.add_argument("--zero", default="1", help="ZeRO stages, e.g. 1,2,3")
     p.add_argument("--precision", default="fp32", help="fp32, bf16, fp16 (comma-separated)")
@@ -342,6 +425,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         args.objectives = parse_list(args.objectives)
+        args.archs = parse_list(args.archs)
         args.sizes = parse_list(args.sizes)
         args.seq_lens = parse_list(args.seq_lens, int)
         args.zero = parse_list(args.zero, int)
@@ -350,18 +434,22 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     except ValueError as err:
         parser.error(str(err))
     from pipeline.config.loader import available_presets
+    from pipeline.model.arch import ARCHS
     from pipeline.train.engine import PRECISIONS
-    from pipeline.model.encoder import SIZE_PRESETS
-    from pipeline.model.modernbert import MODERNBERT_SIZES
 
     bad = [o for o in args.objectives if f"tiny-{o}" not in available_presets()]
     if bad:
         known = sorted(p[5:] for p in available_presets() if p.startswith("tiny-"))
         parser.error(f"--objectives {bad}: no tiny-<objective> preset; choose from {known}")
-    # `--set model.arch=modernbert` takes that family's size names (pipeline.model.modernbert.MODERNBERT_SIZES)
-    sizes = MODERNBERT_SIZES if "model.arch=modernbert" in args.set else SIZE_PRESETS
-    for flag, values, allowed in (("--sizes", args.sizes, sorted(sizes)), ("--zero", args.zero, [1, 2, 3]),
-                                  ("--precision", args.precision, list(PRECISIONS))):
+    if any(s.replace(" ", "").startswith("model.arch=") for s in args.set):  # one home for the family: the case
+        parser.error("--set model.arch=...: choose the encoder families with --archs (e.g. --archs modernbert)")
+    try:
+        if any(a not in ARCHS for a in args.archs):
+            raise ValueError(f"--archs {args.archs}: each must be one of {list(ARCHS)}")
+        args.arch_sizes = arch_sizes(args.archs, args.sizes)
+    except ValueError as err:
+        parser.error(str(err))
+    for flag, values, allowed in (("--zero", args.zero, [1, 2, 3]), ("--precision", args.precision, list(PRECISIONS))):
         if any(v not in allowed for v in values):
             parser.error(f"{flag} {values}: each must be one of {allowed}")
     if args.steps < 1 or args.warmup < 0 or args.world_size < 1:
@@ -404,21 +492,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows.append(run_case(case, shards[case.seq_len], work, args))
     add_overhead_ratios(rows)
     ratio_lines = add_hf_ratios(rows)
+    arch_lines = add_arch_ratios(rows)
     for row in rows:
-        row["config"] = f"{row['objective']}/{row['preset']}/L{row['seq_len']}/z{row['zero']}/{row['precision']}"
+        family = "" if row["arch"] == "bert" else f"{row['arch']}:"
+        row["config"] = f"{family}{row['objective']}/{row['preset']}/L{row['seq_len']}/z{row['zero']}/{row['precision']}"
     data = {s: str(d) for s, d in shards.items()}
     notes = [f"{args.warmup} warm-up steps, then {args.steps} measured steps per configuration; step time = median; "
              f"{args.grad_accum} micro-batches per optimizer step",
              f"objective options: {args.options}; data: {'given shards' if args.shards else 'synthetic shards'} {data}",
-             "overhead_vs_mlm = step time / MLM's step time (same size, length, ZeRO stage, precision, batch; "
+             "overhead_vs_mlm = step time / MLM's step time (same family, size, length, ZeRO stage, precision, batch; "
              "measured in this run)", MFU_FORMULA]
+    if len(args.archs) > 1:
+        notes.append("tokens_vs_bert / mfu_vs_bert = tokens/s / MFU of a ModernBERT row over the BERT row of the same "
+                     "shape (layers, hidden, heads: bert_partner_size), objective, length, ZeRO stage, precision and "
+                     "micro-batch, measured in this run; none where no such BERT row ran")
+        notes += arch_lines
     if args.hf_baseline:
         notes.append(f"{HF_ROW}: transformers.BertForMaskedLM (SDPA attention, fused AdamW, autocast for bf16/fp16, "
                      "plain torch loop, one device, no ZeRO) on the same shards and micro-batches; vs_hf_bert = "
                      "tokens/s / its tokens/s")
         notes += ratio_lines
     print(MFU_FORMULA)
-    for line in ratio_lines:
+    for line in ratio_lines + arch_lines:
         print(line)
     paths = write_report(args.name, rows, out, "Pretraining throughput per objective", bar=("config", "tokens_per_s"),
                          notes=notes, extra={"args": vars(args)})

@@ -2,7 +2,7 @@
 
 The SLURM sweep runs `bench_throughput.py` once per node count, each writing its own JSON
 (`slurm/bench.sbatch`, e.g. `--out results/scaling/n{1,2,4}`). This script reads those JSON
-files, matches rows by (objective, preset, seq_len, zero, precision, micro batch) and reports,
+files, matches rows by (encoder family, objective, preset, seq_len, zero, precision, micro batch) and reports,
 for every node count N against the smallest measured count N0 (usually 1):
 
     weak-scaling efficiency = (tokens/s at N / world_size N) / (tokens/s at N0 / world_size N0)
@@ -26,8 +26,14 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable f
 
 from benchmarks.common.report import line_chart, write_report  # noqa: E402
 
-#: Row fields that identify one measured configuration across node counts.
+#: Row fields that identify one measured configuration across node counts (with the family, `config_key`).
 CONFIG_KEYS = ("objective", "preset", "seq_len", "zero", "precision", "micro_batch")
+
+
+def config_key(row: dict) -> tuple:
+    """The configuration a row measured: its family (`arch`; absent in reports from before the
+    families, which are BERT) and `CONFIG_KEYS`, since `tiny`, `base` and `large` name sizes of both."""
+    return (row.get("arch", "bert"),) + tuple(row[k] for k in CONFIG_KEYS)
 
 
 def load_rows(paths: Iterable[str | Path]) -> list[dict]:
@@ -54,7 +60,7 @@ def scaling_rows(rows: Sequence[dict]) -> list[dict]:
     for row in rows:
         if row.get("tokens_per_s") is None:
             continue  # a failed measurement (e.g. out of memory) has no throughput to compare
-        groups.setdefault(tuple(row[k] for k in CONFIG_KEYS), []).append(row)
+        groups.setdefault(config_key(row), []).append(row)
     out = []
     for key, group in groups.items():
         group = sorted(group, key=lambda r: r["nodes"])
@@ -63,7 +69,7 @@ def scaling_rows(rows: Sequence[dict]) -> list[dict]:
         for row in group:
             per_device = row["tokens_per_s"] / row["world_size"]
             out.append({
-                **dict(zip(CONFIG_KEYS, key)),
+                **dict(zip(("arch",) + CONFIG_KEYS, key)),
                 "nodes": row["nodes"],
                 "world_size": row["world_size"],
                 "tokens_per_s": row["tokens_per_s"],
@@ -75,7 +81,8 @@ def scaling_rows(rows: Sequence[dict]) -> list[dict]:
 
 
 def config_label(row: dict) -> str:
-    return f"{row['objective']}/{row['preset']}/L{row['seq_len']}/z{row['zero']}/{row['precision']}"
+    family = "" if row["arch"] == "bert" else f"{row['arch']}:"  # as bench_throughput labels its configs
+    return f"{family}{row['objective']}/{row['preset']}/L{row['seq_len']}/z{row['zero']}/{row['precision']}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,8 +9,12 @@ import pytest
 from benchmarks.throughput.bench_throughput import (
     MFU_FORMULA,
     BenchCase,
+    add_arch_ratios,
     add_hf_ratios,
     add_overhead_ratios,
+    arch_sizes,
+    bert_partner_size,
+    cases,
     last_error_line,
     main,
     paper_objective_options,
@@ -180,3 +184,90 @@ def test_cpu_run_with_the_hugging_face_baseline(tmp_path: Path, tiny_shards_dir:
     with pytest.raises(SystemExit):
         parse_args(["--hf-baseline", "--world-size", "2", "--out", str(tmp_path)])
     assert "--hf-baseline compares one device" in capsys.readouterr().err
+
+
+def test_each_modernbert_size_pairs_with_the_bert_size_of_its_shape() -> None:
+    assert {size: bert_partner_size("modernbert", size) for size in ("tiny", "small", "base", "large", "large-24")} == \
+        {"tiny": None, "small": "capt-small", "base": None, "large": None, "large-24": "large"}
+    assert bert_partner_size("modernbert", "nope") is None
+
+
+def test_arch_ratio_pairs_only_the_same_objective_shape_and_configuration() -> None:
+    """A ModernBERT row's ratio is to the BERT row of its objective, paired size, length, ZeRO stage,
+    precision and micro-batch; every row without one (other length, other ZeRO stage, unpaired size,
+    failed partner) gets None, not a ratio to some other BERT row."""
+    base = dict(seq_len=128, zero=1, precision="bf16", micro_batch=32)
+    bert = [{**base, "arch": "bert", "objective": "mlm", "preset": "large", "tokens_per_s": 100.0, "mfu": 0.5},
+            {**base, "arch": "bert", "objective": "taco", "preset": "large", "tokens_per_s": 80.0, "mfu": 0.4},
+            {**base, "arch": "bert", "objective": "mlm", "preset": "large", "zero": 2, "tokens_per_s": 60.0},
+            {**base, "arch": "bert", "objective": "capt", "preset": "large", "error": "exit 1"},
+            {**base, "arch": "bert", "objective": "mlm", "preset": "capt-small", "tokens_per_s": 1000.0, "mfu": 0.1}]
+    modern = [{**base, "arch": "modernbert", "objective": "mlm", "preset": "large-24", "tokens_per_s": 110.0, "mfu": 0.45},
+              {**base, "arch": "modernbert", "objective": "taco", "preset": "large-24", "tokens_per_s": 96.0},
+              {**base, "arch": "modernbert", "objective": "mlm", "preset": "large-24", "seq_len": 512, "tokens_per_s": 9.0},
+              {**base, "arch": "modernbert", "objective": "mlm", "preset": "large-24", "zero": 3, "tokens_per_s": 9.0},
+              {**base, "arch": "modernbert", "objective": "mlm", "preset": "large", "tokens_per_s": 9.0},
+              {**base, "arch": "modernbert", "objective": "capt", "preset": "large-24", "tokens_per_s": 9.0},
+              {**base, "arch": "modernbert", "objective": "infoword", "preset": "large-24", "error": "exit 1"}]
+    lines = add_arch_ratios(bert + modern)
+    assert [r["tokens_vs_bert"] for r in modern] == [pytest.approx(1.1), pytest.approx(1.2), None, None, None, None, None]
+    assert [r["mfu_vs_bert"] for r in modern] == [pytest.approx(0.9), None, None, None, None, None, None]  # taco: no MFU
+    assert all(r["tokens_vs_bert"] is None and r["mfu_vs_bert"] is None for r in bert)
+    assert lines[0] == ("modernbert mlm large-24 vs bert large seq_len=128 zero=1 precision=bf16 micro_batch=32: "
+                        "110 / 100 tokens/s = 1.100x, MFU 0.900x") and len(lines) == 2
+    # the GPU suite's rows name their fields differently; the same rule through `name` / `size` / `match`
+    rows = [{"row": "mlm", "arch": "bert", "size": "large", "engine": "zero1", "tokens_per_s": 4.0},
+            {"row": "mlm", "arch": "modernbert", "size": "large-24", "engine": "zero1", "tokens_per_s": 5.0},
+            {"row": "mlm", "arch": "modernbert", "size": "large-24", "engine": "zero2", "tokens_per_s": 5.0}]
+    add_arch_ratios(rows, name="row", size="size", match=("engine",))
+    assert [r["tokens_vs_bert"] for r in rows] == [None, 1.25, None]
+
+
+def test_archs_run_both_families_side_by_side(tmp_path: Path, capsys) -> None:
+    assert arch_sizes(["bert", "modernbert"], ["capt-small", "small", "tiny"]) == \
+        [("bert", "capt-small"), ("modernbert", "small"), ("bert", "tiny"), ("modernbert", "tiny")]
+    assert arch_sizes(["bert", "modernbert"], ["bert:large", "modernbert:large-24"]) == \
+        [("bert", "large"), ("modernbert", "large-24")]
+    args = parse_args(["--archs", "bert,modernbert", "--sizes", "capt-small,small", "--objectives", "taco",
+                       "--hf-baseline", "--out", str(tmp_path)])
+    labels = [(c.arch, c.objective, c.preset) for c in cases(args)]
+    assert labels == [("bert", "hf-bert", "capt-small"), ("bert", "mlm", "capt-small"), ("bert", "taco", "capt-small"),
+                      ("modernbert", "mlm", "small"), ("modernbert", "taco", "small")]  # hf-bert: BERT shapes only
+    case = BenchCase("mlm", "small", 128, 1, "fp32", 8, "modernbert")
+    ov = train_overrides(case, tmp_path, tmp_path, 3, 1, "tiny", [])
+    cfg = load_config("tiny-mlm", ov)
+    assert (cfg.model.arch, cfg.model.size) == ("modernbert", "small") and case.label.startswith("modernbert-mlm-small")
+    assert BenchCase("mlm", "tiny", 128, 1, "fp32", 8).label == "mlm-tiny-L128-z1-fp32-mb8"  # BERT labels unchanged
+    assert paper_objective_options("cocolm", "large-24")["cocolm"]["generator_layers"] == 6  # cocolm-large's
+    for argv, message in ((["--sizes", "small"], "no size 'small' in bert"),
+                          (["--archs", "bert,gpt"], "--archs"),
+                          (["--archs", "bert", "--sizes", "modernbert:small"], "modernbert is not in --archs"),
+                          (["--set", "model.arch=modernbert"], "--archs")):
+        with pytest.raises(SystemExit):
+            parse_args([*argv, "--out", str(tmp_path)])
+        assert message in capsys.readouterr().err
+
+
+def test_mfu_formula_names_both_families_and_matches_the_flop_counters() -> None:
+    """The printed formula is what the counters compute: per token, ModernBERT large-24 against BERT-large
+    with the MLM head on 15% of the rows and V = 30,522 is 0.972 at L=128 and 0.938 at L=512 (GeGLU 2624
+    against FFN 4096; 16 of 24 layers attend within the 128-token window)."""
+    import torch
+
+    from pipeline.model.config import ModelConfig
+    from pipeline.model.modernbert import ModernBertConfig, ModernBertLayerStack
+    from pipeline.train.metrics import layer_work_flops
+
+    assert "for BERT" in MFU_FORMULA and "for ModernBERT" in MFU_FORMULA and "3 h f" in MFU_FORMULA
+    assert "s (2w + 1) - w (w + 1)" in MFU_FORMULA
+    bert = ModelConfig(arch="bert", size="large").shape()
+    with torch.device("meta"):  # pass_flops reads the config and the layer pattern only
+        stack = ModernBertLayerStack(ModernBertConfig(**ModelConfig(arch="modernbert", size="large-24").shape(),
+                                                      vocab_size=30522, max_position=512))
+    h, vocab, batch = 1024, 30522, 4
+    for length, expected in ((128, 0.972), (512, 0.938)):
+        tokens = batch * length
+        head = 2.0 * 0.15 * tokens * h * (h + vocab)
+        bert_flops = bert["num_layers"] * layer_work_flops(tokens, batch * length ** 2, h, bert["ffn_size"]) + head
+        modern_flops = stack.pass_flops([length] * batch) + head
+        assert modern_flops / bert_flops == pytest.approx(expected, abs=5e-4)

@@ -1,8 +1,9 @@
 """The GPU suite's CPU rehearsal (`--dry-run`), its plan check and the filing of results.
 
-The rehearsal runs every stage at tiny shapes on the CPU in its own process, as the device commands
-do, and must write the same files; the plan check must fail a stage over its budget. The README's
-performance table must be exactly what the committed results give (today: "not measured yet").
+The rehearsal runs every stage of every plan (the core plan and the ModernBERT plan) at tiny shapes on
+the CPU in its own process, as the device commands do, and must write the same files; the plan check
+must fail a stage over its budget. The README's performance table must be exactly what the committed
+results give (today: "not measured yet").
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def test_dry_run_runs_every_stage_and_the_plan_fits(rehearsal):
     out, proc = rehearsal
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "dry run: every stage ran and the plan fits" in proc.stdout
-    for stage in plan.STAGES:
+    assert {s.name for s in plan.ALL_STAGES} >= {"throughput-128", "throughput-modernbert-512"}
+    for stage in plan.ALL_STAGES:
         data = payload(out, stage.name)
         assert data["dry_run"] is True and data["device"]["name"] == "cpu"
         files = sorted(p.name for p in (out / stage.name).iterdir())
@@ -135,6 +137,8 @@ def test_dry_run_throughput_has_every_row_in_one_process(rehearsal, stage):
     data = payload(rehearsal[0], stage)
     (rows,) = data["tables"].values()
     assert [r["row"] for r in rows] == ["mlm", "hf-bert", "taco", "capt", "cocolm", "infoword"]
+    assert {(r["arch"], r["size"]) for r in rows} == {("bert", "tiny")}
+    assert all("tokens_vs_bert" not in r for r in rows)  # no other family in the core stages
     for r in rows:
         assert "error" not in r, r
         assert r["measured_steps"] == data["settings"]["steps"] and r["tokens_per_s"] > 0
@@ -154,17 +158,60 @@ def test_dry_run_throughput_has_every_row_in_one_process(rehearsal, stage):
 
 @pytest.mark.parametrize("length", [128, 512])
 @pytest.mark.parametrize("dry_run", [True, False])
-def test_throughput_rows_keep_their_presets_engine_and_share_one_accumulation(tmp_path, length, dry_run):
+@pytest.mark.parametrize("paired", [False, True])
+def test_throughput_rows_keep_their_presets_engine_and_share_one_accumulation(tmp_path, length, dry_run, paired):
     """The GPU rows measure each preset's own DeepSpeed settings (ZeRO-1 for the large presets, not
-    a suite-wide override); batch, precision and accumulation are the stage's, the same in every row."""
+    a suite-wide override); batch, precision and accumulation are the stage's, the same in every row.
+    The ModernBERT stages change only the family and the size to one of the same shape."""
     from benchmarks.gpu_suite.throughput_stage import OBJECTIVES, overrides, settings
+    from benchmarks.throughput.bench_throughput import bert_partner_size
 
-    s = settings(length, dry_run)
+    s = settings(length, dry_run, paired)
+    assert set(s["sizes"]) == ({"bert", "modernbert"} if paired else {"bert"})
+    if paired:
+        assert bert_partner_size("modernbert", s["sizes"]["modernbert"]) == s["sizes"]["bert"]
+        assert s["sizes"] == ({"bert": "capt-small", "modernbert": "small"} if dry_run
+                              else {"bert": "large", "modernbert": "large-24"})
     for preset in OBJECTIVES.values():
-        cfg = load_config(preset, overrides(s, tmp_path / "shards", tmp_path / "run"))
-        assert cfg.deepspeed.config == load_config(preset).deepspeed.config == "zero1", preset
-        assert cfg.deepspeed.precision == s["precision"] and cfg.data.micro_batch_size == s["micro_batch"]
-        assert plan_batches(cfg.data, 1).grad_accum == s["accum"]
+        configs = {arch: load_config(preset, overrides(s, tmp_path / "shards", tmp_path / "run", arch))
+                   for arch in s["sizes"]}
+        for arch, cfg in configs.items():
+            assert (cfg.model.arch, cfg.model.size) == (arch, s["sizes"][arch])
+            assert cfg.deepspeed.config == load_config(preset).deepspeed.config == "zero1", preset
+            assert cfg.deepspeed.precision == s["precision"] and cfg.data.micro_batch_size == s["micro_batch"]
+            assert plan_batches(cfg.data, 1).grad_accum == s["accum"]
+        if paired:  # the pair differs in the model only
+            bert, modern = configs["bert"], configs["modernbert"]
+            assert (bert.optim, bert.data, bert.objectives, bert.objective_options, bert.deepspeed) == \
+                (modern.optim, modern.data, modern.objectives, modern.objective_options, modern.deepspeed)
+
+
+@pytest.mark.parametrize("length", [128, 512])
+def test_dry_run_modernbert_stage_pairs_every_objective_with_its_bert_row(rehearsal, length):
+    """The ModernBERT plan's stage: each objective's BERT row, then its ModernBERT row of the same shape,
+    with the same recipe, engine, batch and accumulation; the ratio is taken to that partner only."""
+    from benchmarks.gpu_suite.throughput_stage import OBJECTIVES
+
+    stage = f"throughput-modernbert-{length}"
+    data = payload(rehearsal[0], stage)
+    (rows,) = data["tables"].values()
+    assert [(r["arch"], r["row"]) for r in rows] == [(a, o) for o in OBJECTIVES for a in ("bert", "modernbert")]
+    assert data["settings"]["sizes"] == {"bert": "capt-small", "modernbert": "small"}  # same 6 x 256 x 4 shape
+    for bert, modern in zip(rows[::2], rows[1::2]):
+        assert "error" not in bert and "error" not in modern, (bert, modern)
+        assert (bert["size"], modern["size"]) == ("capt-small", "small")
+        for key in ("preset", "engine", "grad_accum", "seq_len", "precision", "micro_batch", "optim"):
+            assert bert[key] == modern[key], key
+        assert modern["measured_steps"] == data["settings"]["steps"] and modern["tokens_per_s"] > 0
+        assert modern["tokens_vs_bert"] == pytest.approx(modern["tokens_per_s"] / bert["tokens_per_s"])
+        assert bert["tokens_vs_bert"] is None and modern["mfu_vs_bert"] is None  # no MFU on the CPU
+        assert "tokens_vs_hf_bert" not in modern
+    mlm = {r["arch"]: r for r in rows if r["row"] == "mlm"}
+    capt = rows[5]
+    assert capt["tokens_vs_mlm"] == pytest.approx(capt["tokens_per_s"] / mlm["modernbert"]["tokens_per_s"])
+    assert data["targets"] == [] and any("for ModernBERT" in n for n in data["notes"])
+    files = set(data["files"])
+    assert {f"{stage}_tokens.png", f"{stage}_vs_bert.png"} <= files and f"{stage}_profile.md" not in files
 
 
 def test_dry_run_sanity_resumes_exactly_and_converts(rehearsal):
@@ -190,10 +237,22 @@ def test_collect_names_a_missing_field(tmp_path):
         collect([tmp_path], root=tmp_path)
 
 
-def test_the_real_plan_fits_every_limit():
-    assert plan.check_plan() == []
-    assert all(len(s.command()) <= plan.COMMAND_LIMIT for s in plan.STAGES)
-    assert sum(plan.INSTALL_S + s.budget_s for s in plan.STAGES) <= plan.PLAN_LIMIT_S
+@pytest.mark.parametrize("name", ["core", "modernbert"])
+def test_the_real_plans_fit_every_limit(name):
+    stages = plan.PLANS[name]
+    assert plan.check_plan(stages) == []
+    assert all(len(s.command()) <= plan.COMMAND_LIMIT for s in stages)
+    assert sum(plan.INSTALL_S + s.budget_s for s in stages) <= plan.PLAN_LIMIT_S
+    assert all(plan.INSTALL_S + s.budget_s <= plan.STAGE_LIMIT_S for s in stages)
+    text = plan.describe(stages, name)
+    assert all(s.command() in text for s in stages) and f"GPU plan {name!r}" in text
+
+
+def test_the_plans_together_would_not_fit_one_lease():
+    """Why the ModernBERT rows are a plan of their own: beside the core stages they break the limit."""
+    assert plan.check_plan(plan.ALL_STAGES)[-1].startswith("plan:")
+    assert [s.name for s in plan.ALL_STAGES] == [s.name for p in plan.PLANS.values() for s in p]
+    assert plan.stage_named("throughput-modernbert-128") in plan.MODERNBERT_STAGES
 
 
 def test_check_plan_fails_a_stage_over_its_budget():
@@ -232,6 +291,38 @@ def test_table_shows_only_gpu_results():
                            _gpu_payload(0.42))])
     assert "NVIDIA H100 80GB HBM3" in table and "42.0%" in table and "MISSED" in table and "abc1234def" in table
     assert "MFU = FLOPs / (step time" in table
+
+
+def _modernbert_payload(created: str, ratio: float) -> dict:
+    rows = [{"row": "mlm", "arch": "bert", "size": "large", "tokens_per_s": 1000.0, "mfu": 0.4,
+             "tokens_vs_bert": None, "mfu_vs_bert": None},
+            {"row": "mlm", "arch": "modernbert", "size": "large-24", "tokens_per_s": 1000.0 * ratio, "mfu": 0.39,
+             "tokens_vs_bert": ratio, "mfu_vs_bert": 0.975},
+            {"row": "capt", "arch": "modernbert", "size": "large-24", "error": "OutOfMemoryError: CUDA out of memory"}]
+    return {**_gpu_payload(0.4), "stage": "throughput-modernbert-512", "created": created, "targets": [],
+            "tables": {"BERT-large vs ModernBERT large-24 L=512": rows}}
+
+
+def test_table_shows_each_stages_newest_result_and_the_modernbert_ratios():
+    """The two plans run on different leases: the core plan's result stays in the table beside a later
+    ModernBERT result of the same device, and an older ModernBERT result is replaced by the newer one."""
+    core = ("benchmarks/results/gpu/nvidia-h100-80gb-hbm3-2026-11-25/throughput-512.json", _gpu_payload(0.42))
+    old = ("benchmarks/results/gpu/nvidia-h100-80gb-hbm3-2026-11-26/throughput-modernbert-512.json",
+           _modernbert_payload("2026-11-26T00:00:00+00:00", 1.111))
+    new = ("benchmarks/results/gpu/nvidia-h100-80gb-hbm3-2026-11-27/throughput-modernbert-512.json",
+           _modernbert_payload("2026-11-27T00:00:00+00:00", 1.234))
+    table = render_table([core, new, old])
+    assert "nvidia-h100-80gb-hbm3-2026-11-25" in table and "nvidia-h100-80gb-hbm3-2026-11-27" in table
+    assert "-2026-11-26" not in table and "1.111" not in table
+    lines = table.splitlines()
+    header = next(ln for ln in lines if ln.startswith("| L |"))
+    assert "| model |" in header and "| vs BERT | MFU vs BERT |" in header
+    modern = next(ln for ln in lines if "ModernBERT large-24 | mlm" in ln)
+    assert "| 1.234 | 0.975 |" in modern and "1,234" in modern
+    bert = next(ln for ln in lines if "BERT large | mlm" in ln and "ModernBERT" not in ln)
+    assert bert.count("|  |") >= 2  # a BERT row has no ratio to itself
+    assert "OutOfMemoryError" in next(ln for ln in lines if "ModernBERT large-24 | capt" in ln)
+    assert "for ModernBERT" in table and "MISSED" in table  # both formulas; the core stage's target
 
 
 def test_readme_table_is_regenerated_between_the_markers(tmp_path):
