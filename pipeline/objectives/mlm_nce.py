@@ -26,7 +26,9 @@ mentions a unigram distribution (Sec. 4); *choice* `negatives` (the pool):
     `functional.sampled_softmax_cross_entropy`; the counts are summed over the ranks by one
     all-reduce), so its cost is about a full-vocabulary MLM head.
 A negative equal to the target is masked out inside the loss. The negatives per masked position
-are logged (`negatives`). Uses the same head as `mlm` (`cls.predictions`).
+are logged (`negatives`), and the loss at chance, mean_i ln(1 + |Neg_i|) (`loss_chance`: every
+candidate scored alike; the learning signal is `loss` against it). Uses the same head as `mlm`
+(`cls.predictions`).
 
 What the head learns (and why conversion corrects its bias). With negatives drawn from a
 proposal q, the InfoNCE optimum is s(v, c) = log p(v | c) - log q(v) + const(c) (Oord et al.
@@ -76,18 +78,29 @@ class Negatives:
     def op_args(self) -> tuple[Tensor, ...]:
         return (self.ids,) if self.counts is None else (self.ids, self.counts, self.groups)
 
+    def sizes(self, targets: Tensor) -> Tensor:
+        """|Neg_i| [N] (float32): the negatives of each position, copies of its target excluded."""
+        if self.counts is None:
+            return (self.ids != targets[:, None]).sum(1).float()
+        total = self.counts.sum(1).float()[self.groups]  # look the target up: no [N, U] tensor
+        if self.ids.numel() == 0:
+            return total
+        pos = torch.searchsorted(self.ids, targets).clamp(max=self.ids.numel() - 1)
+        own = torch.where(self.ids[pos] == targets, self.counts[self.groups, pos].float(), torch.zeros_like(total))
+        return total - own
+
     def per_anchor(self, targets: Tensor) -> Tensor:
         """Mean size of Neg_i over the N positions, copies of the target excluded (a metric)."""
         if targets.numel() == 0:
             return torch.zeros((), device=targets.device)
-        if self.counts is None:
-            return (self.ids != targets[:, None]).sum(1).float().mean()
-        total = self.counts.sum(1).float()[self.groups]  # look the target up: no [N, U] tensor
-        if self.ids.numel() == 0:
-            return total.mean()
-        pos = torch.searchsorted(self.ids, targets).clamp(max=self.ids.numel() - 1)
-        own = torch.where(self.ids[pos] == targets, self.counts[self.groups, pos].float(), torch.zeros_like(total))
-        return (total - own).mean()
+        return self.sizes(targets).mean()
+
+    def chance(self, targets: Tensor) -> Tensor:
+        """The loss at chance, mean_i ln(1 + |Neg_i|): every candidate scored alike, the value the loss
+        has before the head tells the target from its negatives (a metric; 0 without positions)."""
+        if targets.numel() == 0:
+            return torch.zeros((), device=targets.device)
+        return torch.log1p(self.sizes(targets)).mean()
 
 
 class NegativeTokenSampler(nn.Module):
@@ -228,6 +241,7 @@ def nce_loss(
     metrics = {
         "selected_tokens": scalar_metric(targets.numel(), hidden.device),
         "negatives": negatives.per_anchor(targets),
+        "loss_chance": negatives.chance(targets),  # the learning signal: `loss` against it
     }
     if acc is not None:
         metrics["accuracy"] = acc
