@@ -17,7 +17,9 @@ import torch
 from pipeline.eval.health import unigram_log_probs
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.model.pretrainer import PretrainModel
+from pipeline.objectives.base import SAMPLED_SOFTMAX
 from pipeline.objectives.mlm_nce import LOG_PROPOSAL, log_proposal_samplers
+from pipeline.objectives.registry import mlm_head_training
 from pipeline.seeding import seed_init
 
 
@@ -69,17 +71,44 @@ def set_output_biases(model: PretrainModel, bias: torch.Tensor) -> list[str]:
     return names
 
 
+def context_free_head_bias(model: PretrainModel, log_p: torch.Tensor) -> torch.Tensor:
+    """The MLM head's bias that is optimal when the hidden state says nothing: `log_p` (the shards'
+    centred log unigram frequencies) for a head trained by a full softmax; log p - log q when every
+    objective training the head (`Objective.mlm_head`, non-zero weight) uses sampled negatives from a
+    proposal q and their samplers agree on it: the InfoNCE optimum s(v, c) = log p(v | c) - log q(v)
+    + const(c) (Oord et al. 2018, Sec. 2.3; `mlm_nce`), i.e. 0 for the unigram pools (q = p) and
+    log p for "uniform" negatives.
+
+    Why it matters (issue 29): started at log p, a BERT-NCE head whose negatives follow the unigram
+    counts every frequent token twice; its loss starts at 4.39 instead of the chance 2.83 (16
+    negatives, the time-to-quality study's size) and the run spends its first ~60 steps unlearning the
+    bias, mostly by turning every hidden state towards one direction that cancels it (held-out token
+    cosine 0.26 at step 300 vs 0.12 started at the optimum, InfoWord with SpanBERT span replacement)."""
+    training = [name for name, how in mlm_head_training(model.objectives).items() if model.weights.get(name, 1.0)]
+    if not training or any(model.objectives[n].mlm_head != SAMPLED_SOFTMAX for n in training):
+        return log_p
+    log_q = [s.log_proposal for n in training for s in log_proposal_samplers(model.objectives[n]).values()]
+    if not log_q or any(not torch.equal(q, log_q[0]) for q in log_q[1:]):
+        return log_p  # no single proposal: no single optimum (export does not correct such a head either)
+    return log_p - log_q[0]
+
+
 @torch.no_grad()
 def fill_unigram_tensors(model: PretrainModel, counts: np.ndarray, output_biases: bool) -> list[str]:
     """The one home for filling the model's tensors derived from the training shards' token counts
     (`pipeline.eval.health.unigram_counts`), all from b = `unigram_bias(counts)`: every NCE sampler's
     `log_proposal` (log q: b for the unigram pools, zeros for "uniform"; `mlm_nce`) and, with
-    `output_biases`, every vocabulary output bias (`set_output_biases`). Returns the names filled."""
+    `output_biases`, every vocabulary output bias (`set_output_biases`), each at its context-free
+    optimum: b, except the MLM head when only sampled negatives train it (`context_free_head_bias`:
+    b - log q). Returns the names filled."""
     bias = unigram_bias(counts)
-    names = set_output_biases(model, bias) if output_biases else []
-    for name, sampler in log_proposal_samplers(model).items():
+    names = []
+    for name, sampler in log_proposal_samplers(model).items():  # first: the head's optimum reads log q
         sampler.set_log_proposal(bias)
         names.append(f"{name}.{LOG_PROPOSAL}")
+    if output_biases:
+        names = set_output_biases(model, bias) + names
+        model.cls.predictions.decoder.bias.copy_(context_free_head_bias(model, bias))
     return names
 
 

@@ -56,8 +56,10 @@ class ModelConfig:
     `zero` (BERT), or `unigram`: the centred log of the training tokens' add-one frequencies, counted on a bounded,
     evenly spaced sample of shard rows (`pipeline.eval.health.unigram_counts`). With zero biases the cheapest early
     loss drop is to bend every token's representation toward the frequency distribution, which at high learning
-    rates collapses the encoder (issue 15's investigation); `unigram` starts the head there instead. Fresh starts
-    only (not on resume; a warm start's own MLM head replaces it)."""
+    rates collapses the encoder (issue 15's investigation); `unigram` starts the head there instead. A head trained
+    only with sampled negatives (BERT-NCE, InfoWord) starts at its own context-free optimum, log p - log q (0 for
+    the unigram negative pools; `pipeline.model.build.context_free_head_bias`). Fresh starts only (not on resume;
+    a warm start's own MLM head replaces it)."""
     init_from: Optional[str] = None
     """Warm start: a local Hugging Face BERT directory (config.json, weights, tokenizer). Its config.json
     gives the shape (`size` is ignored), its weights initialise `bert.*` and the MLM head at a fresh start

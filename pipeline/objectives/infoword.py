@@ -30,6 +30,32 @@ Input: the `span_masked` view — n-grams of n ~ N(5, 1) words (clipped to [1, 1
     "local": this micro-batch only. The negatives per pair are logged as `dim_negatives`.
   - `score` "dot" (the paper's) or "cosine" with `tau` (the dot product is divided by tau too;
     default 1.0); NCE `negatives` / `num_negatives` as in `mlm-nce`.
+  - `pool` "cls" (default, the paper's g: the first token's state) or "mean" (the mean of the
+    view's word states, [MASK]ed spans included in the sentence, [CLS] / [SEP] / padding excluded:
+    the paper's footnote 4 alternative); `center` (default false): each view's rows minus their
+    micro-batch mean before scoring (`centred`).
+
+Learning signals (logged every step, each beside its chance level): `dim_loss` against
+`dim_loss_chance` = mean_m ln(1 + negatives_m), and `nce_loss` against `nce_loss_chance` =
+mean_i ln(1 + |Neg_i|) (`mlm_nce.Negatives.chance`).
+
+What was wrong at small scale (issue 29; measured at the time-to-quality study's size, 2 x 128,
+300 steps x 32 x 64 tokens, vocabulary 4,096; docs/objectives.md#infoword has every number):
+  1. [CLS] carries nothing for DIM. At initialisation the [CLS] state is one vector for every
+     input (mean cosine between sentences 1.000; DIM scores 128.0 with a spread of 0.02 across a
+     row), nothing but DIM trains it (no NSP; NCE reads masked positions only), and DIM's gradient
+     is proportional to that spread: DIM stays at ln 32 (3.43 at step 300; DIM alone reaches only
+     0.87 x chance after 900 steps). Mean pooling (footnote 4) reads states that NCE trains and that
+     carry the words from the start; centring removes the component every row shares (cosine 0.98
+     between unrelated sentences' means), which otherwise adds a per-n-gram offset to all scores.
+  2. Every span [MASK]ed leaves the final states of visible tokens trained by nothing: they drift
+     to one vector (held-out token cosine 0.99 with DIM off, 0.92 with it) and NCE stays at chance.
+     SpanBERT's per-span 80/10/10 (the masking the paper's spans follow) trains them through the
+     unchanged spans (BERT's reason for keeping 10% unchanged): cosine 0.12.
+  3. `model.mlm_bias_init=unigram` started the NCE head at log p, twice the frequency its optimum
+     log p - log q holds (`pipeline.model.build.context_free_head_bias`): NCE started at 4.39.
+The small-scale recipe (`tiny-infoword`: pool mean, center, cosine / 0.1, every n-gram, 80/10/10)
+is a deviation from the paper's [CLS] / dot / [MASK] recipe, which `infoword-base` keeps.
 """
 from __future__ import annotations
 
@@ -39,6 +65,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline.batch import content_tokens
 from pipeline.data.corruption import span_widths
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
@@ -48,13 +75,41 @@ from pipeline.objectives.sampling import sample_per_row
 
 SCORES = ("dot", "cosine")
 DIM_NEGATIVES = ("global", "local")
+#: What stands for a view in I_DIM: its first token's ([CLS]) state (the paper's g_w, Sec. 4) or the mean
+#: of its words' states (the paper's footnote 4 alternative).
+POOLS = ("cls", "mean")
+
+
+def pooled_states(hidden: Tensor, words: Tensor, pool: str) -> Tensor:
+    """A view's representation in I_DIM: [B, H] from hidden [B, L, H] and words [B, L] (bool, the
+    positions that are words of the view: not [CLS] / [SEP] / padding).
+
+        cls:  g(X) = h_0                                     (Kong et al. 2020, Sec. 4)
+        mean: g(X) = sum_t words_t h_t / max(1, sum_t words_t)   (Sec. 4, footnote 4)
+    """
+    if pool == "cls":
+        return hidden[:, 0]
+    weight = words.to(hidden.dtype)[..., None]
+    return (hidden * weight).sum(1) / weight.sum(1).clamp(min=1)
+
+
+def centred(rows: Tensor) -> Tensor:
+    """rows - their mean over the rows (float32): what tells this micro-batch's rows of one view apart.
+    Every row of a view shares a large common component at this project's small sizes (the mean-pooled
+    states of two unrelated sentences have cosine ~0.98 at initialisation); left in, its projection on
+    each n-gram adds a per-n-gram offset to every score that says nothing about the pair. A single row
+    centres to 0 (all its scores equal: the loss is ln(1 + negatives) and gives no gradient)."""
+    rows = rows.float()
+    return rows - rows.mean(0, keepdim=True) if rows.shape[0] else rows
 
 
 def dim_contrastive_loss(
     op: Callable[..., Tensor], sentences: Tensor, ngrams: Tensor, owner: Tensor, tau: float, normalize: bool,
     gather: bool,
-) -> tuple[Tensor, Tensor]:
-    """L_DIM over the pairs (sentences[owner[m]], ngrams[m]) and the mean number of negatives per pair.
+) -> tuple[Tensor, Tensor, Tensor]:
+    """L_DIM over the pairs (sentences[owner[m]], ngrams[m]), the mean number of negatives per pair,
+    and the loss at chance, mean_m ln(1 + negatives_m) (every score equal: what L_DIM is until the
+    representations tell pairs apart; the learning signal is L_DIM against it).
 
     sentences [S, H] (the span-masked [CLS] states), ngrams [M, H] (the n-grams' [CLS] states),
     owner [M] (each n-gram's sentence). Negatives of pair m: the n-grams of the other sentences of
@@ -71,7 +126,11 @@ def dim_contrastive_loss(
     per_pair = owner.shape[0] - same + (0 if remote is None else remote.shape[0])
     loss = op(sentences[owner], ngrams, tau, remote, normalize=normalize, symmetric=False,
               same_view_negatives=False, groups=owner)
-    return loss, per_pair.float().mean() if per_pair.numel() else torch.zeros((), device=ngrams.device)
+    if not per_pair.numel():
+        zero = torch.zeros((), device=ngrams.device)
+        return loss, zero, zero
+    per_pair = per_pair.float()
+    return loss, per_pair.mean(), torch.log1p(per_pair).mean()
 
 
 #: n-gram inputs are padded to a multiple of this width: a few shapes for the compiled encoder,
@@ -143,8 +202,14 @@ class InfoWord(Objective):
         negatives: str = "other_sequences",
         num_negatives: Union[int, str] = 128,
         track_accuracy: bool = True,
+        pool: str = "cls",
+        center: bool = False,
     ) -> None:
         super().__init__()
+        if pool not in POOLS:
+            raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
+        if not isinstance(center, bool):
+            raise ValueError(f"center must be true or false, got {center!r}")
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES}, got {score!r}")
         if tau <= 0:
@@ -162,11 +227,13 @@ class InfoWord(Objective):
         self.special = dict(special_tokens)
         self.sampler = NegativeTokenSampler(special_tokens, encoder_config.vocab_size, negatives, num_negatives)
         self.track_accuracy = track_accuracy
+        self.pool, self.center = pool, center
 
     def dim_loss(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
-        """(L_DIM, metrics: sentences and pairs taking part, negatives per pair)."""
+        """(L_DIM, metrics: sentences and pairs taking part, negatives per pair, the loss at chance)."""
         span_index = ctx.batch["span_index"]
-        sentence = ctx.encode("span_masked_ids").last_hidden[:, 0]
+        # the words of the masked sentence: its [MASK]ed spans included (they are part of the view)
+        sentence = pooled_states(ctx.encode("span_masked_ids").last_hidden, content_tokens(ctx.batch), self.pool)
         host = ctx.batch.get("span_widths")  # host [B, S]: the collator's, so sizes need no device read
         # a hand-built batch: the same table, read from the device; numpy: host numbers stay host numbers
         widths = host.numpy() if host is not None else span_widths(span_index.cpu().numpy())
@@ -183,10 +250,13 @@ class InfoWord(Objective):
                 ctx.batch["input_ids"][owner], span_index[owner], span,
                 self.special["cls"], self.special["sep"], self.special["pad"], ngram_width(widths, span_index.shape[1]),
             )
-            ngram = ctx.encoder(ids, mask).last_hidden[:, 0]
+            words = mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
+            ngram = pooled_states(ctx.encoder(ids, mask).last_hidden, words, self.pool)
         else:  # no span anywhere: an empty (graph-connected) pair list; other ranks may still gather
             ngram = sentence[:0]
-        loss, negatives = dim_contrastive_loss(
+        if self.center:  # before the gather: other ranks' n-grams arrive centred on their own micro-batch
+            sentence, ngram = centred(sentence), centred(ngram)
+        loss, negatives, chance = dim_contrastive_loss(
             ctx.op("sequence_contrastive_loss"), sentence, ngram, owner, self.tau, self.score == "cosine",
             self.dim_negatives == "global",
         )
@@ -195,6 +265,7 @@ class InfoWord(Objective):
             "dim_sentences": scalar_metric(int((spans_per_row > 0).sum()), device),
             "dim_pairs": scalar_metric(owner.numel(), device),
             "dim_negatives": negatives,
+            "dim_loss_chance": chance,
         }
         return loss, metrics
 

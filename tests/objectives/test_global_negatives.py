@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -21,9 +22,10 @@ QUIET = dict(dropout=0.0, attention_dropout=0.0)
 
 
 # ---- BERT-NCE: num_negatives "all" ------------------------------------------------------------------
-def naive_nce(model, batch, negatives_of) -> tuple[float, float]:
-    """mean over masked positions of -log(e^{s(t)} / (e^{s(t)} + sum_{v in Neg, v != t} e^{s(v)})), and the
-    mean |Neg \\ {t}|; `negatives_of(i)` lists the negative ids (each occurrence) of a position of row i."""
+def naive_nce(model, batch, negatives_of) -> tuple[float, float, float]:
+    """mean over masked positions of -log(e^{s(t)} / (e^{s(t)} + sum_{v in Neg, v != t} e^{s(v)})), the
+    mean |Neg \\ {t}| and the chance loss, mean ln(1 + |Neg \\ {t}|); `negatives_of(i)` lists the negative ids
+    (each occurrence) of a position of row i."""
     with torch.no_grad():
         t_h = model.cls.predictions.transform(model.bert(batch["masked_ids"], batch["attention_mask"]).last_hidden)
         weight, bias = model.cls.predictions.decoder.weight, model.cls.predictions.decoder.bias
@@ -35,7 +37,7 @@ def naive_nce(model, batch, negatives_of) -> tuple[float, float]:
             denominator = torch.exp(score(target)) + sum(torch.exp(score(v)) for v in negatives)
             losses.append(-torch.log(torch.exp(score(target)) / denominator))
             sizes.append(len(negatives))
-    return torch.stack(losses).mean().item(), sum(sizes) / len(sizes)
+    return torch.stack(losses).mean().item(), sum(sizes) / len(sizes), float(np.mean(np.log1p(sizes)))
 
 
 def pool_of(batch, source: str) -> list[list[int]]:
@@ -59,9 +61,10 @@ def test_nce_all_negatives_are_every_token_of_the_pool(source):
         "batch": lambda i: [v for row in rows for v in row],
         "uniform": lambda i: [v for v in range(VOCAB) if v not in SPECIAL.values()],
     }[source]
-    expected, size = naive_nce(model, batch, negatives_of)
+    expected, size, chance = naive_nce(model, batch, negatives_of)
     assert loss.item() == pytest.approx(expected, rel=1e-5)
     assert metrics["mlm-nce/negatives"].item() == pytest.approx(size)
+    assert metrics["mlm-nce/loss_chance"].item() == pytest.approx(chance, rel=1e-6)
 
 
 def test_nce_rejects_a_bad_count():
@@ -89,11 +92,42 @@ def test_infoword_all_ngrams_per_sentence_matches_the_pairs_loop():
     assert metrics["infoword/dim_pairs"].item() == len(owner) > span_index.shape[0]
     assert metrics["infoword/dim_loss"].item() == pytest.approx(expected.item(), rel=1e-4)
     same = torch.bincount(owner_t)[owner_t]
-    assert metrics["infoword/dim_negatives"].item() == pytest.approx((len(owner) - same).float().mean().item())
+    per_pair = (len(owner) - same).float()
+    assert metrics["infoword/dim_negatives"].item() == pytest.approx(per_pair.mean().item())
+    assert metrics["infoword/dim_loss_chance"].item() == pytest.approx(torch.log1p(per_pair).mean().item())
+
+
+def test_infoword_mean_pooled_centred_cosine_dim_matches_the_pairs_loop():
+    """The small-scale DIM (tiny-infoword, issue 29): each view is the mean of its word states (the
+    paper's footnote 4; the sentence's [MASK]ed spans are words of it, [CLS] / [SEP] / padding are
+    not), minus the mean over the micro-batch's rows of that view, scored by cosine / tau."""
+    batch = make_batch(batch_size=4, seed=9)
+    options = {"ngrams_per_sentence": "all", "pool": "mean", "center": True, "score": "cosine", "tau": 0.1}
+    model = tiny_model({"infoword": 1.0}, {"infoword": options}, **QUIET)
+    _, metrics = model(batch)
+    span_index, ids = batch["span_index"], batch["input_ids"]
+    special = set(SPECIAL.values())
+    with torch.no_grad():
+        hidden = model.bert(batch["span_masked_ids"], batch["attention_mask"]).last_hidden
+        sentences, owner, ngrams = [], [], []
+        for i in range(span_index.shape[0]):
+            words = [j for j in range(ids.shape[1]) if batch["attention_mask"][i, j] and int(ids[i, j]) not in special]
+            sentences.append(hidden[i, words].mean(0))
+            for s in range(int(span_index[i].max()) + 1):
+                cols = [j for j in range(ids.shape[1]) if span_index[i, j] == s]
+                row = torch.tensor([[SPECIAL["cls"], *ids[i, cols].tolist(), SPECIAL["sep"]]])
+                ngrams.append(model.bert(row, torch.ones_like(row)).last_hidden[0, 1:-1].mean(0))
+                owner.append(i)
+        a, b = torch.stack(sentences).double(), torch.stack(ngrams).double()
+        a, b = a - a.mean(0), b - b.mean(0)
+        a, b = a / a.norm(dim=1, keepdim=True), b / b.norm(dim=1, keepdim=True)
+        expected = naive_dim_pairs(a, b, torch.tensor(owner), torch.zeros(0, a.shape[1]), 0.1)
+    assert metrics["infoword/dim_loss"].item() == pytest.approx(expected.item(), rel=1e-4)
 
 
 def test_infoword_ngram_options_are_checked():
-    for bad, match in (({"ngrams_per_sentence": 0}, "ngrams_per_sentence"), ({"dim_negatives": "all"}, "dim_negatives")):
+    for bad, match in (({"ngrams_per_sentence": 0}, "ngrams_per_sentence"), ({"dim_negatives": "all"}, "dim_negatives"),
+                       ({"pool": "max"}, "pool"), ({"center": "yes"}, "center")):
         with pytest.raises(ValueError, match=match):
             tiny_model({"infoword": 1.0}, {"infoword": bad})
 
@@ -135,9 +169,10 @@ def dim_inputs(rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 def _rank_main(rank: int, out_dir: str) -> None:
     out = {}
     sentences, ngrams, owner = (x.requires_grad_(x.is_floating_point()) for x in dim_inputs(rank))
-    loss, negatives = dim_contrastive_loss(Fn.sequence_contrastive_loss, sentences, ngrams, owner, 0.7, False, True)
+    loss, negatives, chance = dim_contrastive_loss(Fn.sequence_contrastive_loss, sentences, ngrams, owner, 0.7, False,
+                                                   True)
     loss.backward()
-    out["dim"] = (loss.detach(), negatives, sentences.grad, ngrams.grad)
+    out["dim"] = (loss.detach(), negatives, sentences.grad, ngrams.grad, chance)
 
     batch = make_batch(batch_size=3, seed=20 + rank)
     capt = tiny_model({"capt": 1.0}, {"capt": {"tau": 0.1, "queue_size": 0, "batch_negatives": "global"}}, **QUIET)
@@ -174,12 +209,14 @@ def test_two_rank_dim_negatives_are_every_other_sentences_ngrams(two_ranks):
         expected = Fn.sequence_contrastive_loss(s_ref[owner], n_ref, 0.7, other, normalize=False, symmetric=False,
                                                 same_view_negatives=False, groups=owner)
         expected.backward()
-        loss, negatives, s_grad, n_grad = two_ranks[rank]["dim"]
+        loss, negatives, s_grad, n_grad, chance = two_ranks[rank]["dim"]
         torch.testing.assert_close(loss, expected.detach())
         torch.testing.assert_close(s_grad, s_ref.grad)  # the gradient flows through the local rows only
         torch.testing.assert_close(n_grad, n_ref.grad)
         same = torch.bincount(owner)[owner]
-        assert negatives.item() == pytest.approx((owner.numel() - same + other.shape[0]).float().mean().item())
+        per_pair = (owner.numel() - same + other.shape[0]).float()
+        assert negatives.item() == pytest.approx(per_pair.mean().item())
+        assert chance.item() == pytest.approx(torch.log1p(per_pair).mean().item())  # mean over pairs of ln(1 + K_m)
     # the pair-weighted mean over ranks is L_DIM over the concatenated global batch (the paper's loop)
     sentences = torch.cat([inputs[0][0], inputs[1][0]])
     ngrams = torch.cat([inputs[0][1], inputs[1][1]])
@@ -226,7 +263,7 @@ def test_two_rank_nce_all_negatives_are_every_token_of_the_global_batch(two_rank
     for rank in range(2):
         rows = pool_of(batches[rank], "other_sequences")
         remote = [v for row in pool_of(batches[1 - rank], "other_sequences") for v in row]
-        expected, size = naive_nce(model, batches[rank], lambda i: [v for r, row in enumerate(rows) if r != i for v in row] + remote)
+        expected, size, _ = naive_nce(model, batches[rank], lambda i: [v for r, row in enumerate(rows) if r != i for v in row] + remote)
         loss, negatives = two_ranks[rank]["nce"]
         assert loss.item() == pytest.approx(expected, rel=1e-5)
         assert negatives.item() == pytest.approx(size)

@@ -86,6 +86,9 @@ CASES = {
     "cocolm": ({"cocolm": 1.0}, {}),
     "infoword": ({"infoword": 1.0}, {}),
     "infoword all": ({"infoword": 1.0}, {"infoword": {"ngrams_per_sentence": "all", "num_negatives": "all"}}),
+    # tiny-infoword's small-scale DIM (issue 29): mean-pooled, centred views
+    "infoword mean centred": ({"infoword": 1.0}, {"infoword": {"ngrams_per_sentence": "all", "pool": "mean",
+                                                               "center": True, "score": "cosine", "tau": 0.1}}),
     "cocolm + taco": ({"cocolm": 1.0, "taco": 0.5}, {}),
     "infoword + taco + capt": ({"infoword": 1.0, "taco": 1.0, "capt": 1.0}, {}),
     "mlm-nce span + taco wwm": ({"mlm-nce": 1.0, "taco": 1.0},

@@ -72,3 +72,21 @@ def test_nce_log_q_is_set_at_a_fresh_start_and_the_same_after_a_resume(tiny_shar
         saved = module_state(tag)[key]
         assert saved.dtype == torch.float32 and torch.equal(saved, expected), tag
     assert metric_rows(resumed)[2] == metric_rows(full)[2]
+
+
+@pytest.mark.parametrize("preset, extra, expect", [
+    ("tiny-mlm-nce", [], "zero"),  # unigram negatives: q = p, log p - log q = 0
+    ("tiny-infoword", [], "zero"),
+    ("tiny-mlm-nce", ["objective_options.mlm-nce.negatives=uniform"], "log_p"),  # log q = 0
+    ("tiny-mlm-nce", ["objectives.mlm=1.0"], "log_p"),  # a full softmax trains the head too: its optimum
+])
+def test_unigram_init_of_a_sampled_softmax_head_is_its_context_free_optimum(tiny_shards_dir, preset, extra, expect):
+    """`model.mlm_bias_init=unigram` starts the MLM head where its loss is least with no context: log p for a
+    full softmax, log p - log q for a head only sampled negatives train (`context_free_head_bias`)."""
+    cfg = load_config(preset, [f"data.shards_dir={tiny_shards_dir}", "model.mlm_bias_init=unigram", *extra])
+    model = build_run_model(cfg, check_run(cfg, 1, False))
+    log_p = unigram_bias(unigram_counts(ShardDataset(tiny_shards_dir)))
+    head = model.cls.predictions.decoder.bias.detach()
+    assert torch.equal(head, torch.zeros_like(log_p) if expect == "zero" else log_p)
+    for sampler in (o.sampler for o in model.objectives.values() if hasattr(o, "sampler")):
+        assert torch.equal(sampler.log_proposal, log_p if sampler.proposal == "unigram" else torch.zeros_like(log_p))
