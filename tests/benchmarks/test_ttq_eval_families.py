@@ -41,7 +41,8 @@ def test_heldout_metrics_are_the_training_models_own(arch, tiny_shards_dir, tmp_
         for start in range(0, SEQUENCES, BATCH):
             rows = np.arange(start, start + BATCH)
             batch = collator.collate(*dataset.take(rows), rows)
-            selected = batch["mlm_labels"] != -100
+            # the [MASK]ed positions only: the kept 10% are scored by copying the input
+            selected = (batch["mlm_labels"] != -100) & (batch["masked_ids"] == dataset.special_tokens["mask"])
             logits = ours.cls(ours.bert(batch["masked_ids"], batch["attention_mask"]).last_hidden)[selected]
             target = batch["mlm_labels"][selected]
             loss += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
