@@ -258,6 +258,7 @@ def test_infoword_encodes_the_ngrams_alone_and_skips_sentences_without_spans():
         ("capt", {"corruption": "drop"}, "objective_options.capt.corruption"),
         ("capt", {"tau": -1.0}, "objective_options.capt.tau"),
         ("cocolm", {"sample_mode": "train"}, "objective_options.cocolm.sample_mode"),
+        ("cocolm", {"sample_temperature": 0.0}, "objective_options.cocolm.sample_temperature"),
         ("infoword", {"score": "l1"}, "objective_options.infoword.score"),
     ],
 )
