@@ -53,8 +53,9 @@ dominates Adam's normalised update over the LM term. At the paper's scale that p
 training (the discriminator meets a weak generator first and has 10^5 steps to learn context); at
 the study's it is all of it. Sampling at T = 2 over-represents the tokens the generator is unsure of,
 so replacements carry a signal the main model can learn from the start (3 seeds: AUC 0.77-0.78, about
-what token frequency alone gives against such draws, 0.77; no collapse; weight 50 kept). The corrective-LM loss still sits above the unigram entropy at this
-budget (it needs near-perfect detection: -log(1 - p_copy) is paid at every replaced position).
+what token frequency alone gives against such draws, 0.77; no collapse; weight 50 kept). The
+corrective-LM loss still sits above the unigram entropy at this budget (it needs near-perfect
+detection: -log(1 - p_copy) is paid at every replaced position).
 """
 from __future__ import annotations
 
@@ -119,7 +120,7 @@ def gumbel_max_sample(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ge
         better = value > best_plain
         best_plain, top = torch.where(better, value, best_plain), torch.where(better, index + start, top)
         u = torch.rand(z.shape, generator=generator, device=device).clamp_(min=tiny)
-        scaled = z if temperature == 1.0 else z / temperature
+        scaled = z if temperature == 1.0 else z / temperature  # T = 1: bitwise the paper recipe's draws
         value, index = (scaled - torch.log(-torch.log(u))).max(dim=1)
         better = value > best_noisy
         best_noisy, sample = torch.where(better, value, best_noisy), torch.where(better, index + start, sample)
