@@ -12,6 +12,8 @@
    chunks of `SAMPLE_CHUNK` columns (fp32 logits of one chunk at a time, never [N, V]) and keeps
    argmax_v (z_v + G_v), G_v ~ Gumbel(0, 1) drawn from `ctx.generator` — an exact sample of
    softmax(z) (the Gumbel-max trick), reproducible from the micro-batch's stream.
+   `sample_temperature` T samples softmax(z / T) instead (ELECTRA's `temperature`; default 1, the
+   paper); the small-scale recipe `tiny-cocolm` uses T = 2 (below).
    `sample_mode="eval"` (the public code's default) runs an extra no-grad pass with the
    generator and shared embeddings in eval mode; `"zero_dropout"` runs the generator without
    dropout always and samples from its (detached) training pass — one generator pass instead of two.
@@ -31,10 +33,35 @@
    `pipeline.eval.health`).
 
    L = lambda_gen * L_gen + L_CLM + lambda_scl * L_SCL      (all weights 1 except lambda_copy)
+
+Learning signals (logged against their chance levels, `rtd_metrics`): the copy head read as
+replaced-token detection, `rtd_auc` (chance 0.5) and `rtd_accuracy` (chance: the share of original
+tokens, what a constant "original" scores); `scl_loss` against ln(2N - 1); `clm_lm_loss` against
+the unigram entropy at the masked positions (health side).
+
+What went wrong at small scale (issue 29; measurements in docs/objectives.md#coco-lm-at-small-scale).
+The losses match the paper; the recipe did not survive a 300-step budget. Within ~60 steps the
+generator learns the data's token frequencies and almost no context (with `model.mlm_bias_init=
+unigram` it starts there), so at T = 1 a replacement is a draw from the unigram distribution:
+indistinguishable from an original by its identity (a frequency-only detector scores AUC 0.50) and
+distinguishable only by context, which no objective learns in 300 steps here (the MLM baseline's own
+head used as a detector: AUC 0.59; bigram counts would give 0.94). The copy head can then only
+answer "original" at the base rate (`rtd_accuracy` = chance 0.86, AUC 0.53-0.55), and a loss with
+nothing left to learn but weighted 50 drives every content token's state to one vector (held-out
+token cosine 0.996): the BCE penalises any spread of w . h_i over tokens it cannot tell apart, and it
+dominates Adam's normalised update over the LM term. At the paper's scale that phase is a sliver of
+training (the discriminator meets a weak generator first and has 10^5 steps to learn context); at
+the study's it is all of it. Sampling at T = 2 over-represents the tokens the generator is unsure of,
+so replacements carry a signal the main model can learn from the start (3 seeds: AUC 0.77-0.78, about
+what token frequency alone gives against such draws, 0.77; no collapse; weight 50 kept). The
+corrective-LM loss still sits above the unigram entropy at this budget (it needs near-perfect
+detection: -log(1 - p_copy) is paid at every replaced position).
 """
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from typing import Iterator, Mapping, Optional
 
 import torch
@@ -45,8 +72,8 @@ from pipeline.batch import batch_selected, masked_view_keys
 from pipeline.model.arch import layer_stack
 from pipeline.model.encoder import EncoderConfig
 from pipeline.model.heads import PredictionHeadTransform
-from pipeline.objectives.base import FULL_SOFTMAX, Objective, StepContext, register
-from pipeline.objectives.functional import fp32_logits
+from pipeline.objectives.base import FULL_SOFTMAX, Objective, StepContext, register, scalar_metric
+from pipeline.objectives.functional import binary_auc, fp32_logits
 
 SAMPLE_MODES = ("eval", "zero_dropout")
 #: Vocabulary columns per chunk of the generator's sampling pass (fixed: the draws depend on it).
@@ -66,16 +93,17 @@ def sampling_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> T
 
 
 def gumbel_max_sample(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], generator: torch.Generator,
-                      chunk: Optional[int] = None) -> tuple[Tensor, Tensor]:
-    """One token per row from softmax(W h + b), and the rows' argmax, in vocabulary chunks.
+                      chunk: Optional[int] = None, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+    """One token per row from softmax((W h + b) / T), and the rows' argmax, in vocabulary chunks.
 
-        sample_n = argmax_v (z_nv + G_nv),  G = -log(-log U),  U ~ Uniform(0, 1) from `generator`
+        sample_n = argmax_v (z_nv / T + G_nv),  G = -log(-log U),  U ~ Uniform(0, 1) from `generator`
 
-    is distributed exactly as softmax(z_n) (the Gumbel-max trick: Gumbel 1954; Maddison, Tarlow and
+    is distributed exactly as softmax(z_n / T) (the Gumbel-max trick: Gumbel 1954; Maddison, Tarlow and
     Minka 2014, "A* Sampling", Sec. 2); the maximum over the whole
     vocabulary is the maximum of the chunk maxima, so only [N, chunk] fp32 logits (and noise)
-    exist at a time. hidden [N, H], weight [V, H], bias [V]. Returns (samples [N], argmax [N]);
-    ties keep the first column, like `torch.argmax`. The logits are fp32 (`sampling_logits`).
+    exist at a time. hidden [N, H], weight [V, H], bias [V]; `temperature` T > 0 (ELECTRA's
+    `temperature`, 1 = the generator's own softmax). Returns (samples [N], argmax_v z_nv [N]); ties
+    keep the first column, like `torch.argmax`. The logits are fp32 (`sampling_logits`).
     """
     rows, vocab = hidden.shape[0], weight.shape[0]
     chunk = chunk or SAMPLE_CHUNK
@@ -92,10 +120,33 @@ def gumbel_max_sample(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], ge
         better = value > best_plain
         best_plain, top = torch.where(better, value, best_plain), torch.where(better, index + start, top)
         u = torch.rand(z.shape, generator=generator, device=device).clamp_(min=tiny)
-        value, index = (z - torch.log(-torch.log(u))).max(dim=1)
+        scaled = z if temperature == 1.0 else z / temperature  # T = 1: bitwise the paper recipe's draws
+        value, index = (scaled - torch.log(-torch.log(u))).max(dim=1)
         better = value > best_noisy
         best_noisy, sample = torch.where(better, value, best_noisy), torch.where(better, index + start, sample)
     return sample, top
+
+
+@torch.no_grad()
+def rtd_metrics(copy_logits: Tensor, is_original: Tensor, keep: Tensor) -> dict[str, Tensor]:
+    """The copy head read as replaced-token detection (RTD, ELECTRA's task), beside its chance levels.
+
+        rtd_auc      = AUC of -w.h_i for "x^MLM_i != x^orig_i" over the kept (non-pad) tokens;  chance 0.5
+        rtd_accuracy = share of kept tokens with 1[w.h_i > 0] == 1[x^MLM_i == x^orig_i]
+        rtd_accuracy_chance = share of kept tokens left original: the accuracy of answering "original" always
+
+    A copy head stuck at a constant answer scores rtd_accuracy == rtd_accuracy_chance and rtd_auc 0.5
+    (the time-to-quality study's COCO-LM: 0.864 of 0.864). All device tensors, no host read.
+    """
+    kept = keep.float()
+    count = kept.sum().clamp(min=1)
+    original = is_original & keep.bool()
+    return {
+        "rtd_auc": binary_auc(-copy_logits, ~is_original, keep),
+        "rtd_auc_chance": scalar_metric(0.5, copy_logits.device),
+        "rtd_accuracy": (((copy_logits > 0) == is_original).float() * kept).sum() / count,
+        "rtd_accuracy_chance": original.float().sum() / count,
+    }
 
 
 @contextlib.contextmanager
@@ -147,7 +198,7 @@ class SCLHead(nn.Module):
 @register
 class CorrectingContrasting(Objective):
     """COCO-LM (see the module docstring). Options: view, generator_layers, sample_mode,
-    lambda_copy, lambda_gen, lambda_scl, tau."""
+    sample_temperature, lambda_copy, lambda_gen, lambda_scl, tau."""
 
     name = "cocolm"
     views = ("masked", "crop")
@@ -160,6 +211,7 @@ class CorrectingContrasting(Objective):
         view: str = "masked",
         generator_layers: Optional[int] = None,
         sample_mode: str = "eval",
+        sample_temperature: float = 1.0,
         lambda_copy: float = 50.0,
         lambda_gen: float = 1.0,
         lambda_scl: float = 1.0,
@@ -174,8 +226,11 @@ class CorrectingContrasting(Objective):
             raise ValueError(f"generator_layers must be >= 1, got {layers}")
         if tau <= 0:
             raise ValueError(f"tau must be positive, got {tau}")
+        if not sample_temperature > 0:
+            raise ValueError(f"sample_temperature must be positive, got {sample_temperature}")
         self.views = (view, "crop")
         self.sample_mode = sample_mode
+        self.sample_temperature = float(sample_temperature)
         self.lambda_copy, self.lambda_gen, self.lambda_scl, self.tau = lambda_copy, lambda_gen, lambda_scl, tau
         self.generator = layer_stack(encoder_config, num_layers=layers)  # the main model's family (`model.arch`)
         self.generator_head = GeneratorHead(encoder_config)
@@ -205,7 +260,8 @@ class CorrectingContrasting(Objective):
                 h_sample = self._generator_states(ctx, masked_ids, flat)
         gen_loss = self.generator_head(h_sel, decoder, ctx.op("linear_cross_entropy"), targets)
         with torch.no_grad():
-            sampled, top = self.generator_head(h_sample, decoder, gumbel_max_sample, ctx.generator)
+            sample = functools.partial(gumbel_max_sample, temperature=self.sample_temperature)
+            sampled, top = self.generator_head(h_sample, decoder, sample, ctx.generator)
         replaced = masked_ids.clone().reshape(-1)
         replaced[flat] = sampled
         count = max(int(flat.numel()), 1)  # a shape: known on the host
@@ -242,11 +298,13 @@ class CorrectingContrasting(Objective):
         loss = self.lambda_gen * gen_loss + self.lambda_copy * copy_loss + lm_loss + self.lambda_scl * scl_loss
         metrics.update(
             copy_loss=copy_loss.detach(),
-            copy_accuracy=(((copy_all > 0) == is_original) & non_pad).float().sum().detach()
-            / non_pad.float().sum().clamp(min=1),
             clm_lm_loss=lm_loss.detach(),
             scl_loss=scl_loss.detach(),
+            # InfoNCE over 2N views: each anchor scores 2N - 1 candidates (1 positive), so ln(2N - 1) is chance
+            scl_loss_chance=scalar_metric(math.log(max(2 * z_mlm.shape[0] - 1, 1)), loss.device),
             # cos(X^MLM, X^crop) of the positive pairs: pinned at 1.0 = the SCL task is trivial (health)
             positive_cosine=F.cosine_similarity(z_mlm.detach().float(), z_crop.detach().float(), dim=-1).mean(),
         )
+        if ctx.progress.record_metrics:
+            metrics.update(rtd_metrics(copy_all, is_original, non_pad))
         return loss, metrics

@@ -32,6 +32,7 @@ __all__ = [
     "sequence_contrastive_loss",
     "adaptive_temperature",
     "prediction_accuracy",
+    "binary_auc",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Tensor])
@@ -358,6 +359,36 @@ def prediction_accuracy(
 
 #: The minimum of CAPT's adaptive temperature (Eq. 6), reached at mid-training.
 ADAPTIVE_TAU_FLOOR = 0.05
+
+
+@torch.no_grad()
+def binary_auc(scores: Tensor, positive: Tensor, keep: Optional[Tensor] = None) -> Tensor:
+    """Metric, not a loss: ROC AUC of `scores` for the positive class, ties counted half (the
+    Mann-Whitney U statistic over the pairs, = the rank-sum AUC with tied scores given their mean rank):
+
+        AUC = (1 / (P N)) sum_{i pos} sum_{j neg} ( 1[s_i > s_j] + 1/2 1[s_i == s_j] )
+            = (sum_{i pos} midrank_i - P (P + 1) / 2) / (P N)
+
+    scores [T], positive [T] bool, keep [T] bool or 1/0 (the rows that take part; all when None).
+    Computed on the device with no host read: one sort, then for every row the number of kept
+    negatives scoring below it and tied with it from `searchsorted` on the sorted scores and a
+    prefix count of the negatives in sorted order — a row left out has weight 0 rather than being
+    gathered away (a boolean gather would make the host wait for its size). 0.5 = chance; nan when
+    either class is empty. float32 0-d tensor.
+    """
+    s = scores.detach().reshape(-1).float()
+    pos = positive.reshape(-1).to(torch.bool)
+    weight = torch.ones_like(s) if keep is None else keep.reshape(-1).to(s.dtype)
+    pos_weight = weight * pos.to(s.dtype)
+    neg_weight = weight - pos_weight
+    order = torch.argsort(s)
+    sorted_s = s[order]
+    neg_before = F.pad(torch.cumsum(neg_weight[order], 0), (1, 0))  # [T + 1]: negatives among the first k sorted
+    below = neg_before[torch.searchsorted(sorted_s, s, right=False)]  # negatives scoring < s_i
+    up_to = neg_before[torch.searchsorted(sorted_s, s, right=True)]  # negatives scoring <= s_i
+    wins = (pos_weight * (below + 0.5 * (up_to - below))).sum()
+    pairs = pos_weight.sum() * neg_weight.sum()
+    return torch.where(pairs > 0, wins / pairs.clamp(min=1), torch.full_like(wins, float("nan")))
 
 
 def adaptive_temperature(step: int, total_steps: int) -> float:

@@ -135,6 +135,25 @@ def test_gumbel_max_sampling_is_an_exact_softmax_sample_in_chunks():
     assert not torch.equal(samples, other)
 
 
+def test_gumbel_max_sampling_at_a_temperature_samples_softmax_of_z_over_t():
+    """T = 2 (COCO-LM's `sample_temperature`): the draws fit softmax(z / 2), not softmax(z); the
+    returned argmax is still that of z."""
+    g = torch.Generator().manual_seed(0)
+    hidden, weight, bias = torch.randn(1, 6, generator=g), torch.randn(10, 6, generator=g) * 2, torch.randn(10, generator=g)
+    rows = 60_000
+    z = F.linear(hidden, weight, bias)[0].double()
+    samples, top = gumbel_max_sample(hidden.expand(rows, 6), weight, bias, torch.Generator().manual_seed(1), chunk=3,
+                                     temperature=2.0)
+    counts = torch.bincount(samples, minlength=10).double()
+
+    def chi2(probs):
+        return float(((counts - rows * probs) ** 2 / (rows * probs)).sum())
+
+    assert chi2(torch.softmax(z / 2, -1)) < 27.9  # 9 degrees of freedom: p = 0.001
+    assert chi2(torch.softmax(z, -1)) > 1000  # and clearly not the T = 1 distribution
+    assert (top == z.argmax()).all()
+
+
 def test_cocolm_sampling_never_holds_more_than_a_chunk_of_logits(monkeypatch):
     import pipeline.objectives.cocolm as cocolm
 

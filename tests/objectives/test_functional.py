@@ -346,6 +346,59 @@ def test_adaptive_temperature_inverted_triangle():
         Fn.adaptive_temperature(0, 0)
 
 
+# ---- metrics -------------------------------------------------------------------------------
+def pairwise_auc(scores, positive, keep):
+    """AUC by its definition: over every (positive, negative) pair of kept rows, 1 if the positive
+    scores higher, 1/2 on a tie."""
+    pos = [float(s) for s, p, k in zip(scores, positive, keep) if k and p]
+    neg = [float(s) for s, p, k in zip(scores, positive, keep) if k and not p]
+    wins = sum(1.0 if a > b else 0.5 if a == b else 0.0 for a in pos for b in neg)
+    return wins / (len(pos) * len(neg))
+
+
+def midrank_auc(scores, positive, keep):
+    """The rank-sum form: ranks 1..n of the kept rows, tied rows given their mean rank."""
+    rows = sorted((float(s), bool(p)) for s, p, k in zip(scores, positive, keep) if k)
+    ranks, i = [], 0
+    while i < len(rows):
+        j = i
+        while j < len(rows) and rows[j][0] == rows[i][0]:
+            j += 1
+        ranks += [(i + 1 + j) / 2] * (j - i)  # mean of ranks i+1 .. j
+        i = j
+    n_pos = sum(p for _, p in rows)
+    n_neg = len(rows) - n_pos
+    return (sum(r for r, (_, p) in zip(ranks, rows) if p) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+def test_binary_auc_hand_values():
+    scores = torch.tensor([0.1, 0.4, 0.35, 0.8, 0.4])
+    positive = torch.tensor([False, False, True, True, True])
+    # positives 0.35 (beats 0.1), 0.8 (beats both), 0.4 (beats 0.1, ties 0.4): (1 + 2 + 1.5) / 6
+    assert Fn.binary_auc(scores, positive).item() == pytest.approx(0.75)
+    # the last row left out: (1 + 2) / 4
+    assert Fn.binary_auc(scores, positive, torch.tensor([1, 1, 1, 1, 0])).item() == pytest.approx(0.75)
+    assert Fn.binary_auc(-scores, positive).item() == pytest.approx(0.25)  # reversed ranking: 1 - AUC
+    assert Fn.binary_auc(torch.zeros(6), torch.arange(6) % 2 == 0).item() == 0.5  # constant score: every pair tied
+    perfect = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    assert Fn.binary_auc(perfect, perfect >= 2).item() == 1.0
+    assert math.isnan(Fn.binary_auc(perfect, torch.zeros(4, dtype=torch.bool)).item())  # one class only
+
+
+@pytest.mark.parametrize("levels", [None, 5])
+def test_binary_auc_matches_pairwise_and_midrank_references(levels):
+    g = torch.Generator().manual_seed(3)
+    scores = torch.randn(301, generator=g)
+    if levels is not None:  # many ties
+        scores = torch.randint(0, levels, (301,), generator=g).float()
+    positive = torch.rand(301, generator=g) < 0.2
+    keep = torch.rand(301, generator=g) < 0.8
+    got = Fn.binary_auc(scores, positive, keep)
+    assert got.dtype == torch.float32 and got.dim() == 0
+    assert got.item() == pytest.approx(pairwise_auc(scores, positive, keep), abs=1e-6)
+    assert got.item() == pytest.approx(midrank_auc(scores, positive, keep), abs=1e-6)
+
+
 # ---- numerics ------------------------------------------------------------------------------
 def test_losses_stay_finite_in_bf16_autocast_at_low_temperature():
     g = torch.Generator().manual_seed(0)

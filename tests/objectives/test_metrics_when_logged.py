@@ -3,6 +3,8 @@ full-vocabulary accuracy pass and no health copy of the hidden states on the oth
 loss is the same either way."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,3 +70,21 @@ def test_prediction_accuracy_runs_in_the_training_dtype(monkeypatch):
     acc = functional.prediction_accuracy(hidden, weight, bias, targets, chunk_rows=16)
     assert dtypes == [(torch.bfloat16, torch.bfloat16)] * 3  # 40 rows in chunks of 16, no fp32 copy
     assert acc.item() == pytest.approx(0.75)
+
+
+def test_cocolm_detection_metrics_only_on_logged_steps(monkeypatch):
+    """RTD AUC / accuracy (a sort of every token) are metrics only: absent on silent steps, where the loss
+    is unchanged; the chance levels come with them (the SCL one on every step, it costs a fill)."""
+    model = tiny_model({"cocolm": 1.0}, dropout=0.0, attention_dropout=0.0)
+    batch = collated(model)
+    loss, metrics, _, _ = run(model, batch, LOGGED, monkeypatch)
+    detection = {"cocolm/rtd_auc", "cocolm/rtd_auc_chance", "cocolm/rtd_accuracy", "cocolm/rtd_accuracy_chance"}
+    assert detection <= metrics.keys()
+    assert metrics["cocolm/rtd_auc_chance"].item() == 0.5
+    assert 0.0 <= metrics["cocolm/rtd_auc"].item() <= 1.0
+    assert 0.5 < metrics["cocolm/rtd_accuracy_chance"].item() < 1.0  # most tokens stay original
+    rows = batch["input_ids"].shape[0]
+    assert metrics["cocolm/scl_loss_chance"].item() == pytest.approx(math.log(2 * rows - 1))
+    quiet_loss, quiet, _, _ = run(model, batch, SILENT, monkeypatch)
+    assert not detection & quiet.keys() and "cocolm/scl_loss_chance" in quiet
+    assert torch.equal(quiet_loss, loss)

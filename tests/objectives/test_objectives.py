@@ -314,6 +314,7 @@ def test_infoword_encodes_the_ngrams_alone_and_skips_sentences_without_spans():
         ("capt", {"tau": -1.0}, "objective_options.capt.tau"),
         ("capt", {"queue_start": 1.0}, "objective_options.capt.queue_start"),
         ("cocolm", {"sample_mode": "train"}, "objective_options.cocolm.sample_mode"),
+        ("cocolm", {"sample_temperature": 0.0}, "objective_options.cocolm.sample_temperature"),
         ("infoword", {"score": "l1"}, "objective_options.infoword.score"),
     ],
 )
@@ -419,6 +420,31 @@ def test_cocolm_copy_loss_counts_non_pad_positions_only():
     wide["span_index"] = F.pad(batch["span_index"], (0, 8), value=-1)
     model_wide = tiny_model({"cocolm": 1.0}, dropout=0.0, attention_dropout=0.0)
     assert model_wide(wide)[1]["cocolm/copy_loss"].item() == pytest.approx(metrics["cocolm/copy_loss"].item(), rel=1e-5)
+
+
+def test_cocolm_copy_head_read_as_replaced_token_detection():
+    """rtd_auc / rtd_accuracy / rtd_accuracy_chance recomputed position by position over the non-pad
+    tokens (positive class = replaced, score = -copy logit); padding must not enter them."""
+    from pipeline.seeding import sampling_seed
+
+    model = tiny_model({"cocolm": 1.0}, dropout=0.0, attention_dropout=0.0)
+    batch = make_batch(batch_size=4, seq_len=24, seed=7)
+    mask = batch["attention_mask"]
+    _, metrics = model(batch)
+    objective = model.objectives["cocolm"]
+    gen = torch.Generator().manual_seed(sampling_seed(0, int(batch["sample_index"][0])))
+    _, replaced, _, _ = objective.generate(StepContext(model.bert, model.cls, batch, StepProgress(), gen, "torch"))
+    logits = objective.copy_head(model.bert(replaced, mask).last_hidden).squeeze(-1)
+    kept = [(float(logits[i, j]), bool(replaced[i, j] != batch["input_ids"][i, j]))
+            for i in range(mask.shape[0]) for j in range(mask.shape[1]) if mask[i, j]]
+    swapped = [-s for s, r in kept if r]
+    original = [-s for s, r in kept if not r]
+    assert swapped and original
+    pairs = [1.0 if a > b else 0.5 if a == b else 0.0 for a in swapped for b in original]
+    assert metrics["cocolm/rtd_auc"].item() == pytest.approx(sum(pairs) / len(pairs), abs=1e-6)
+    assert metrics["cocolm/rtd_accuracy"].item() == pytest.approx(
+        sum((s > 0) == (not r) for s, r in kept) / len(kept), abs=1e-6)
+    assert metrics["cocolm/rtd_accuracy_chance"].item() == pytest.approx(len(original) / len(kept), abs=1e-6)
 
 
 # ---- the NCE head's log q (`log_proposal`) and how each objective trains the MLM head -------------
