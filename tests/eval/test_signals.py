@@ -36,11 +36,11 @@ def test_declared_chance_pairs_judge_losses_by_ratio_and_scores_by_skill():
     signals = by_term({"mlm-nce/loss": 0.84 * chance, "mlm-nce/loss_chance": chance,
                        "taco/loss": 0.9 * chance, "taco/loss_chance": chance,
                        "cocolm/rtd_auc": 0.62, "cocolm/rtd_auc_chance": 0.5,
-                       "cocolm/copy_accuracy": 0.87, "cocolm/copy_accuracy_chance": 0.864})
+                       "cocolm/rtd_accuracy": 0.87, "cocolm/rtd_accuracy_chance": 0.864})
     assert signals["mlm-nce/loss"].learned and signals["mlm-nce/loss"].threshold == pytest.approx(LOSS_RATIO * chance)
     assert not signals["taco/loss"].learned  # 0.9x chance: still at chance by the 0.85x rule
     assert signals["cocolm/rtd_auc"].learned  # skill (0.62 - 0.5) / 0.5 = 0.24 >= 0.15
-    assert not signals["cocolm/copy_accuracy"].learned  # the all-original answer, almost
+    assert not signals["cocolm/rtd_accuracy"].learned  # the all-original answer, almost
     assert {s.kind for s in signals.values()} == {"chance"}
     assert signals["mlm-nce/loss"].ratio == pytest.approx(0.84)
 
@@ -48,7 +48,7 @@ def test_declared_chance_pairs_judge_losses_by_ratio_and_scores_by_skill():
 def test_unigram_and_collapse_references_pair_only_terms_without_their_own_chance():
     metrics = {"health/unigram_accuracy": 0.057, "health/unigram_entropy": 6.4, "health/token_cosine": 0.95,
                "mlm/accuracy": 0.116, "infoword/accuracy": 0.06, "cocolm/gen_accuracy": 0.2,
-               "mlm/loss": 6.1, "cocolm/clm_lm_loss": 6.5, "cocolm/copy_accuracy": 0.9,
+               "mlm/loss": 6.1, "cocolm/clm_lm_loss": 6.5, "cocolm/rtd_accuracy": 0.9,
                "mlm-nce/accuracy": 0.3, "mlm-nce/accuracy_chance": 0.25, "loss": 1.0, "lr": 1e-3}
     signals = by_term(metrics)
     assert signals["mlm/accuracy"].learned and signals["mlm/accuracy"].kind == "plateau"
@@ -59,7 +59,7 @@ def test_unigram_and_collapse_references_pair_only_terms_without_their_own_chanc
     assert not signals["cocolm/clm_lm_loss"].learned  # above the unigram entropy
     assert signals["mlm-nce/accuracy"].kind == "chance"  # its own chance wins over the plateau
     assert not signals["health/token_cosine"].learned  # collapsed
-    assert "cocolm/copy_accuracy" not in signals  # not a token-prediction accuracy, and no chance declared
+    assert "cocolm/rtd_accuracy" not in signals  # not a token-prediction accuracy, and no chance declared
     assert {"loss", "lr"}.isdisjoint(signals)
     line = format_signals(list(signals.values()))
     assert line.startswith("3/7 learned: ") and "COLLAPSED" in line and "AT CHANCE" in line
