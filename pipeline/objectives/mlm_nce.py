@@ -203,7 +203,8 @@ def log_proposal_samplers(model: nn.Module) -> dict[str, NegativeTokenSampler]:
 @register
 class MaskedLanguageModelingNCE(Objective):
     """BERT-NCE. Options: view ("masked" | "wwm_masked" | "span_masked"), negatives, num_negatives
-    (an integer or "all"), track_accuracy (full-vocabulary argmax accuracy, no gradient)."""
+    (an integer or "all"), track_accuracy (full-vocabulary argmax accuracy of s + log q, the implied
+    masked LM's, no gradient)."""
 
     name = "mlm-nce"
     views = ("masked",)
@@ -243,7 +244,9 @@ def nce_loss(
     h_sel, targets, flat = gather_selected(hidden, labels, ctx.batch.get(positions_key(labels_key)))
     negatives = sampler(ctx.batch, labels, flat, ctx.generator)
     # the full-vocabulary accuracy pass only on the steps whose metrics are logged
-    op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy and ctx.progress.record_metrics)
+    # the accuracy of the masked LM the head implies, argmax of s + log q (what conversion exports)
+    op = with_accuracy(ctx.op("sampled_softmax_cross_entropy"), track_accuracy and ctx.progress.record_metrics,
+                       sampler.log_proposal)
     loss, acc = ctx.head(h_sel, op, targets, *negatives.op_args())
     metrics = {
         "selected_tokens": scalar_metric(targets.numel(), hidden.device),
