@@ -303,6 +303,24 @@ def test_infoword_encodes_the_ngrams_alone_and_skips_sentences_without_spans():
     assert metrics["infoword/dim_sentences"].item() == 3
 
 
+def test_infoword_nce_view_masked_scores_the_bert_masked_positions_in_a_pass_of_its_own():
+    """nce_view "masked": I_MLM on the BERT-masked view (its own encoder pass, its selected positions), DIM
+    still on the span-masked sentences and their n-grams; the default keeps one pass for both terms."""
+    batch = make_batch()
+    masked = tiny_model({"infoword": 1.0}, {"infoword": {"nce_view": "masked"}})
+    calls = _count_encoder_calls(masked)
+    _, metrics = masked(batch)
+    with_span = int((batch["span_index"].max(1).values >= 0).sum())  # ngrams_per_sentence 1: one n-gram a row
+    assert calls == [4, 4, with_span]  # the masked view, the span view, the n-grams
+    assert metrics["infoword/selected_tokens"].item() == int((batch["mlm_labels"] != -100).sum())
+    default = tiny_model({"infoword": 1.0})
+    calls = _count_encoder_calls(default)
+    _, metrics = default(batch)
+    assert len(calls) == 2
+    assert metrics["infoword/selected_tokens"].item() == int((batch["span_labels"] != -100).sum())
+    assert int((batch["span_labels"] != -100).sum()) != int((batch["mlm_labels"] != -100).sum())
+
+
 @pytest.mark.parametrize(
     "name,options,match",
     [
@@ -315,6 +333,7 @@ def test_infoword_encodes_the_ngrams_alone_and_skips_sentences_without_spans():
         ("capt", {"queue_start": 1.0}, "objective_options.capt.queue_start"),
         ("cocolm", {"sample_mode": "train"}, "objective_options.cocolm.sample_mode"),
         ("infoword", {"score": "l1"}, "objective_options.infoword.score"),
+        ("infoword", {"nce_view": "wwm_masked"}, "objective_options.infoword.nce_view"),
     ],
 )
 def test_bad_options_name_the_option(name, options, match):
@@ -324,6 +343,8 @@ def test_bad_options_name_the_option(name, options, match):
 
 def test_objective_views_drive_the_model_views():
     assert tiny_model({"infoword": 1.0}).views == {"original", "span_masked"}
+    assert tiny_model({"infoword": 1.0}, {"infoword": {"nce_view": "masked"}}).views == {"original", "span_masked",
+                                                                                         "masked"}
     assert tiny_model({"capt": 1.0}, {"capt": {"corruption": "shuffled"}}).views == {"original", "shuffled"}
     assert tiny_model({"mlm": 1.0}, {"mlm": {"view": "wwm_masked"}}).views == {"original", "wwm_masked"}
 
