@@ -30,6 +30,10 @@ Input: the `span_masked` view — n-grams of n ~ N(5, 1) words (clipped to [1, 1
     "local": this micro-batch only. The negatives per pair are logged as `dim_negatives`.
   - `score` "dot" (the paper's) or "cosine" with `tau` (the dot product is divided by tau too;
     default 1.0); NCE `negatives` / `num_negatives` as in `mlm-nce`.
+  - `nce_view` "span_masked" (default: I_MLM on the DIM sentence's span-masked view, one encoder pass
+    for both terms) or "masked" (I_MLM on a BERT-masked view of its own, one more pass: the paper's
+    I_MLM, "X^_i a sentence masked at position i", Sec. 4, with its spans "for training with I_DIM",
+    Sec. 5.2).
   - `pool` "cls" (default, the paper's g: the first token's state) or "mean" (the mean of the
     view's word states, [MASK]ed spans included in the sentence, [CLS] / [SEP] / padding excluded:
     the paper's footnote 4 alternative); `center` (default false): each view's rows minus their
@@ -54,8 +58,15 @@ What was wrong at small scale (issue 29; measured at the time-to-quality study's
      unchanged spans (BERT's reason for keeping 10% unchanged): cosine 0.12.
   3. `model.mlm_bias_init=unigram` started the NCE head at log p, twice the frequency its optimum
      log p - log q holds (`pipeline.model.build.context_free_head_bias`): NCE started at 4.39.
-The small-scale recipe (`tiny-infoword`: pool mean, center, cosine / 0.1, every n-gram, 80/10/10)
-is a deviation from the paper's [CLS] / dot / [MASK] recipe, which `infoword-base` keeps.
+  4. NCE learned nothing from context (held-out accuracy at [MASK] 0.048, plateau 0.051; its loss at
+     [MASK] 1.004x chance): on the span view even a full softmax learns nothing at [MASK] in 300
+     steps (0.059, its LM loss above the unigram entropy), and DIM at weight 1 puts 8-15x NCE's
+     gradient on the encoder, nearly orthogonal to it (cosine ~0.01), so Adam's per-parameter scale,
+     set by DIM's gradient, shrinks NCE's steps by that factor: NCE on a BERT-masked view of its own
+     still scored 0.047 at weight 1 and 0.051 at 0.25, and 0.070 at 0.1 (docs/objectives.md#bert-nce).
+The small-scale recipe (`tiny-infoword`: pool mean, center, cosine / 0.1, every n-gram, 80/10/10,
+nce_view masked, lambda_dim 0.1) is a deviation from the paper's [CLS] / dot / [MASK] recipe, which
+`infoword-base` keeps.
 """
 from __future__ import annotations
 
@@ -65,7 +76,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.batch import content_tokens
+from pipeline.batch import content_tokens, masked_view_keys
 from pipeline.data.corruption import span_widths
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
@@ -78,6 +89,9 @@ DIM_NEGATIVES = ("global", "local")
 #: What stands for a view in I_DIM: its first token's ([CLS]) state (the paper's g_w, Sec. 4) or the mean
 #: of its words' states (the paper's footnote 4 alternative).
 POOLS = ("cls", "mean")
+#: The view I_MLM (BERT-NCE) reads: the DIM sentence's span-masked view (one encoder pass for both terms), or
+#: a BERT-masked view of its own (the paper's I_MLM, "a sentence masked at position i", Sec. 4; one more pass).
+NCE_VIEWS = ("span_masked", "masked")
 
 
 def pooled_states(hidden: Tensor, words: Tensor, pool: str) -> Tensor:
@@ -183,7 +197,7 @@ def nonzero_known(mask: Tensor, count: int) -> tuple[Tensor, Tensor]:
 @register
 class InfoWord(Objective):
     """InfoWord (see the module docstring). Options: lambda_mlm, lambda_dim, score, tau,
-    ngrams_per_sentence, dim_negatives, negatives, num_negatives, track_accuracy."""
+    ngrams_per_sentence, dim_negatives, negatives, num_negatives, track_accuracy, pool, center, nce_view."""
 
     name = "infoword"
     views = ("span_masked",)
@@ -204,8 +218,11 @@ class InfoWord(Objective):
         track_accuracy: bool = True,
         pool: str = "cls",
         center: bool = False,
+        nce_view: str = "span_masked",
     ) -> None:
         super().__init__()
+        if nce_view not in NCE_VIEWS:
+            raise ValueError(f"nce_view must be one of {NCE_VIEWS}, got {nce_view!r}")
         if pool not in POOLS:
             raise ValueError(f"pool must be one of {POOLS}, got {pool!r}")
         if not isinstance(center, bool):
@@ -228,6 +245,9 @@ class InfoWord(Objective):
         self.sampler = NegativeTokenSampler(special_tokens, encoder_config.vocab_size, negatives, num_negatives)
         self.track_accuracy = track_accuracy
         self.pool, self.center = pool, center
+        # the collator builds exactly the views the objectives name: a second (BERT-masked) view only when NCE reads it
+        self.nce_keys = masked_view_keys(nce_view, NCE_VIEWS)
+        self.views = tuple(dict.fromkeys(("span_masked", nce_view)))
 
     def dim_loss(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
         """(L_DIM, metrics: sentences and pairs taking part, negatives per pair, the loss at chance)."""
@@ -270,7 +290,7 @@ class InfoWord(Objective):
         return loss, metrics
 
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
-        mlm, metrics = nce_loss(ctx, "span_masked_ids", "span_labels", self.sampler, self.track_accuracy)
+        mlm, metrics = nce_loss(ctx, *self.nce_keys, self.sampler, self.track_accuracy)
         dim, dim_metrics = self.dim_loss(ctx)
         metrics.update(nce_loss=mlm.detach(), dim_loss=dim.detach(), **dim_metrics)
         return self.lambda_mlm * mlm + self.lambda_dim * dim, metrics

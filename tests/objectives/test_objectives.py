@@ -303,6 +303,24 @@ def test_infoword_encodes_the_ngrams_alone_and_skips_sentences_without_spans():
     assert metrics["infoword/dim_sentences"].item() == 3
 
 
+def test_infoword_nce_view_masked_scores_the_bert_masked_positions_in_a_pass_of_its_own():
+    """nce_view "masked": I_MLM on the BERT-masked view (its own encoder pass, its selected positions), DIM
+    still on the span-masked sentences and their n-grams; the default keeps one pass for both terms."""
+    batch = make_batch()
+    masked = tiny_model({"infoword": 1.0}, {"infoword": {"nce_view": "masked"}})
+    calls = _count_encoder_calls(masked)
+    _, metrics = masked(batch)
+    with_span = int((batch["span_index"].max(1).values >= 0).sum())  # ngrams_per_sentence 1: one n-gram a row
+    assert calls == [4, 4, with_span]  # the masked view, the span view, the n-grams
+    assert metrics["infoword/selected_tokens"].item() == int((batch["mlm_labels"] != -100).sum())
+    default = tiny_model({"infoword": 1.0})
+    calls = _count_encoder_calls(default)
+    _, metrics = default(batch)
+    assert len(calls) == 2
+    assert metrics["infoword/selected_tokens"].item() == int((batch["span_labels"] != -100).sum())
+    assert int((batch["span_labels"] != -100).sum()) != int((batch["mlm_labels"] != -100).sum())
+
+
 @pytest.mark.parametrize(
     "name,options,match",
     [
@@ -316,6 +334,7 @@ def test_infoword_encodes_the_ngrams_alone_and_skips_sentences_without_spans():
         ("cocolm", {"sample_mode": "train"}, "objective_options.cocolm.sample_mode"),
         ("cocolm", {"sample_temperature": 0.0}, "objective_options.cocolm.sample_temperature"),
         ("infoword", {"score": "l1"}, "objective_options.infoword.score"),
+        ("infoword", {"nce_view": "wwm_masked"}, "objective_options.infoword.nce_view"),
     ],
 )
 def test_bad_options_name_the_option(name, options, match):
@@ -325,6 +344,8 @@ def test_bad_options_name_the_option(name, options, match):
 
 def test_objective_views_drive_the_model_views():
     assert tiny_model({"infoword": 1.0}).views == {"original", "span_masked"}
+    assert tiny_model({"infoword": 1.0}, {"infoword": {"nce_view": "masked"}}).views == {"original", "span_masked",
+                                                                                         "masked"}
     assert tiny_model({"capt": 1.0}, {"capt": {"corruption": "shuffled"}}).views == {"original", "shuffled"}
     assert tiny_model({"mlm": 1.0}, {"mlm": {"view": "wwm_masked"}}).views == {"original", "wwm_masked"}
 
@@ -474,13 +495,37 @@ def test_nce_samplers_hold_log_q_as_a_persistent_float32_buffer_outside_the_loss
     assert state["objectives.mlm-nce.sampler.log_proposal"].dtype == torch.float32
     assert not state["objectives.mlm-nce.sampler.log_proposal"].any()  # uniform pool: q constant
     assert not model.cls.predictions.decoder.bias.detach().any()  # log q is not an output bias
-    # the loss is the paper's: log q does not enter it (same batch, same stream, with and without it)
+    # the loss is the paper's: log q does not enter it (same batch, same stream, with and without it);
+    # only the accuracy metrics read it (the implied masked LM's argmax, test below)
     batch = make_batch(seed=3)
     loss, metrics = model(batch, sampling_seed=11)
     for sampler in (model.objectives["mlm-nce"].sampler, model.objectives["infoword"].sampler):
         sampler.log_proposal.zero_()
     loss_without, metrics_without = model(batch, sampling_seed=11)
-    assert torch.equal(loss, loss_without) and metrics == metrics_without
+    assert torch.equal(loss, loss_without)
+    assert {k: v for k, v in metrics.items() if not k.endswith("/accuracy")} == {
+        k: v for k, v in metrics_without.items() if not k.endswith("/accuracy")}
+
+
+@pytest.mark.parametrize("name,labels", [("mlm-nce", "mlm_labels"), ("infoword", "span_labels")])
+def test_nce_accuracy_is_the_argmax_of_the_implied_masked_lm(name, labels):
+    """`<name>/accuracy` scores argmax_v s(v, c) + log q(v), the masked LM that conversion exports, not
+    argmax s: a log q that outweighs every score makes the prediction its mode everywhere, so the
+    accuracy is the share of targets equal to that token, and 0 when log q favours a token no target is."""
+    model = tiny_model({name: 1.0}, {name: {"num_negatives": 16}}, dropout=0.0, attention_dropout=0.0)
+    batch = make_batch(seed=3)
+    targets = batch[labels][batch[labels] != -100]
+    mode = int(torch.bincount(targets).argmax())
+    share = float((targets == mode).float().mean())
+    assert 0.0 < share < 0.5
+    sampler = model.objectives[name].sampler
+    sampler.log_proposal.fill_(-50.0)[mode] = 50.0
+    _, metrics = model(batch, sampling_seed=11)
+    assert metrics[f"{name}/accuracy"].item() == pytest.approx(share)
+    absent = int(torch.nonzero(torch.bincount(targets, minlength=VOCAB)[5:] == 0)[0]) + 5  # not special, no target
+    sampler.log_proposal.fill_(-50.0)[absent] = 50.0
+    _, other = model(batch, sampling_seed=11)
+    assert other[f"{name}/accuracy"].item() == 0.0
 
 
 def test_a_checkpoint_from_before_log_q_still_loads_strictly():
