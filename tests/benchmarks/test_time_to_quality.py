@@ -227,8 +227,14 @@ def _check_heldout_against_direct(model_dir: Path, shards: Path, top: int, metri
     rows = np.arange(16)
     batch = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, 0).collate(
         *dataset.take(rows), rows)
-    targets = batch["mlm_labels"][batch["mlm_labels"] != -100]
-    assert metrics["masked_tokens"] == targets.numel()
+    labels = batch["mlm_labels"]
+    selected = labels != -100
+    # accuracy and plateau are read at the [MASK]-replaced positions only (kept tokens give a copy bonus)
+    masked = selected & (batch["masked_ids"] == dataset.special_tokens["mask"])
+    kept = selected & (batch["masked_ids"] == labels)
+    targets = labels[masked]
+    assert 0 < metrics["masked_tokens"] == targets.numel() < int(selected.sum())
+    assert metrics["kept_tokens"] == int(kept.sum())
     assert metrics["unigram_acc"] == pytest.approx(float((targets == top).float().mean()))
     assert 0.0 <= metrics["mlm_acc"] <= 1.0 and -1.0 <= metrics["token_cosine"] <= 1.0
     assert metrics["collapsed"] == (metrics["token_cosine"] > 0.9)

@@ -12,10 +12,14 @@ What it guards against (the module docstring of `pipeline.objectives.capt`): wit
 read from the first step, the sequences' representations, identical at initialisation, never spread,
 the token states follow them to cosine 1 and the loss sits at chance. That failure reproduces at
 this size: `test_the_papers_queue_from_the_first_step_collapses_here` runs the same recipe with
-`queue_start=0` and asserts the judge reports it (measured: loss 1.00x chance to the end, sequence
-cosine 1.0000 on every step, token cosine >= 0.9 on 82 logged steps from step 32; with `tiny-capt`'s
-`queue_start: 0.2`: 0.7x chance, the floor-tau loss 1.6 = 0.33x chance and falling, token cosine
-<= 0.80). Two ~35 s runs.
+`queue_start=0` and asserts the collapse it shows on >= 90% of the logged steps from the warm-up to 40% of
+the run (loss >= 0.99x chance, sequence cosine >= 0.9) while `tiny-capt` has left it, and that the
+judge reports the collapsed token states. Measured: with `queue_start=0` loss 1.00x chance and
+sequence cosine 1.0000 to at least step 150, token cosine >= 0.9 on 71-86 logged steps from step 33;
+some CPU runs then escape once tau nears its floor (steps 150-180) and end at 0.83x chance, others stay
+at chance to the end (floating-point summation order decides), so the end of the run is not what the
+reproduction asserts. With `tiny-capt`'s `queue_start: 0.2`: 0.7-0.76x chance, the floor-tau loss
+0.33x chance and falling, token cosine <= 0.80, sequence cosine 0.27 by step 61. Two ~35 s runs.
 """
 from __future__ import annotations
 
@@ -76,9 +80,23 @@ def test_capt_leaves_chance_without_collapse(tiny_runs):
     assert not problems, "tiny-capt did not learn: " + "; ".join(problems)
 
 
+def collapsed_steps(rows: list[dict], first: int, last: int) -> tuple[list[int], list[int]]:
+    """(logged steps in (first, last], those of them at chance with one sequence representation)."""
+    window = [r for r in rows if first < r["step"] <= last]
+    stuck = [r["step"] for r in window if r["capt/loss"] >= 0.99 * r["capt/loss_chance"]
+             and r["capt/negative_cosine"] >= COLLAPSE_COSINE]
+    return [r["step"] for r in window], stuck
+
+
 def test_the_papers_queue_from_the_first_step_collapses_here(tiny_runs):
     """The failure the guard exists for is reproduced at this size (so the guard can see it)."""
-    problems = problems_of(tiny_runs["queue from step 0"], STEPS * 6 // 100)
-    assert any(p.startswith("capt/loss at") for p in problems), problems
-    assert any(p.startswith("capt/negative_cosine") for p in problems), problems
+    warmup, until = STEPS * 6 // 100, STEPS * 40 // 100
+    steps, stuck = collapsed_steps(tiny_runs["queue from step 0"], warmup, until)
+    # a few-step blip off the collapse happens (steps 63-66 in one CPU run); the collapse is the rule
+    assert steps and len(stuck) >= 0.9 * len(steps), (
+        f"queue from step 0 left the collapse on {len(steps) - len(stuck)} of {len(steps)} steps, "
+        f"first {sorted(set(steps) - set(stuck))[:5]}")
+    _, stuck_recipe = collapsed_steps(tiny_runs["tiny-capt"], warmup, until)
+    assert len(stuck_recipe) < len(steps) // 2, f"tiny-capt collapsed too on {len(stuck_recipe)} of {len(steps)} steps"
+    problems = problems_of(tiny_runs["queue from step 0"], warmup)
     assert any(p.startswith("health/token_cosine") for p in problems), problems
