@@ -28,7 +28,7 @@ after each micro-batch's loss. tau follows the inverted triangle of Eq. 6,
 tau(t) = |t - T/2| / T + 0.05, from `ctx.progress`; pass a number as `tau` for a fixed temperature.
 
 The queue joins at `queue_start` x T (*deviation at small scale*; default 0, the paper's queue from
-the first step; `tiny-capt` uses 0.2). What went wrong (issue 29, at the time-to-quality study's
+the first step; `tiny-capt` used 0.2 and now gates on `queue_spread`, below). What went wrong (issue 29, at the time-to-quality study's
 size: 2 x 128, 32 x 64 tokens, 300 steps, lr 1e-3, queue 64; `docs/objectives.md#capt` has the
 tables): at initialisation every sequence has the same representation (BERT's 0.02-std init leaves
 h_[CLS] nearly input-independent: mean cosine of different sequences' s 0.99995), so the loss
@@ -47,6 +47,21 @@ loss ends at 0.67-0.74x chance. XBM (Wang et al. 2020) names the condition for a
 embeddings to stand in for current ones, "slow drift"; a memory of a degenerate configuration
 drifts nowhere and is still no set of negatives. A fraction of the run, like Eq. 6's schedule, so
 a preset keeps its shape at any run length.
+
+`queue_spread` (*deviation at small scale*, default null = off) gates the reading of the queue on
+the condition itself rather than on a fraction of the run: the queue is read only once the
+in-batch views of different sequences have spread, i.e. from the first micro-batch whose
+
+    negative_cosine = mean over ordered pairs of views of different sequences of u . v  < queue_spread
+
+(latched: it never closes again; measured on the all-gathered views when the queue is gathered, so
+every rank decides alike; saved with the queue, so a resumed run keeps it). A fixed `queue_start`
+encodes how long the spreading takes, which moves with CAPT's weight and the data: with
+`objectives.capt: 0.1` the in-batch contrast needed ~90 of 300 steps on the tiny test shards
+(~55 at weight 1), so `queue_start: 0.2` collapsed there, while on the study's WikiText-2 shards
+it did not. While the gate is closed the loss is computed both with and without the queue rows
+and `torch.where` picks on the device (no host read; the sequence contrast is O(b (2b + Q) D), small
+beside the encoder); the queue is filled from `queue_start` on either way.
 
 Logged learning signals (the contract of `pipeline.eval.signals`): `loss` with `loss_chance` =
 ln(2b - 1 + extra rows), the loss when every candidate scores alike (x 2b x micro-batches for
@@ -69,7 +84,6 @@ recipe is `objectives: {mlm: 1, capt: 1}`; MLM then reuses the masked pass.
 """
 from __future__ import annotations
 
-import math
 from typing import Mapping, Optional
 
 import torch
@@ -104,7 +118,8 @@ class ContrastivePretraining(Objective):
     """CAPT (see the module docstring). Options: corruption, tau (None = adaptive Eq. 6),
     queue_size (0 disables the queue), gather_queue (all-gather across ranks), reduction
     ("mean" | "sum"), batch_negatives ("local" | "global"), queue_start (fraction of the run before
-    which the queue is neither filled nor read)."""
+    which the queue is neither filled nor read), queue_spread (the in-batch negative cosine below
+    which the queue starts to be read; None: read as soon as it is filled)."""
 
     name = "capt"
     views = ("masked",)
@@ -120,6 +135,7 @@ class ContrastivePretraining(Objective):
         reduction: str = "mean",
         batch_negatives: str = "local",
         queue_start: float = 0.0,
+        queue_spread: Optional[float] = None,
     ) -> None:
         super().__init__()
         choose_view("corruption", corruption, CORRUPTIONS)
@@ -131,6 +147,10 @@ class ContrastivePretraining(Objective):
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         if not 0.0 <= queue_start < 1.0:
             raise ValueError(f"queue_start must be a fraction of the run in [0, 1), got {queue_start}")
+        if queue_spread is not None and not -1.0 < queue_spread < 1.0:
+            raise ValueError(f"queue_spread must be a cosine in (-1, 1), or null for no spread gate; got {queue_spread}")
+        if queue_spread is not None and not queue_size:
+            raise ValueError("queue_spread gates the reading of the memory queue: it needs queue_size > 0")
         if batch_negatives not in BATCH_NEGATIVES:
             raise ValueError(f"batch_negatives must be one of {BATCH_NEGATIVES}, got {batch_negatives!r}")
         self.views = ("original", corruption)
@@ -140,7 +160,9 @@ class ContrastivePretraining(Objective):
         self.queue = MemoryQueue(queue_size, encoder_config.hidden_size) if queue_size else None
         self.gather_queue = gather_queue
         self.reduction, self.batch_negatives = reduction, batch_negatives
-        self.queue_start = queue_start
+        self.queue_start, self.queue_spread = queue_start, queue_spread
+        # the spread gate's latch, on the device (read by the host only at a checkpoint save)
+        self.register_buffer("spread_reached", torch.zeros((), dtype=torch.bool), persistent=False)
 
     def queue_active(self, step: int, total_steps: int) -> bool:
         """Whether the queue is filled and read at optimizer step `step` of `total_steps`:
@@ -167,41 +189,75 @@ class ContrastivePretraining(Objective):
         if self.batch_negatives == "global":
             extra.append(split_own_block(gathered)[1])  # the other ranks' views of this step
         queued = self.queue.negatives(s.device) if use_queue else None
+        in_batch = torch.cat(extra) if extra else None
         if queued is not None:
             extra.append(queued)
         negatives = torch.cat(extra) if extra else None
-        loss = ctx.op("sequence_contrastive_loss")(
-            s, s_hat, tau, negatives, normalize=True, symmetric=True, same_view_negatives=True,
-            reduction=self.reduction,
-        )
+        contrast = ctx.op("sequence_contrastive_loss")
+        gate = self.update_spread_gate(s, s_hat, gathered) if queued is not None else None
+
+        def gated(tau_: float, **options) -> Tensor:
+            """The loss over `negatives`, or over the in-batch ones only while the spread gate is closed."""
+            with_queue = contrast(s, s_hat, tau_, negatives, normalize=True, symmetric=True,
+                                  same_view_negatives=True, **options)
+            if gate is None:
+                return with_queue
+            return torch.where(gate, with_queue, contrast(s, s_hat, tau_, in_batch, normalize=True, symmetric=True,
+                                                          same_view_negatives=True, **options))
+
+        loss = gated(tau, reduction=self.reduction)
         if self.reduction == "sum":
             loss = loss * ctx.progress.micro_batches  # Eq. 4 over the global batch (module docstring)
+        # per anchor: the other 2b - 2 views of the batch, the positive excluded, and the extra rows
+        extra_rows = self.gated_count(0 if negatives is None else negatives.shape[0],
+                                      0 if in_batch is None else in_batch.shape[0], gate, s.device)
         metrics = {
             "tau": scalar_metric(tau, s.device),
             "positive_cosine": (s * s_hat).sum(-1).mean().detach(),
             "queue_rows": scalar_metric(len(self.queue) if self.queue else 0, s.device),
-            # per anchor: the other 2b - 2 views of the batch, the positive excluded, and the extra rows
-            "negatives": scalar_metric(2 * s.shape[0] - 2 + (0 if negatives is None else negatives.shape[0]), s.device),
+            "queue_read": scalar_metric(float(queued is not None), s.device) if gate is None else gate.float(),
+            "negatives": 2 * s.shape[0] - 2 + extra_rows,
         }
         if ctx.progress.record_metrics:
             # Chance level of the loss: every candidate scored alike, each term is ln(candidates per anchor)
             # = ln(negatives + 1); a sum reduction sums 2b such terms, scaled like the loss.
-            chance = math.log(2 * s.shape[0] - 1 + (0 if negatives is None else negatives.shape[0]))
+            chance = torch.log(2 * s.shape[0] - 1 + extra_rows)
             terms = 2 * s.shape[0] * ctx.progress.micro_batches if self.reduction == "sum" else 1
-            metrics["loss_chance"] = scalar_metric(terms * chance, s.device)
+            metrics["loss_chance"] = terms * chance
             metrics.update(self.spread_metrics(s, s_hat, queued))
             if self.tau is None:
                 # The adaptive tau makes the loss rise again over the last half by construction (its floor
                 # grows with tau); the same candidates scored at tau's fixed minimum show whether the
                 # representations still improve. Per term (mean), so its chance is ln(candidates).
                 with torch.no_grad():
-                    metrics["floor_tau_loss"] = ctx.op("sequence_contrastive_loss")(
-                        s, s_hat, TAU_FLOOR, negatives, normalize=True, symmetric=True, same_view_negatives=True)
-                metrics["floor_tau_loss_chance"] = scalar_metric(chance, s.device)
+                    metrics["floor_tau_loss"] = gated(TAU_FLOOR)
+                metrics["floor_tau_loss_chance"] = chance
         if use_queue and self.training:  # last: `queued` may be the queue's own storage, which this overwrites
             rows = torch.cat(gathered) if gathered is not None and self.gather_queue else views
             self.queue.enqueue(rows, gather=False)
         return loss, metrics
+
+    @torch.no_grad()
+    def update_spread_gate(self, s: Tensor, s_hat: Tensor, gathered: Optional[list[Tensor]]) -> Optional[Tensor]:
+        """The spread gate (module docstring): None without `queue_spread`; else the latch, first closed
+        and opened for good by a micro-batch (a training one) whose in-batch negative cosine is below
+        `queue_spread`, measured over every rank's views when they were gathered (`gathered`, blocks of
+        [s; s^]), so that every rank decides alike."""
+        if self.queue_spread is None:
+            return None
+        if self.training:
+            pairs = [(s, s_hat)] if gathered is None else [block.chunk(2) for block in gathered]
+            spread = negative_cosine(pairs)
+            if spread is not None:
+                self.spread_reached |= spread < self.queue_spread
+        return self.spread_reached
+
+    @staticmethod
+    def gated_count(with_queue: int, without: int, gate: Optional[Tensor], device: torch.device) -> Tensor:
+        """A row count as a float32 device scalar: `with_queue`, or `without` while the gate is closed."""
+        if gate is None:
+            return scalar_metric(with_queue, device)
+        return torch.where(gate, scalar_metric(with_queue, device), scalar_metric(without, device))
 
     @staticmethod
     @torch.no_grad()
@@ -216,14 +272,20 @@ class ContrastivePretraining(Objective):
         views = torch.cat([s, s_hat])
         n, total = views.shape[0], views.sum(0)
         metrics = {}
-        if n > 2:  # one sequence has no in-batch negative
-            metrics["negative_cosine"] = (total @ total - n - 2 * (s * s_hat).sum()) / (n * (n - 2))
+        spread = negative_cosine([(s, s_hat)])
+        if spread is not None:  # one sequence has no in-batch negative
+            metrics["negative_cosine"] = spread
         if queued is not None:
             metrics["queue_cosine"] = total @ F.normalize(queued.float(), dim=-1, eps=1e-8).sum(0) / (n * queued.shape[0])
         return metrics
 
     def extra_state_for_checkpoint(self) -> Optional[dict]:
-        return None if self.queue is None else {"queue": self.queue.state_dict()}
+        if self.queue is None:
+            return None
+        state = {"queue": self.queue.state_dict()}
+        if self.queue_spread is not None:
+            state["spread_reached"] = bool(self.spread_reached)
+        return state
 
     def load_extra_state_from_checkpoint(self, state: dict) -> None:
         if self.queue is None:
@@ -231,3 +293,21 @@ class ContrastivePretraining(Objective):
                 raise ValueError("the checkpoint holds a CAPT memory queue but this run has objective_options.capt.queue_size=0")
             return
         self.queue.load_state_dict(state["queue"])
+        if self.queue_spread is not None:
+            # a checkpoint written without the gate read its queue as soon as it was filled
+            self.spread_reached.fill_(bool(state.get("spread_reached", True)))
+
+
+def negative_cosine(pairs: list[tuple[Tensor, Tensor]]) -> Optional[Tensor]:
+    """Mean cosine of the views of different sequences over the unit rows of every (s, s^) pair block,
+
+        negative_cosine = (|sum U|^2 - n - 2 sum_i s_i . s^_i) / (n (n - 2)),   U the n = 2b views,
+
+    O(b D): |sum U|^2 counts every ordered pair once, the n self-pairs (1 each) and the 2b positive
+    pairs. None when there is one sequence (no negative)."""
+    total = sum(u.sum(0) + v.sum(0) for u, v in pairs)
+    n = sum(2 * u.shape[0] for u, _ in pairs)
+    if n <= 2:
+        return None
+    positives = sum((u * v).sum() for u, v in pairs)
+    return (total @ total - n - 2 * positives) / (n * (n - 2))

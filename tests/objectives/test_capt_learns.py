@@ -4,22 +4,24 @@
 in the time-to-quality study's shape of batch (32 sequences of 64 tokens, no dropout, 6% warm-up);
 over the last 20% of the logged steps the CAPT loss must be <= 0.85x its chance level
 `capt/loss_chance` (ln of the candidates per anchor) and the loss at the adaptive tau's floor must
-still be falling (the window before it higher); no logged step after the warm-up may have collapsed
-token states (`health/token_cosine` >= 0.9), and none in the second half a collapsed sequence
-contrast (`capt/negative_cosine`, the mean cosine of different sequences, >= 0.9).
+still be falling (the window before it higher); no logged step of the second half may have collapsed
+token states (`health/token_cosine` >= 0.9) or a collapsed sequence contrast (`capt/negative_cosine`,
+the mean cosine of different sequences, >= 0.9). The token states are judged from the second half on
+because MLM alone passes through 0.91 here (steps 43-55, its unigram-plateau phase; `tiny-mlm`, same
+recipe), a phase that is no collapse of CAPT's making.
 
 What it guards against (the module docstring of `pipeline.objectives.capt`): with the memory queue
-read from the first step, the sequences' representations, identical at initialisation, never spread,
-the token states follow them to cosine 1 and the loss sits at chance. That failure reproduces at
-this size: `test_the_papers_queue_from_the_first_step_collapses_here` runs the same recipe with
-`queue_start=0` and asserts the collapse it shows on >= 90% of the logged steps from the warm-up to 40% of
-the run (loss >= 0.99x chance, sequence cosine >= 0.9) while `tiny-capt` has left it, and that the
-judge reports the collapsed token states. Measured: with `queue_start=0` loss 1.00x chance and
-sequence cosine 1.0000 to at least step 150, token cosine >= 0.9 on 71-86 logged steps from step 33;
-some CPU runs then escape once tau nears its floor (steps 150-180) and end at 0.83x chance, others stay
-at chance to the end (floating-point summation order decides), so the end of the run is not what the
-reproduction asserts. With `tiny-capt`'s `queue_start: 0.2`: 0.7-0.76x chance, the floor-tau loss
-0.33x chance and falling, token cosine <= 0.80, sequence cosine 0.27 by step 61. Two ~35 s runs.
+read from the first step, the sequences' representations, identical at initialisation, do not
+spread and the loss sits at chance. That failure reproduces at this size:
+`test_the_papers_queue_from_the_first_step_collapses_here` runs the same recipe with the paper's
+queue (`queue_spread=null`: read as soon as it is filled) and asserts the collapse on >= 90% of the
+logged steps from the warm-up to 40% of the run (loss >= 0.99x chance, sequence cosine >= 0.9),
+while `tiny-capt`'s spread gate lets the in-batch contrast spread the views below the gate's 0.5
+within that window. Measured (CAPT weight 0.1): the paper's queue, sequence cosine 1.000 to step
+150 or later, then some CPU runs escape (cosine 0.38 at step 196, 0.77x chance at the end) and
+others stay at chance (0.99x; floating-point summation order decides), so the end of that run is
+not asserted; `tiny-capt`, cosine 1.000 to step 76, 0.40 at step 91, 0.77x chance at the end, the
+floor-tau loss 0.67x chance and falling, no collapsed step in the second half. Two ~40 s runs.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ RECIPE = ("model.dropout=0.0", "model.attention_dropout=0.0", "optim.lr=1e-3", f
           f"train.checkpoint_every={STEPS}", "train.keep_last=1")
 LOSS_RATIO = 0.85  # learned: at most this fraction of the chance level (issue 29's criterion)
 TAIL = 0.2  # "the end": the last 20% of the logged steps, judged on their mean
+SPREAD_GATE = 0.5  # tiny-capt's objective_options.capt.queue_spread
 
 
 def mean(rows: list[dict], key: str) -> float:
@@ -44,7 +47,7 @@ def mean(rows: list[dict], key: str) -> float:
     return sum(values) / len(values)
 
 
-def problems_of(rows: list[dict], warmup: int) -> list[str]:
+def problems_of(rows: list[dict]) -> list[str]:
     """What says CAPT did not learn in the run whose metric rows are `rows` (empty: it learned)."""
     tail = max(1, int(len(rows) * TAIL))
     end, before = rows[-tail:], rows[-2 * tail:-tail]
@@ -54,21 +57,20 @@ def problems_of(rows: list[dict], warmup: int) -> list[str]:
         problems.append(f"capt/loss at {ratio:.2f}x chance over the last {tail} steps")
     if mean(end, "capt/floor_tau_loss") >= mean(before, "capt/floor_tau_loss"):
         problems.append("capt/floor_tau_loss no longer falling")
-    # The sequences start as one point (module docstring): the in-batch contrast needs some tens of steps
-    # to spread them, so their spread is judged over the second half; the token states never may collapse.
-    for key, first in (("health/token_cosine", warmup), ("capt/negative_cosine", rows[-1]["step"] // 2)):
-        collapsed = [r["step"] for r in rows if r["step"] > first and r.get(key, 0.0) >= COLLAPSE_COSINE]
+    half = rows[-1]["step"] // 2
+    for key in ("health/token_cosine", "capt/negative_cosine"):
+        collapsed = [r["step"] for r in rows if r["step"] > half and r.get(key, 0.0) >= COLLAPSE_COSINE]
         if collapsed:
-            problems.append(f"{key} >= {COLLAPSE_COSINE} on {len(collapsed)} logged steps after step {first} "
+            problems.append(f"{key} >= {COLLAPSE_COSINE} on {len(collapsed)} logged steps after step {half} "
                             f"(first {collapsed[0]})")
     return problems
 
 
 @pytest.fixture(scope="module")
 def tiny_runs(tiny_shards_dir, tmp_path_factory):
-    """Metric rows of tiny-capt as configured and with the paper's queue from the first step."""
+    """Metric rows of tiny-capt as configured and with the paper's queue (read from the first step)."""
     rows = {}
-    for name, extra in {"tiny-capt": (), "queue from step 0": ("objective_options.capt.queue_start=0.0",)}.items():
+    for name, extra in {"tiny-capt": (), "paper's queue": ("objective_options.capt.queue_spread=null",)}.items():
         out = tmp_path_factory.mktemp("capt_learns")
         assert run_inprocess("tiny-capt", tiny_shards_dir, out, *RECIPE, *extra) == 0
         rows[name] = read_jsonl(out / "metrics.jsonl")
@@ -76,8 +78,9 @@ def tiny_runs(tiny_shards_dir, tmp_path_factory):
 
 
 def test_capt_leaves_chance_without_collapse(tiny_runs):
-    problems = problems_of(tiny_runs["tiny-capt"], STEPS * 6 // 100)
+    problems = problems_of(tiny_runs["tiny-capt"])
     assert not problems, "tiny-capt did not learn: " + "; ".join(problems)
+    assert any(r["capt/queue_read"] == 1.0 for r in tiny_runs["tiny-capt"])  # the queue did join
 
 
 def collapsed_steps(rows: list[dict], first: int, last: int) -> tuple[list[int], list[int]]:
@@ -89,14 +92,12 @@ def collapsed_steps(rows: list[dict], first: int, last: int) -> tuple[list[int],
 
 
 def test_the_papers_queue_from_the_first_step_collapses_here(tiny_runs):
-    """The failure the guard exists for is reproduced at this size (so the guard can see it)."""
+    """The failure the guard exists for is reproduced at this size, and the spread gate avoids it."""
     warmup, until = STEPS * 6 // 100, STEPS * 40 // 100
-    steps, stuck = collapsed_steps(tiny_runs["queue from step 0"], warmup, until)
-    # a few-step blip off the collapse happens (steps 63-66 in one CPU run); the collapse is the rule
+    steps, stuck = collapsed_steps(tiny_runs["paper's queue"], warmup, until)
+    # a few-step blip off the collapse happens; the collapse is the rule
     assert steps and len(stuck) >= 0.9 * len(steps), (
-        f"queue from step 0 left the collapse on {len(steps) - len(stuck)} of {len(steps)} steps, "
+        f"the paper's queue left the collapse on {len(steps) - len(stuck)} of {len(steps)} steps, "
         f"first {sorted(set(steps) - set(stuck))[:5]}")
-    _, stuck_recipe = collapsed_steps(tiny_runs["tiny-capt"], warmup, until)
-    assert len(stuck_recipe) < len(steps) // 2, f"tiny-capt collapsed too on {len(stuck_recipe)} of {len(steps)} steps"
-    problems = problems_of(tiny_runs["queue from step 0"], warmup)
-    assert any(p.startswith("health/token_cosine") for p in problems), problems
+    spread = [r["step"] for r in tiny_runs["tiny-capt"] if r["step"] <= until and r["capt/negative_cosine"] < SPREAD_GATE]
+    assert spread, f"tiny-capt's views did not spread below {SPREAD_GATE} by step {until}"
