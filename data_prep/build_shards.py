@@ -21,6 +21,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import sys
 import time
 from collections import deque
@@ -169,6 +170,10 @@ _WORKER_TOKENIZER: DocumentEncoder | None = None
 
 def _init_worker(backend_json: str) -> None:
     global _WORKER_TOKENIZER
+    # A forked worker inherits the parent's Python signal handlers; one that only notes SIGTERM (a
+    # training process's preemption handler, a driver's clean stop) would make the pool's terminate()
+    # unable to end a worker busy in the tokenizer's native code, and its join() would wait forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER_TOKENIZER = DocumentEncoder(backend_json)
 
 

@@ -33,11 +33,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from benchmarks.common.stop_signal import sigterm_stops
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -241,10 +242,6 @@ def write_outputs(results: dict[str, list[dict]], args, out: Path, started: floa
     return {"verdicts": verdicts, "paths": paths}
 
 
-def _stop(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from benchmarks.quality.ttq_data import StudyData, build_text_shards
     from benchmarks.quality.ttq_eval import top_token_of
@@ -259,13 +256,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     hf_logging.disable_progress_bar()
     started = time.perf_counter()
-    signal.signal(signal.SIGTERM, _stop)  # `kill PID`: the running training checkpoints, a re-run resumes
     try:
-        check_study_args(args, work, DEFINING, sweep_seed=False)
-        train_shards, select_shards, report_shards = build_text_shards(args, work)
-        data = StudyData(train_shards, select_shards, report_shards, None, None)
-        top_token = top_token_of(train_shards)
-        results = {o: [run_one(o, seed, data, top_token, args, work) for seed in args.seeds] for o in args.objectives}
+        with sigterm_stops():  # `kill PID`: the running training checkpoints, a re-run resumes
+            check_study_args(args, work, DEFINING, sweep_seed=False)
+            train_shards, select_shards, report_shards = build_text_shards(args, work)
+            data = StudyData(train_shards, select_shards, report_shards, None, None)
+            top_token = top_token_of(train_shards)
+            results = {o: [run_one(o, seed, data, top_token, args, work) for seed in args.seeds] for o in args.objectives}
     except (RuntimeError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

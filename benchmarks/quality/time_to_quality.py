@@ -30,15 +30,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from benchmarks.common.stop_signal import sigterm_stops  # noqa: E402
 from benchmarks.throughput.bench_throughput import parse_list  # noqa: E402
 
 #: pipeline.train keys the study sets per run (a --set of them would silently defeat the sweep).
@@ -121,10 +122,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
-def _stop(signum, frame) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from benchmarks.quality.ttq_data import prepare
     from benchmarks.quality.ttq_eval import top_token_of
@@ -140,13 +137,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     hf_logging.disable_progress_bar()  # one "Loading weights" bar per evaluated model otherwise
     started = time.perf_counter()
-    signal.signal(signal.SIGTERM, _stop)  # `kill PID`: stop cleanly, the running training checkpoints
     try:
-        check_study_args(args, work)
-        data = prepare(args, work)
-        print(data.sst2_note, flush=True)
-        top_token = top_token_of(data.train_shards)
-        study = run_study(args, data, top_token, work)
+        with sigterm_stops():  # `kill PID`: the running training checkpoints, a re-run resumes
+            check_study_args(args, work)
+            data = prepare(args, work)
+            print(data.sst2_note, flush=True)
+            top_token = top_token_of(data.train_shards)
+            study = run_study(args, data, top_token, work)
     except (RuntimeError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

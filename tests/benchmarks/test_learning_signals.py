@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,9 @@ def test_tiny_harness_run_writes_every_file_and_skips_a_finished_run(tiny_corpus
     argv = ["--text", str(tiny_corpus_file), "--heldout", str(tiny_corpus_file), "--objectives", "taco",
             "--seeds", "1", "--steps", "6", "--micro-batch", "4", "--vocab-size", "800", "--eval-sequences", "16",
             "--set", "model.dropout=0.0", "--lr", "1e-3", "--out", str(out), "--work-dir", str(work)]
+    handler = signal.getsignal(signal.SIGTERM)
     assert main(argv) == 0
+    assert signal.getsignal(signal.SIGTERM) is handler  # the driver's clean-stop handler is gone again
     result = json.loads((out / "learning_signals_taco.json").read_text())
     (run,) = result["runs"]
     assert run["status"] == "ok" and run["wall_s"] > 0 and isinstance(run["met"], bool)

@@ -309,3 +309,29 @@ def test_bpe_tokenizer_shards_store_pre_tokenizer_word_starts(tmp_path: Path, ti
         encoded = tok(doc, add_special_tokens=False)
         assert ids.tolist() == encoded["input_ids"]
         assert starts.tolist() == _expected_word_starts(encoded.word_ids())
+
+
+def _worker_sigterm_is_default(_: int) -> bool:
+    return signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_pool_workers_do_not_inherit_a_parents_sigterm_handler(tiny_tokenizer_dir):
+    """A parent whose SIGTERM handler only takes note (a training process's preemption handler, a
+    benchmark driver's clean stop) must not make the shard builder's workers immune to the pool's
+    terminate(): a worker busy in native code would never run the Python handler and join() would
+    wait forever (a hung CI run). The workers start with SIGTERM's default action."""
+    import multiprocessing
+
+    from data_prep.build_shards import _init_worker
+    from data_prep.tokenizer_io import load_tokenizer
+
+    noted: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: noted.append(signum))
+    try:
+        backend = load_tokenizer(tiny_tokenizer_dir).backend_json
+        with multiprocessing.get_context("fork").Pool(2, _init_worker, (backend,)) as pool:
+            assert pool.map(_worker_sigterm_is_default, range(4)) == [True] * 4
+        with multiprocessing.get_context("fork").Pool(1) as pool:  # without the initializer: inherited
+            assert pool.map(_worker_sigterm_is_default, range(1)) == [False]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
