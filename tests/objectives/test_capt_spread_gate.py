@@ -4,12 +4,16 @@ have spread, latched, never opened by evaluation, and kept across a checkpoint."
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pipeline.objectives.base import StepProgress
 from pipeline.objectives.functional import sequence_contrastive_loss
+from pipeline.objectives.capt import negative_cosine
+from tests.gloo_ranks import spawn_gloo_ranks
 from tests.objectives.conftest import make_batch, tiny_model
 
 
@@ -52,3 +56,34 @@ def test_capt_spread_gate_reads_the_queue_once_the_sequences_have_spread():
     assert evaluated(batch, StepProgress(2, 10))[1]["capt/queue_read"].item() == 0.0  # evaluation never opens it
     evaluated.train()
     assert evaluated(batch, StepProgress(2, 10))[1]["capt/queue_read"].item() == 1.0
+
+
+def _gate_rank(rank: int, out_dir: str) -> None:
+    """One rank of the 2-rank gate test: a threshold between the two ranks' own spreads, so a
+    per-rank decision would differ between the ranks; the gathered one cannot."""
+    options = {"tau": 0.1, "queue_size": 64, "queue_spread": -0.99}  # closed while the queue fills
+    model = tiny_model({"capt": 1.0}, {"capt": options}, dropout=0.0, attention_dropout=0.0)
+    capt, batch = model.objectives["capt"], make_batch(batch_size=3, seed=rank)
+    model(batch, StepProgress(1, 10))  # fills the queue; no weights change (no optimizer)
+    with torch.no_grad():
+        s = capt.represent(model.bert(batch["input_ids"], batch["attention_mask"]).last_hidden[:, 0])
+        s_hat = capt.represent(model.bert(batch["masked_ids"], batch["attention_mask"]).last_hidden[:, 0])
+    blocks = [torch.empty(2 * s.shape[0], s.shape[1]) for _ in range(2)]
+    dist.all_gather(blocks, torch.cat([s, s_hat]))
+    local = [float(negative_cosine([tuple(b.chunk(2))])) for b in blocks]
+    overall = float(negative_cosine([tuple(b.chunk(2)) for b in blocks]))
+    capt.queue_spread = (local[0] + local[1]) / 2
+    _, metrics = model(batch, StepProgress(2, 10))
+    torch.save({"local": local, "overall": overall, "threshold": capt.queue_spread,
+                "read": metrics["capt/queue_read"].item()}, os.path.join(out_dir, f"gate{rank}.pt"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_two_ranks_open_the_gate_together_on_the_gathered_views(tmp_path):
+    spawn_gloo_ranks(_gate_rank, 2, str(tmp_path))
+    r0, r1 = (torch.load(tmp_path / f"gate{r}.pt") for r in range(2))
+    assert r0["local"] == r1["local"] and r0["local"][0] != r0["local"][1]
+    # the threshold splits the ranks' own spreads: a per-rank gate would open on one rank only
+    assert (r0["local"][0] < r0["threshold"]) != (r0["local"][1] < r0["threshold"])
+    assert r0["read"] == r1["read"] == float(r0["overall"] < r0["threshold"])
