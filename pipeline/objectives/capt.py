@@ -59,9 +59,10 @@ every rank decides alike; saved with the queue, so a resumed run keeps it). A fi
 encodes how long the spreading takes, which moves with CAPT's weight and the data: with
 `objectives.capt: 0.1` the in-batch contrast needed ~90 of 300 steps on the tiny test shards
 (~55 at weight 1), so `queue_start: 0.2` collapsed there, while on the study's WikiText-2 shards
-it did not. While the gate is closed the loss is computed both with and without the queue rows
-and `torch.where` picks on the device (no host read; the sequence contrast is O(b (2b + Q) D), small
-beside the encoder); the queue is filled from `queue_start` on either way.
+it did not. Until the host has seen the latch open (it reads it on logged steps only, where the
+step's metrics are read anyway) the loss is computed both with and without the queue rows and
+`torch.where` picks on the device (the sequence contrast is O(b (2b + Q) D), small beside the
+encoder); from then on only with them. The queue is filled from `queue_start` on either way.
 
 Logged learning signals (the contract of `pipeline.eval.signals`): `loss` with `loss_chance` =
 ln(2b - 1 + extra rows), the loss when every candidate scores alike (x 2b x micro-batches for
@@ -163,6 +164,9 @@ class ContrastivePretraining(Objective):
         self.queue_start, self.queue_spread = queue_start, queue_spread
         # the spread gate's latch, on the device (read by the host only at a checkpoint save)
         self.register_buffer("spread_reached", torch.zeros((), dtype=torch.bool), persistent=False)
+        # the host's copy once it has seen the latch open (read on logged steps, set on load): from then
+        # on only the loss with the queue is computed (the same values: `where` picked it already)
+        self.spread_known_open = False
 
     def queue_active(self, step: int, total_steps: int) -> bool:
         """Whether the queue is filled and read at optimizer step `step` of `total_steps`:
@@ -194,7 +198,7 @@ class ContrastivePretraining(Objective):
             extra.append(queued)
         negatives = torch.cat(extra) if extra else None
         contrast = ctx.op("sequence_contrastive_loss")
-        gate = self.update_spread_gate(s, s_hat, gathered) if queued is not None else None
+        gate = self.update_spread_gate(s, s_hat, gathered, ctx.progress.record_metrics) if queued is not None else None
 
         def gated(tau_: float, **options) -> Tensor:
             """The loss over `negatives`, or over the in-batch ones only while the spread gate is closed."""
@@ -238,13 +242,19 @@ class ContrastivePretraining(Objective):
         return loss, metrics
 
     @torch.no_grad()
-    def update_spread_gate(self, s: Tensor, s_hat: Tensor, gathered: Optional[list[Tensor]]) -> Optional[Tensor]:
-        """The spread gate (module docstring): None without `queue_spread`; else the latch, first closed
-        and opened for good by a micro-batch (a training one) whose in-batch negative cosine is below
-        `queue_spread`, measured over every rank's views when they were gathered (`gathered`, blocks of
-        [s; s^]), so that every rank decides alike."""
-        if self.queue_spread is None:
+    def update_spread_gate(self, s: Tensor, s_hat: Tensor, gathered: Optional[list[Tensor]],
+                           logged_step: bool = False) -> Optional[Tensor]:
+        """The spread gate (module docstring): None without `queue_spread` or once the host has seen it
+        open (read on a logged step); else the latch, first closed and opened for good by a micro-batch
+        (a training one) whose in-batch negative cosine is below `queue_spread`, measured over every
+        rank's views when they were gathered (`gathered`, blocks of [s; s^]), so that every rank decides
+        alike (and reads the same latch on the same logged steps)."""
+        if self.queue_spread is None or self.spread_known_open:
             return None
+        if logged_step:  # the host may wait here (a logged step reads its metrics anyway)
+            self.spread_known_open = bool(self.spread_reached)
+            if self.spread_known_open:
+                return None
         if self.training:
             pairs = [(s, s_hat)] if gathered is None else [block.chunk(2) for block in gathered]
             spread = negative_cosine(pairs)
@@ -296,6 +306,7 @@ class ContrastivePretraining(Objective):
         if self.queue_spread is not None:
             # a checkpoint written without the gate read its queue as soon as it was filled
             self.spread_reached.fill_(bool(state.get("spread_reached", True)))
+            self.spread_known_open = bool(self.spread_reached)
 
 
 def negative_cosine(pairs: list[tuple[Tensor, Tensor]]) -> Optional[Tensor]:

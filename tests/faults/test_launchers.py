@@ -58,20 +58,16 @@ def test_requeue_code_passes_through_torchrun(tiny_shards_dir, tmp_path):
            *overrides(tiny_shards_dir, out, "train.total_steps=400", "train.checkpoint_every=1000")]
     launcher = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
-    try:
-        wait_for_step(out, 2, launcher)
+
+    def signal_the_ranks(launcher):  # the scheduler's preemption signal reaches every process of the job step
         ranks = subprocess.run(["pgrep", "-f", "-P", str(launcher.pid), "pipeline.train"], capture_output=True,
                                text=True).stdout.split()
         assert ranks, "no rank processes found under torchrun"
-        for pid in ranks:  # the scheduler's preemption signal reaches every process of the job step
+        for pid in ranks:
             subprocess.run(["kill", "-USR1", pid], check=True)
-        code = launcher.wait(timeout=DEADLINE_S)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-    log = output_of(launcher)
-    assert code == REQUEUE_EXIT_CODE, log[-3000:]
-    assert latest(out) is not None and "exit code 75 of every rank" in log
+
+    log = requeued_at_step_2(out, launcher, signal_the_ranks)
+    assert "exit code 75 of every rank" in log
 
 
 def test_the_wrappers_exit_code_rules():
@@ -96,9 +92,8 @@ def start_deepspeed(shards: Path, out: Path, *extra: str, wrapper: bool = False)
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def preempt_and_resume(shards: Path, out: Path, launcher: subprocess.Popen, signal_it) -> str:
-    """Wait for step 2, `signal_it(launcher)`, expect exit 75 and a checkpoint; then two ranks resume
-    from it and finish two more steps. Returns the launcher's output."""
+def requeued_at_step_2(out: Path, launcher: subprocess.Popen, signal_it) -> str:
+    """Wait for step 2, `signal_it(launcher)`, expect exit 75 and a checkpoint. Returns the launcher's output."""
     try:
         wait_for_step(out, 2, launcher)
         signal_it(launcher)
@@ -108,8 +103,15 @@ def preempt_and_resume(shards: Path, out: Path, launcher: subprocess.Popen, sign
             launcher.kill()
     log = output_of(launcher)
     assert code == REQUEUE_EXIT_CODE, log[-3000:]
+    assert latest(out) is not None, log[-3000:]
+    return log
+
+
+def preempt_and_resume(shards: Path, out: Path, launcher: subprocess.Popen, signal_it) -> str:
+    """`requeued_at_step_2`, then two ranks resume from the checkpoint and finish two more steps.
+    Returns the launcher's output."""
+    log = requeued_at_step_2(out, launcher, signal_it)
     newest = latest(out)
-    assert newest is not None, log[-3000:]
     end = int(newest.name.split("_")[1]) + 2
     procs = start_ranks("tiny-mlm", shards, out, f"train.total_steps={end}", "train.allow_config_change=true")
     assert wait_all(procs) == [0, 0], output_of(procs[0])[-3000:]

@@ -43,12 +43,16 @@ def test_capt_spread_gate_reads_the_queue_once_the_sequences_have_spread():
     assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
     capt.queue_spread = -0.99  # latched: a threshold no batch meets no longer closes it
     assert model(batch, StepProgress(4, 10))[1]["capt/queue_read"].item() == 1.0
+    assert capt.spread_known_open  # read on a logged step: one loss (with the queue) from now on
+    now = sequence_contrastive_loss(s, s_hat, 0.1, capt.queue.ordered().clone(), normalize=True, symmetric=True,
+                                    same_view_negatives=True)
+    assert model(batch, StepProgress(5, 10))[0].item() == pytest.approx(now.item(), rel=1e-5)
     state = model.extra_state_for_checkpoint()["capt"]
     assert state["spread_reached"] is True
     fresh = tiny_model({"capt": 1.0}, {"capt": options})
     assert not bool(fresh.objectives["capt"].spread_reached)
     fresh.load_extra_state_from_checkpoint({"capt": state})
-    assert bool(fresh.objectives["capt"].spread_reached)
+    assert bool(fresh.objectives["capt"].spread_reached) and fresh.objectives["capt"].spread_known_open
     evaluated = tiny_model({"capt": 1.0}, {"capt": options})
     evaluated(batch, StepProgress(1, 10))  # fills the queue, gate closed
     evaluated.objectives["capt"].queue_spread = 1.0
