@@ -7,11 +7,12 @@ signals against their chance levels over the last 50 steps:
 * no collapse: `health/token_cosine` below the collapse threshold (`COLLAPSE_COSINE`);
 * the sequence contrast learns: `cocolm/scl_loss` below `scl_loss_chance` = ln(2N - 1).
 
-Measured on these shards (seeds 1, 2, 3, means over steps 251-300): with the recipe, AUC 0.71-0.72,
-token cosine 0.72-0.75, SCL 1.50-1.58 of ln 7 = 1.95; with the generator sampled at T = 1 (the
-recipe before issue 29), AUC 0.52-0.53, cosine 0.94-0.95 (collapsed), SCL 1.95 (chance). This
-test fails on that code. The corrective-LM loss is not guarded: at this budget it stays above the
-unigram entropy with either recipe (docs/objectives.md#coco-lm-at-small-scale).
+Measured on these shards (seeds 1, 2, 3, means over steps 251-300): with the recipe (T = 2, copy
+weight 1), AUC 0.68-0.69, token cosine 0.54-0.61, SCL 1.50-1.63 of ln 7 = 1.95; with the copy weight
+50 AUC 0.71-0.72, cosine 0.73-0.76; with the generator sampled at T = 1 (the recipe before issue 29,
+either copy weight), AUC 0.51-0.53, cosine 0.94-0.96 (collapsed), SCL 1.95 (chance). This test fails
+on that code. The corrective-LM loss is not guarded: at this budget it stays above the unigram
+entropy with every recipe (docs/objectives.md#coco-lm-at-small-scale).
 """
 from __future__ import annotations
 

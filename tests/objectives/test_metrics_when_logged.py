@@ -78,7 +78,8 @@ def test_cocolm_detection_metrics_only_on_logged_steps(monkeypatch):
     model = tiny_model({"cocolm": 1.0}, dropout=0.0, attention_dropout=0.0)
     batch = collated(model)
     loss, metrics, _, _ = run(model, batch, LOGGED, monkeypatch)
-    detection = {"cocolm/rtd_auc", "cocolm/rtd_auc_chance", "cocolm/rtd_accuracy", "cocolm/rtd_accuracy_chance"}
+    detection = {"cocolm/rtd_auc", "cocolm/rtd_auc_chance", "cocolm/rtd_accuracy", "cocolm/rtd_accuracy_chance",
+                 "cocolm/clm_copy_penalty"}
     assert detection <= metrics.keys()
     assert metrics["cocolm/rtd_auc_chance"].item() == 0.5
     assert 0.0 <= metrics["cocolm/rtd_auc"].item() <= 1.0

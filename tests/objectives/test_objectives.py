@@ -468,6 +468,12 @@ def test_cocolm_copy_head_read_as_replaced_token_detection():
     assert metrics["cocolm/rtd_accuracy"].item() == pytest.approx(
         sum((s > 0) == (not r) for s, r in kept) / len(kept), abs=1e-6)
     assert metrics["cocolm/rtd_accuracy_chance"].item() == pytest.approx(len(original) / len(kept), abs=1e-6)
+    # the corrective LM's copy penalty: -log(1 - p_copy) at the masked positions the generator replaced
+    labels = batch["mlm_labels"]
+    at = [(float(torch.sigmoid(logits[i, j])), bool(replaced[i, j] != labels[i, j]))
+          for i in range(mask.shape[0]) for j in range(mask.shape[1]) if labels[i, j] != -100]
+    penalty = sum(-math.log(1 - p) for p, r in at if r) / len(at)
+    assert any(r for _, r in at) and metrics["cocolm/clm_copy_penalty"].item() == pytest.approx(penalty, rel=1e-5)
 
 
 # ---- the NCE head's log q (`log_proposal`) and how each objective trains the MLM head -------------
