@@ -13,6 +13,12 @@
     - `unigram_accuracy`: the accuracy of always answering the training data's most frequent token
       (`pipeline.eval.health.unigram_counts`) at *the same* (`[MASK]`) positions: the plateau an MLM
       that ignores the context reaches;
+    - `replaced_acc` / `replaced_loss`: the same at the selected positions when they hold a draw from
+      the held-out text's unigram distribution instead of `[MASK]` (seeded; the positions where the
+      draw differs from the original, `replaced_tokens`), beside its plateau `replaced_unigram_acc`:
+      the input regime of COCO-LM's corrective LM, whose main model never sees `[MASK]` (its generator
+      samples replacements; at the study's size it has learned the token frequencies and little
+      context, `docs/objectives.md#coco-lm-at-small-scale`);
     - `token_cosine`: mean pairwise cosine of the last hidden states of the content tokens of
       `cos_rows` unmasked rows spread over the shards, in eval mode (`pipeline.eval.health`;
       collapsed above `COLLAPSE_COSINE`).
@@ -54,16 +60,20 @@ def cached(path: Path, compute: Callable[[], dict]) -> dict:
 def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_sequences: int, cos_rows: int = 64,
                     batch_size: int = 32, seed: int = 0) -> dict:
     """Masked-LM loss / accuracy at the `[MASK]`ed positions, the unigram plateau at the same positions,
-    the all-selected and copy accuracies, and the eval-mode mean token cosine of a converted model on
-    held-out shards (see the module docstring)."""
+    the all-selected and copy accuracies, the same with unigram draws in place of `[MASK]` (`replaced_*`),
+    and the eval-mode mean token cosine of a converted model on held-out shards (see the module docstring)."""
     import torch
     from transformers import AutoModelForMaskedLM
 
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import ShardDataset
+    from pipeline.eval.health import unigram_counts
 
     dataset = ShardDataset(shards_dir)
     collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, seed)
+    unigram = torch.from_numpy(unigram_counts(dataset)).double()  # special tokens zeroed: never drawn
+    draws = torch.Generator().manual_seed(seed)
+    replaced = {"loss": 0.0, "correct": 0, "plateau": 0, "count": 0}
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # the class config.json names (either family): BertForMaskedLM on a ModernBERT export would build
     # a BERT, load none of its tensors and evaluate random weights with only a warning
@@ -89,6 +99,15 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
             count += int(masked.sum())
             selected_correct, selected_count = selected_correct + int(right.sum()), selected_count + int(selected.sum())
             kept_correct, kept_count = kept_correct + int(right[kept].sum()), kept_count + int(kept.sum())
+            swapped = batch["input_ids"].clone()
+            swapped[selected.cpu()] = torch.multinomial(unigram, int(selected.sum()), replacement=True, generator=draws)
+            swapped = swapped.to(device)
+            at = selected & (swapped != labels)
+            scores = model(input_ids=swapped, attention_mask=batch["attention_mask"].to(device)).logits[at].float()
+            replaced["loss"] += float(torch.nn.functional.cross_entropy(scores, labels[at], reduction="sum"))
+            replaced["correct"] += int((scores.argmax(-1) == labels[at]).sum())
+            replaced["plateau"] += int((labels[at] == top_token).sum())
+            replaced["count"] += int(at.sum())
         if count == 0:
             raise ValueError(f"{shards_dir}: no [MASK]ed positions in the first {n} held-out sequences")
         rows = np.unique(np.linspace(0, len(dataset) - 1, num=min(cos_rows, len(dataset))).round().astype(np.int64))
@@ -100,7 +119,11 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
         cosine = mean_token_cosine(hidden, content)
     return {"mlm_loss": total_loss / count, "mlm_acc": correct / count, "unigram_acc": plateau / count,
             "masked_tokens": count, "selected_acc": selected_correct / selected_count,
-            "kept_acc": kept_correct / max(kept_count, 1), "kept_tokens": kept_count, "sequences": n, "token_cosine": cosine, "cosine_tokens": int(content.sum()),
+            "kept_acc": kept_correct / max(kept_count, 1), "kept_tokens": kept_count,
+            "replaced_loss": replaced["loss"] / max(replaced["count"], 1),
+            "replaced_acc": replaced["correct"] / max(replaced["count"], 1),
+            "replaced_unigram_acc": replaced["plateau"] / max(replaced["count"], 1), "replaced_tokens": replaced["count"],
+            "sequences": n, "token_cosine": cosine, "cosine_tokens": int(content.sum()),
             "collapsed": bool(cosine > COLLAPSE_COSINE)}
 
 

@@ -13,7 +13,7 @@ from benchmarks.health.learning_signals import main, parse_args, smoothed
 from benchmarks.health.signal_criteria import RTD_AUC_MIN, judge_run
 
 CHANCE = math.log(9)
-HEALTHY = {"token_cosine": 0.1, "mlm_acc": 0.12, "unigram_acc": 0.057}
+HEALTHY = {"token_cosine": 0.1, "mlm_acc": 0.12, "unigram_acc": 0.057, "replaced_acc": 0.11, "replaced_unigram_acc": 0.057}
 
 
 def curve(values, **extra):
@@ -60,6 +60,26 @@ def test_a_required_term_without_its_chance_and_cocolm_without_rtd_auc_miss():
     good = [{**r, "cocolm/rtd_auc": 0.9, "cocolm/clm_lm_loss": 6.0} for r in cocolm]
     assert judge_run("cocolm", good, HEALTHY, token_head=True)["met"]
     assert "held-out evaluation" in missed(judge_run("taco", curve([1.0] * 10), None, token_head=True))
+
+
+def test_cocolm_accuracy_is_judged_at_replaced_positions_not_at_mask():
+    """COCO-LM's main model never sees [MASK]: its held-out accuracy criterion reads the replaced positions;
+    every other objective still reads [MASK]."""
+    records = [{"step": s, "cocolm/scl_loss": 3.0 - 0.1 * s, "cocolm/scl_loss_chance": 4.14, "cocolm/clm_lm_loss": 6.0,
+                "health/unigram_entropy": 6.4, "cocolm/rtd_auc": 0.9, "cocolm/rtd_auc_chance": 0.5,
+                "health/token_cosine": 0.1} for s in range(1, 21)]
+    at_plateau_at_mask = {**HEALTHY, "mlm_acc": 0.057}
+    verdict = judge_run("cocolm", records, at_plateau_at_mask, token_head=True)
+    assert verdict["met"], missed(verdict)
+    assert "at [MASK] 0.0570" in verdict["criteria"][-1]["detail"]
+    replaced_at_plateau = {**HEALTHY, "replaced_acc": 0.06}
+    assert missed(judge_run("cocolm", records, replaced_at_plateau, token_head=True)) == [
+        "held-out accuracy at replaced positions > plateau + 0.01"]
+    older = {k: v for k, v in HEALTHY.items() if not k.startswith("replaced")}
+    assert missed(judge_run("cocolm", records, older, token_head=True)) == [
+        "held-out accuracy at replaced positions > plateau + 0.01"]
+    assert missed(judge_run("taco", curve([CHANCE * (1 - 0.6 * s / 100) for s in range(100)]),
+                            replaced_at_plateau, token_head=True)) == []
 
 
 def test_curves_are_smoothed_as_ratios_to_their_reference():

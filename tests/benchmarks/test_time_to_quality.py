@@ -238,6 +238,26 @@ def _check_heldout_against_direct(model_dir: Path, shards: Path, top: int, metri
     assert metrics["unigram_acc"] == pytest.approx(float((targets == top).float().mean()))
     assert 0.0 <= metrics["mlm_acc"] <= 1.0 and -1.0 <= metrics["token_cosine"] <= 1.0
     assert metrics["collapsed"] == (metrics["token_cosine"] > 0.9)
+    # the replaced regime: every selected position holds a seeded unigram draw (never a special token);
+    # scored where the draw differs from the original, through the model as loaded
+    import torch
+    from transformers import AutoModelForMaskedLM
+
+    from pipeline.eval.health import unigram_counts
+
+    counts = torch.from_numpy(unigram_counts(dataset)).double()
+    swapped = batch["input_ids"].clone()
+    swapped[selected] = torch.multinomial(counts, int(selected.sum()), replacement=True,
+                                          generator=torch.Generator().manual_seed(0))
+    assert not torch.isin(swapped[selected], torch.tensor(sorted(dataset.special_tokens.values()))).any()
+    at = selected & (swapped != labels)
+    assert int(selected.sum()) * 0.9 < metrics["replaced_tokens"] == int(at.sum())
+    assert metrics["replaced_unigram_acc"] == pytest.approx(float((labels[at] == top).float().mean()))
+    with torch.no_grad():
+        logits = AutoModelForMaskedLM.from_pretrained(str(model_dir)).eval()(
+            input_ids=swapped, attention_mask=batch["attention_mask"]).logits[at]
+    assert metrics["replaced_acc"] == pytest.approx(float((logits.argmax(-1) == labels[at]).float().mean()))
+    assert metrics["replaced_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, labels[at])), rel=1e-5)
 
 
 def test_namespace_fields_the_study_reads_exist() -> None:
