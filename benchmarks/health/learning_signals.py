@@ -9,9 +9,12 @@ copies: `benchmarks.quality.ttq_data` builds the tokenizer and shards, `ttq_stud
 the real `python -m pipeline.train --config tiny-<objective>` with the study's overrides, every
 step logged, and converts the final checkpoint, `ttq_study.heldout_at` evaluates it on the held-out
 report half): the study's shape by default (`STUDY_SET`: 2 layers x 128, 2 heads, FFN 512, no
-dropout, unigram output-bias start; 300 steps x 32 x 64 tokens, vocabulary 4,096 from
-WikiText-2 valid, warm-up 6%) at the learning rate the study selected for the objective
-(`--lrs-from`, its `time_to_quality.json`; `--lr` overrides it for every objective).
+dropout, unigram output-bias start; `STUDY_STEPS` = 2,400 steps x 32 x 64 tokens, vocabulary 4,096
+from WikiText-2 valid, warm-up 6%) at the learning rate the study selected for the objective
+(`--lrs-from`, its `time_to_quality.json`; `--lr` overrides it for every objective). The study's
+first size, 300 steps, is too short for its own MLM baseline to pass its health check; at 1,200
+every objective but COCO-LM meets every criterion; 2,400 is the first budget at which all do
+(`benchmarks/results/learning_signals_8x/`).
 
 The learning signals of every logged step (`pipeline.eval.signals`) are then judged by the
 criteria of `benchmarks.health.signal_criteria` (every contrastive term <= 0.85x its chance at the
@@ -46,6 +49,8 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable f
 from benchmarks.throughput.bench_throughput import parse_list  # noqa: E402
 
 ALL_OBJECTIVES = ("mlm", "taco", "capt", "cocolm", "infoword", "mlm-nce")
+#: The time-to-quality study's steps per run (its budget; benchmarks/README.md, the study at 2,400 steps).
+STUDY_STEPS = 2400
 #: The time-to-quality study's model overrides (benchmarks/results/README.md, the study's command).
 STUDY_SET = ("model.num_layers=2", "model.hidden_size=128", "model.num_heads=2", "model.ffn_size=512",
              "model.dropout=0.0", "model.attention_dropout=0.0", "model.mlm_bias_init=unigram")
@@ -64,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heldout", required=True, help="held-out text (the study: WikiText-2 test)")
     p.add_argument("--objectives", default=",".join(ALL_OBJECTIVES), help="comma-separated tiny-<objective> presets")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="pretraining seeds")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=STUDY_STEPS)
     p.add_argument("--micro-batch", type=int, default=32)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--vocab-size", type=int, default=4096)
@@ -81,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--launcher", default="", help='command replacing "python" (e.g. "torchrun --nproc_per_node 8")')
     p.add_argument("--keep-checkpoints", action="store_true")
+    p.add_argument("--curve-every", type=int, default=1, help="keep every Nth logged step of the curves in the "
+                   "JSON files (their size; the criteria and the PNG read every logged step)")
     p.add_argument("--out", default="benchmarks/results/learning_signals", help="report directory")
     p.add_argument("--work-dir", default="", help="tokenizer, shards, runs (default: <out>/work)")
     return p
@@ -97,6 +104,8 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     args.eval_every = args.eval_every or args.steps
     if args.steps < 1 or not 1 <= args.eval_every <= args.steps or len(set(args.seeds)) != len(args.seeds):
         parser.error("need --steps >= 1, 1 <= --eval-every <= --steps and distinct --seeds")
+    if args.curve_every < 1:
+        parser.error(f"--curve-every must be >= 1, got {args.curve_every}")
     from pipeline.config.loader import available_presets
 
     bad = [o for o in args.objectives if f"tiny-{o}" not in available_presets()]
@@ -166,6 +175,12 @@ def run_one(objective: str, seed: int, data, top_token: int, args, work: Path) -
             "heldout": heldout, **verdict, "curves": signal_curves(records)}
 
 
+def thinned(runs: list[dict], every: int) -> list[dict]:
+    """`runs` with each curve keeping every `every`-th logged point (the first, then each `every`-th
+    after it), for the JSON files: only their size changes, never a criterion (judged before)."""
+    return [{**run, "curves": {term: points[::every] for term, points in run["curves"].items()}} for run in runs]
+
+
 def smoothed(points: list[list[float]], window: int = SMOOTH_STEPS) -> list[tuple[float, float]]:
     """(step, mean of value / reference over `window` logged steps) (references of 0 skipped)."""
     ratios = [(p[0], p[1] / p[2]) for p in points if p[2]]
@@ -228,7 +243,7 @@ def write_outputs(results: dict[str, list[dict]], args, out: Path, started: floa
         write_json(out / f"learning_signals_{objective}.json", {
             "objective": objective, "met_every_seed": verdicts[objective], "budget": budget,
             "lr": args.lrs[objective], "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-            "hardware": hardware_info(), "runs": runs})
+            "hardware": hardware_info(), "curve_every": args.curve_every, "runs": thinned(runs, args.curve_every)})
         plot_objective(objective, runs, out / f"learning_signals_{objective}.png")
     notes = [f"budget: {budget}",
              "verdict per objective (every criterion met on every seed): "

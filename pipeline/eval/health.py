@@ -23,7 +23,7 @@ card), by the benchmarks (every report states both numbers for every run) and du
 `health/token_cosine`, `health/unigram_accuracy` (the plateau on this batch's masked positions,
 beside the objective's own masked accuracy, e.g. `mlm/accuracy`) and `health/unigram_entropy` (the
 unigram predictor's cross-entropy at the same positions, the level a full-vocabulary LM loss such as
-`mlm/loss` or `cocolm/clm_lm_loss` must get below; `pipeline.eval.signals` pairs them); `CollapseMonitor` adds the
+`mlm/loss` or `cocolm/clm_softmax_ce` must get below; `pipeline.eval.signals` pairs them); `CollapseMonitor` adds the
 `health/collapsed` flag and a warning when the run enters or leaves collapse. The top token comes
 from `unigram_counts` over a bounded, evenly spaced sample of shard rows (deterministic, read once
 at start-up, never a scan of the corpus).

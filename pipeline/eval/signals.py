@@ -24,9 +24,12 @@ ignores the input. The objectives and `pipeline.eval.health` log each reference 
       `health/unigram_accuracy`, the plateau of always answering the most frequent token: learned
       when T >= plateau + `PLATEAU_MARGIN` (0.01: about two standard errors of the paired
       difference on the time-to-quality study's ~2,300 held-out masked tokens);
-    - full-vocabulary LM losses at masked positions (`mlm/loss`, `cocolm/clm_lm_loss`,
+    - full-vocabulary LM cross-entropies at masked positions (`mlm/loss`, `cocolm/clm_softmax_ce`,
       `cocolm/gen_loss`) against `health/unigram_entropy`, the unigram predictor's cross-entropy
-      at the same positions: learned when T < the entropy;
+      at the same positions: learned when T < the entropy. COCO-LM's mixture loss `clm_lm_loss`
+      is not one: at a replaced position it also pays the copy head's -log(1 - p_copy), so the
+      entropy is not its chance level; its softmax alone (`clm_softmax_ce`) is judged here and its
+      copy head by replaced-token detection (`rtd_auc`);
 * **collapse**: `health/token_cosine` against `COLLAPSE_COSINE` (0.9); "learned" there means not
   collapsed.
 
@@ -60,7 +63,7 @@ COSINE_KEY = "health/token_cosine"
 #: Last name segments of the token-prediction accuracies judged against the unigram plateau.
 PLATEAU_TERMS = ("accuracy", "gen_accuracy")
 #: Full-vocabulary masked-LM losses judged against the unigram entropy.
-ENTROPY_TERMS = ("mlm/loss", "cocolm/clm_lm_loss", "cocolm/gen_loss")
+ENTROPY_TERMS = ("mlm/loss", "cocolm/clm_softmax_ce", "cocolm/gen_loss")
 #: How the name of a term with a declared chance says its direction: last segment suffix -> lower is better.
 LOWER_SUFFIXES = ("loss", "entropy")
 HIGHER_SUFFIXES = ("accuracy", "auc")

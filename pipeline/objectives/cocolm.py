@@ -36,8 +36,12 @@
 
 Learning signals (logged against their chance levels, `rtd_metrics`): the copy head read as
 replaced-token detection, `rtd_auc` (chance 0.5) and `rtd_accuracy` (chance: the share of original
-tokens, what a constant "original" scores); `scl_loss` against ln(2N - 1); `clm_lm_loss` against
-the unigram entropy at the masked positions (health side).
+tokens, what a constant "original" scores); `scl_loss` against ln(2N - 1); `clm_softmax_ce`, the
+corrective LM's softmax alone, against the unigram entropy at the masked positions (health side).
+Not `clm_lm_loss`: the copy mixture pays -log(1 - p_copy) at every replaced position (logged as
+`clm_copy_penalty`, ~1.4 nats while the copy head answers near the base rate), a cost of the copy
+head that `rtd_auc` judges; the public code's corrective LM has no such term (its LM loss is the
+softmax cross-entropy weighted by sg(1 - p_copy), not the mixture of the paper's Eq.).
 
 What went wrong at small scale (issue 29; measurements in docs/objectives.md#coco-lm-at-small-scale).
 The losses match the paper; the recipe did not survive a 300-step budget. Within ~60 steps the
@@ -329,4 +333,19 @@ class CorrectingContrasting(Objective):
         if ctx.progress.record_metrics:
             metrics.update(rtd_metrics(copy_all, is_original, non_pad))
             metrics["clm_copy_penalty"] = copy_penalty(copy_prob, is_original[flat])
+            metrics["clm_softmax_ce"] = self.corrective_softmax_ce(ctx, flat_h[flat], original.reshape(-1)[flat])
         return loss, metrics
+
+    @staticmethod
+    @torch.no_grad()
+    def corrective_softmax_ce(ctx: StepContext, masked_h: Tensor, targets: Tensor) -> Tensor:
+        """The corrective LM's token prediction alone, a learning signal (logged steps only):
+
+            clm_softmax_ce = mean_{masked n} -log softmax(E T(h_n) + b)_{x^orig_n}
+
+        the same head and logits as `L_LM` without the copy mixture, so its chance level is the unigram
+        entropy at the same positions (`health/unigram_entropy`). `clm_lm_loss` is not comparable with
+        that entropy: at a replaced position it adds -log(1 - p_copy), the copy head's cost, which
+        replaced-token detection (`rtd_auc`) already judges. One extra [masked, V] projection per
+        logged step, no gradient."""
+        return ctx.head(masked_h.detach(), ctx.op("linear_cross_entropy"), targets).detach()

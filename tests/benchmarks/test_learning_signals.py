@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.health.learning_signals import main, parse_args, smoothed
+from benchmarks.health.learning_signals import main, parse_args, smoothed, thinned
 from benchmarks.health.signal_criteria import RTD_AUC_MIN, judge_run
 
 CHANCE = math.log(9)
@@ -53,19 +53,38 @@ def test_a_required_term_without_its_chance_and_cocolm_without_rtd_auc_miss():
     verdict = judge_run("infoword", records, HEALTHY, token_head=True)
     assert "infoword/dim_loss <= 0.85x chance at the end" in missed(verdict)
     cocolm = [{"step": s, "cocolm/scl_loss": 3.0 - 0.1 * s, "cocolm/scl_loss_chance": 4.14,
-               "cocolm/clm_lm_loss": 6.5, "health/unigram_entropy": 6.4, "cocolm/rtd_auc": 0.8,
+               "cocolm/clm_softmax_ce": 6.5, "health/unigram_entropy": 6.4, "cocolm/rtd_auc": 0.8,
                "cocolm/rtd_auc_chance": 0.5, "health/token_cosine": 0.1} for s in range(1, 21)]
     verdict = judge_run("cocolm", cocolm, HEALTHY, token_head=True)
-    assert missed(verdict) == [f"cocolm/rtd_auc >= {RTD_AUC_MIN}", "cocolm/clm_lm_loss below the unigram entropy"]
-    good = [{**r, "cocolm/rtd_auc": 0.9, "cocolm/clm_lm_loss": 6.0} for r in cocolm]
+    assert missed(verdict) == [f"cocolm/rtd_auc >= {RTD_AUC_MIN}", "cocolm/clm_softmax_ce below the unigram entropy"]
+    good = [{**r, "cocolm/rtd_auc": 0.9, "cocolm/clm_softmax_ce": 6.0} for r in cocolm]
     assert judge_run("cocolm", good, HEALTHY, token_head=True)["met"]
-    assert "held-out evaluation" in missed(judge_run("taco", curve([1.0] * 10), None, token_head=True))
+    older = [{k: v for k, v in r.items() if k != "cocolm/clm_softmax_ce"} | {"cocolm/clm_lm_loss": 6.0} for r in good]
+    assert missed(judge_run("cocolm", older, HEALTHY, token_head=True)) == [  # a run logged before the metric
+        "cocolm/clm_softmax_ce below the unigram entropy"]
+
+
+def test_cocolm_corrective_lm_is_judged_by_its_softmax_not_the_copy_mixture():
+    """The copy mixture pays -log(1 - p_copy) at replaced positions: above the entropy while the softmax is
+    below it is met (the copy head is judged by the AUC), and the mixture's numbers are in the detail."""
+    records = [{"step": s, "cocolm/scl_loss": 3.0 - 0.1 * s, "cocolm/scl_loss_chance": 4.14,
+                "cocolm/clm_softmax_ce": 5.8, "cocolm/clm_lm_loss": 7.2, "cocolm/clm_copy_penalty": 1.4,
+                "health/unigram_entropy": 6.3, "cocolm/rtd_auc": 0.9, "cocolm/rtd_auc_chance": 0.5,
+                "health/token_cosine": 0.1} for s in range(1, 21)]
+    verdict = judge_run("cocolm", records, HEALTHY, token_head=True)
+    assert verdict["met"], missed(verdict)
+    clm = next(c for c in verdict["criteria"] if c["criterion"].startswith("cocolm/clm_softmax_ce"))
+    assert clm["value"] == pytest.approx(5.8) and clm["threshold"] == pytest.approx(6.3)
+    assert "cocolm/clm_lm_loss 7.2000" in clm["detail"] and "cocolm/clm_copy_penalty 1.4000" in clm["detail"]
+    above = [{**r, "cocolm/clm_softmax_ce": 6.31} for r in records]
+    assert missed(judge_run("cocolm", above, HEALTHY, token_head=True)) == [
+        "cocolm/clm_softmax_ce below the unigram entropy"]
 
 
 def test_cocolm_accuracy_is_judged_at_replaced_positions_not_at_mask():
     """COCO-LM's main model never sees [MASK]: its held-out accuracy criterion reads the replaced positions;
     every other objective still reads [MASK]."""
-    records = [{"step": s, "cocolm/scl_loss": 3.0 - 0.1 * s, "cocolm/scl_loss_chance": 4.14, "cocolm/clm_lm_loss": 6.0,
+    records = [{"step": s, "cocolm/scl_loss": 3.0 - 0.1 * s, "cocolm/scl_loss_chance": 4.14, "cocolm/clm_softmax_ce": 6.0,
                 "health/unigram_entropy": 6.4, "cocolm/rtd_auc": 0.9, "cocolm/rtd_auc_chance": 0.5,
                 "health/token_cosine": 0.1} for s in range(1, 21)]
     at_plateau_at_mask = {**HEALTHY, "mlm_acc": 0.057}
@@ -87,19 +106,30 @@ def test_curves_are_smoothed_as_ratios_to_their_reference():
     assert smoothed(points, window=10) == [(10, 5.5), (20, 15.5)]
 
 
+def test_thinned_curves_keep_every_nth_logged_step_and_nothing_else_changes():
+    runs = [{"seed": 1, "met": True, "curves": {"taco/loss": [[s, 1.0 / s, 2.0] for s in range(1, 11)]}}]
+    (thin,) = thinned(runs, 4)
+    assert [p[0] for p in thin["curves"]["taco/loss"]] == [1, 5, 9] and thin["met"] is True
+    assert len(runs[0]["curves"]["taco/loss"]) == 10  # the judged runs are not modified
+    assert thinned(runs, 1) == runs
+
+
 def test_arguments_take_the_studys_learning_rates(tmp_path: Path, capsys):
     text = tmp_path / "t.txt"
     text.write_text("x\n")
     base = ["--text", str(text), "--heldout", str(text)]
     args = parse_args([*base, "--objectives", "mlm,taco"])
-    assert args.lrs == {"mlm": 1e-3, "taco": 1e-3} and args.seeds == [1, 2, 3] and args.eval_every == 300
-    assert "model.hidden_size=128" in args.set and args.steps == 300 and args.vocab_size == 4096
+    assert args.lrs == {"mlm": 1e-3, "taco": 1e-3} and args.seeds == [1, 2, 3] and args.eval_every == 2400
+    assert "model.hidden_size=128" in args.set and args.steps == 2400 and args.vocab_size == 4096
     study = tmp_path / "ttq.json"
     study.write_text(json.dumps({"selection": {"mlm": {"lr": 0.002}}}))
     with pytest.raises(SystemExit):
         parse_args([*base, "--objectives", "mlm,taco", "--lrs-from", str(study)])
     assert "no selected learning rate for 'taco'" in capsys.readouterr().err
     assert parse_args([*base, "--objectives", "taco", "--lr", "5e-4"]).lrs == {"taco": 5e-4}
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--objectives", "taco", "--lr", "5e-4", "--curve-every", "0"])
+    assert "--curve-every must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_tiny_harness_run_writes_every_file_and_skips_a_finished_run(tiny_corpus_file: Path, tmp_path: Path):

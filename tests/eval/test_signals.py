@@ -48,7 +48,8 @@ def test_declared_chance_pairs_judge_losses_by_ratio_and_scores_by_skill():
 def test_unigram_and_collapse_references_pair_only_terms_without_their_own_chance():
     metrics = {"health/unigram_accuracy": 0.057, "health/unigram_entropy": 6.4, "health/token_cosine": 0.95,
                "mlm/accuracy": 0.116, "infoword/accuracy": 0.06, "cocolm/gen_accuracy": 0.2,
-               "mlm/loss": 6.1, "cocolm/clm_lm_loss": 6.5, "cocolm/rtd_accuracy": 0.9,
+               "mlm/loss": 6.1, "cocolm/clm_softmax_ce": 6.5, "cocolm/clm_lm_loss": 6.0,
+               "cocolm/rtd_accuracy": 0.9,
                "mlm-nce/accuracy": 0.3, "mlm-nce/accuracy_chance": 0.25, "loss": 1.0, "lr": 1e-3}
     signals = by_term(metrics)
     assert signals["mlm/accuracy"].learned and signals["mlm/accuracy"].kind == "plateau"
@@ -56,7 +57,9 @@ def test_unigram_and_collapse_references_pair_only_terms_without_their_own_chanc
     assert not signals["infoword/accuracy"].learned  # 0.003 above the plateau: not beyond the margin
     assert signals["cocolm/gen_accuracy"].kind == "plateau"
     assert signals["mlm/loss"].learned and signals["mlm/loss"].kind == "entropy"
-    assert not signals["cocolm/clm_lm_loss"].learned  # above the unigram entropy
+    assert not signals["cocolm/clm_softmax_ce"].learned  # above the unigram entropy
+    # the copy mixture's loss has no unigram chance level (it pays the copy head's cost too): not paired
+    assert "cocolm/clm_lm_loss" not in signals
     assert signals["mlm-nce/accuracy"].kind == "chance"  # its own chance wins over the plateau
     assert not signals["health/token_cosine"].learned  # collapsed
     assert "cocolm/rtd_accuracy" not in signals  # not a token-prediction accuracy, and no chance declared

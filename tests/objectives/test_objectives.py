@@ -474,6 +474,12 @@ def test_cocolm_copy_head_read_as_replaced_token_detection():
           for i in range(mask.shape[0]) for j in range(mask.shape[1]) if labels[i, j] != -100]
     penalty = sum(-math.log(1 - p) for p, r in at if r) / len(at)
     assert any(r for _, r in at) and metrics["cocolm/clm_copy_penalty"].item() == pytest.approx(penalty, rel=1e-5)
+    # the corrective LM's softmax alone: cross-entropy of the original token through the shared MLM head,
+    # below the mixture loss by about the copy penalty (the copy head's cost at the replaced positions)
+    h = model.bert(replaced, mask).last_hidden
+    ce = F.cross_entropy(model.cls.predictions(h[labels != -100]), labels[labels != -100]).item()
+    assert metrics["cocolm/clm_softmax_ce"].item() == pytest.approx(ce, rel=1e-5)
+    assert metrics["cocolm/clm_softmax_ce"].item() < metrics["cocolm/clm_lm_loss"].item()
 
 
 # ---- the NCE head's log q (`log_proposal`) and how each objective trains the MLM head -------------
