@@ -63,9 +63,10 @@ and at weight 50 its gradient is most of what Adam's normalised update follows i
 encoder: the corrective LM's softmax stayed at the unigram cross-entropy for 1,200 steps (held out,
 6.33 against 6.35, accuracy on the plateau), where at weight 1 it learns from context after ~500
 steps (5.93, accuracy 0.153; 0.057 plateau). `tiny-cocolm` uses weight 1; the paper presets keep 50.
-At the study's 300 steps neither learns context (the replaced-token input is slower to learn
-through than `[MASK]`), and the corrective-LM loss stays above the unigram entropy at every budget
-run: -log(1 - p_copy) is paid at every replaced position (`clm_copy_penalty`, ~1.5 nats).
+At 300 steps neither learns context (the replaced-token input is slower to learn through than
+`[MASK]`); the copy head detects replacements by context only once the main model has learned it
+(RTD AUC 0.81 at 1,200 steps, 0.86 at 2,400, the study's budget, where every criterion of issue 29
+is met on every seed: benchmarks/results/learning_signals_8x/).
 """
 from __future__ import annotations
 
