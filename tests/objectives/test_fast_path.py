@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.model.encoder import configure_layer_stacks
 from pipeline.objectives import functional
+from pipeline.objectives.base import StepProgress
 from pipeline.objectives.cocolm import gumbel_max_sample
 from tests.objectives.conftest import SPECIAL, VOCAB, tiny_model
 
@@ -162,9 +163,15 @@ def test_cocolm_sampling_never_holds_more_than_a_chunk_of_logits(monkeypatch):
     real_linear = F.linear
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: widths.append(w.shape[0]) or real_linear(x, w, b))
     model = tiny_model({"cocolm": 1.0})
-    model(collated(model, seed=3), sampling_seed=4)
+    batch = collated(model, seed=3)
+    model(batch, StepProgress(record_metrics=False), sampling_seed=4)
     assert [w for w in widths if w in (40, 17)] == [40, 40, 17]
     assert widths.count(VOCAB) == 2  # only the generator's and the main model's losses see every column
+    widths.clear()
+    model(batch, StepProgress(record_metrics=True), sampling_seed=4)
+    # a logged step adds one no-grad pass over the masked positions: `clm_softmax_ce`, the corrective
+    # LM's softmax alone (a learning signal); the sampling still holds one chunk at a time
+    assert [w for w in widths if w in (40, 17)] == [40, 40, 17] and widths.count(VOCAB) == 3
 
 
 def test_copy_loss_mask_equals_the_gathered_mean():
