@@ -312,8 +312,9 @@ class CorrectingContrasting(Objective):
         copy_loss = ctx.op("copy_loss")(copy_all, is_original, non_pad)
 
         copy_prob = torch.sigmoid(copy_all[flat].float())  # stop-gradient is applied inside the loss
+        masked_h, masked_targets = flat_h[flat], original.reshape(-1)[flat]
         lm_loss = ctx.head(
-            flat_h[flat], ctx.op("corrective_lm_loss"), copy_prob, replaced_ids.reshape(-1)[flat], original.reshape(-1)[flat]
+            masked_h, ctx.op("corrective_lm_loss"), copy_prob, replaced_ids.reshape(-1)[flat], masked_targets
         )
 
         crop_cls = ctx.encode("crop_ids", "crop_attention_mask").last_hidden[:, 0]
@@ -334,7 +335,7 @@ class CorrectingContrasting(Objective):
         if ctx.progress.record_metrics:
             metrics.update(rtd_metrics(copy_all, is_original, non_pad))
             metrics["clm_copy_penalty"] = copy_penalty(copy_prob, is_original[flat])
-            metrics["clm_softmax_ce"] = self.corrective_softmax_ce(ctx, flat_h[flat], original.reshape(-1)[flat])
+            metrics["clm_softmax_ce"] = self.corrective_softmax_ce(ctx, masked_h, masked_targets)
         return loss, metrics
 
     @staticmethod
@@ -349,4 +350,4 @@ class CorrectingContrasting(Objective):
         that entropy: at a replaced position it adds -log(1 - p_copy), the copy head's cost, which
         replaced-token detection (`rtd_auc`) already judges. One extra [masked, V] projection per
         logged step, no gradient."""
-        return ctx.head(masked_h.detach(), ctx.op("linear_cross_entropy"), targets).detach()
+        return ctx.head(masked_h, ctx.op("linear_cross_entropy"), targets)

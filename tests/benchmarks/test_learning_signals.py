@@ -62,6 +62,7 @@ def test_a_required_term_without_its_chance_and_cocolm_without_rtd_auc_miss():
     older = [{k: v for k, v in r.items() if k != "cocolm/clm_softmax_ce"} | {"cocolm/clm_lm_loss": 6.0} for r in good]
     assert missed(judge_run("cocolm", older, HEALTHY, token_head=True)) == [  # a run logged before the metric
         "cocolm/clm_softmax_ce below the unigram entropy"]
+    assert "held-out evaluation" in missed(judge_run("taco", curve([1.0] * 10), None, token_head=True))
 
 
 def test_cocolm_corrective_lm_is_judged_by_its_softmax_not_the_copy_mixture():
