@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import warnings
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -35,6 +39,81 @@ def _restore_launcher_variables():
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
+
+
+class GlobalStateLeak(UserWarning):
+    """A test left process-wide state changed; the guard below put it back (the test should itself)."""
+
+
+#: Signals the pipeline installs handlers for (preemption, requeue, conversion, the shard builder's pool).
+GUARDED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP",
+                                                            "SIGCONT") if hasattr(signal, name))
+#: torch's config modules a test may patch; guarded only once something imported them.
+TORCH_CONFIG_MODULES = ("torch._dynamo.config", "torch._inductor.config", "torch._functorch.config")
+_MISSING = object()
+
+
+def _config_snapshot() -> dict[str, dict[str, Any]]:
+    return {name: sys.modules[name].get_config_copy() for name in TORCH_CONFIG_MODULES if name in sys.modules}
+
+
+def _restore_config(name: str, saved: dict[str, Any]) -> list[str]:
+    """Put back every key of a torch config module that differs from `saved` (or reads as missing, as a
+    pytest 9 `monkeypatch.setattr` undo leaves it); keys untouched stay untouched (no new overrides)."""
+    module, changed = sys.modules[name], []
+    for key, value in saved.items():
+        try:
+            with warnings.catch_warnings():  # reading a deprecated key warns; the test did not read it
+                warnings.simplefilter("ignore")
+                current = getattr(module, key)
+        except AttributeError:
+            current = _MISSING
+        try:
+            same = current is value or bool(current == value)
+        except Exception:  # noqa: BLE001 - a value without a plain truth of equality: compare by identity only
+            same = False
+        if not same:
+            setattr(module, key, value)
+            changed.append(f"{name}.{key}")
+    return changed
+
+
+def _torch_flags() -> dict[str, Any]:
+    return {"default dtype": torch.get_default_dtype(),
+            "deterministic algorithms": (torch.are_deterministic_algorithms_enabled(),
+                                         torch.is_deterministic_algorithms_warn_only_enabled()),
+            "intra-op threads": torch.get_num_threads()}
+
+
+_FLAG_SETTERS: dict[str, Callable[[Any], None]] = {
+    "default dtype": torch.set_default_dtype,
+    "deterministic algorithms": lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1]),
+    "intra-op threads": torch.set_num_threads,
+}
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state(request: pytest.FixtureRequest):
+    """Whatever a test does, the next one starts from the same process-wide state: torch's default dtype,
+    deterministic-algorithm flags and thread count, the handlers of `GUARDED_SIGNALS`, and the keys of
+    torch's dynamo / inductor / functorch config. A change found after the test is undone and reported as a
+    `GlobalStateLeak` warning naming the test, so an order-dependent outcome (issue 42) cannot arise from it."""
+    flags, configs = _torch_flags(), _config_snapshot()
+    handlers = {sig: signal.getsignal(sig) for sig in GUARDED_SIGNALS}
+    yield
+    leaked = []
+    for name, value in _torch_flags().items():
+        if value != flags[name]:
+            _FLAG_SETTERS[name](flags[name])
+            leaked.append(f"{name} {value} (was {flags[name]})")
+    for sig, handler in handlers.items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+            leaked.append(f"handler of {signal.Signals(sig).name}")
+    for name, saved in configs.items():
+        leaked += _restore_config(name, saved)
+    if leaked:
+        warnings.warn(GlobalStateLeak(f"{request.node.nodeid} left changed (restored): {', '.join(leaked)}"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
