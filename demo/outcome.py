@@ -1,9 +1,9 @@
 """What the demo's pretraining changed, on text it never saw: the converted checkpoint against a
 random-init model of the same shape (`python -m demo.outcome DEMO_OUT`, also the demo's last stage).
 
-Held-out text: the documentation that comes right after the demo corpus's size cap in the same
-source order (`demo.corpus.build_demo_corpus(skip_bytes=...)`: same domain, no paragraph of the
-training corpus), tokenized with the demo's tokenizer into `DEMO_OUT/heldout/`.
+Held-out text: the one document in ten the corpus stage held out (`demo.corpus.HELDOUT_EVERY`,
+`DEMO_OUT/heldout/heldout.txt`: the corpus's own sources, no paragraph of the training text),
+tokenized with the demo's tokenizer into `DEMO_OUT/heldout/shards`.
 
 For both models, on the same held-out rows (a random sample in random order, as training draws
 them) and masks (BERT 15% masking, the collator's seed):
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -34,7 +35,6 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-HELDOUT_BYTES = 400_000
 HELDOUT_ROWS = 256
 TACO_DEFAULTS = dict(window=5, num_negatives=50, tau=0.07)  # TokenAlignmentContrastive's (the paper's)
 
@@ -46,13 +46,19 @@ def taco_options(hf_dir: Path) -> dict:
     return {k: chosen.get(k, v) for k, v in TACO_DEFAULTS.items()}
 
 
-def build_heldout(demo_out: Path, skip_bytes: int, user_corpus: Sequence[str] = (), seq_len: int = 128) -> Path:
-    """`DEMO_OUT/heldout/shards`: documents after the training corpus's cap, tokenized alike."""
-    from data_prep.build_shards import build_shards
-    from demo.corpus import build_demo_corpus
+def heldout_text(demo_out: Path) -> Path:
+    """The held-out text the demo's corpus stage wrote (`demo.corpus.write_corpus(heldout_path=...)`)."""
+    return demo_out / "heldout" / "heldout.txt"
 
-    text = demo_out / "heldout" / "heldout.txt"
-    build_demo_corpus(text, user_corpus, HELDOUT_BYTES, skip_bytes=skip_bytes)
+
+def build_heldout(demo_out: Path, seq_len: int = 128) -> Path:
+    """`DEMO_OUT/heldout/shards`: the held-out documents, tokenized with the demo's tokenizer."""
+    from data_prep.build_shards import build_shards
+
+    text = heldout_text(demo_out)
+    if not text.is_file():
+        raise FileNotFoundError(f"{text}: no held-out text (written by the demo's corpus stage; a demo output from "
+                                "before the held-out split, or a --corpus too small to split, has none): re-run the demo")
     shards = demo_out / "heldout" / "shards"
     build_shards([str(text)], demo_out / "tokenizer", shards, seq_len=seq_len, num_proc=1, progress=False)
     return shards
@@ -169,18 +175,47 @@ def report_lines(result: dict) -> list[str]:
     ]
 
 
+def write_outcome(out: Path, result: dict) -> None:
+    """`DEMO_OUT/outcome.json`, atomically."""
+    tmp = out / "outcome.json.tmp"
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, out / "outcome.json")
+
+
+def load_demo(out: Path, objective: Optional[str]) -> tuple[Path, int]:
+    """The converted model and sequence length of the demo output `out`, or a ValueError saying what is
+    missing: a demo that failed or was interrupted leaves `demo.json` with its status, stage and error."""
+    summary_path = out / "demo.json"
+    if not summary_path.is_file():
+        raise ValueError(f"{out}: not a demo output (no demo.json); give the demo's --out directory")
+    summary = json.loads(summary_path.read_text())
+    status = summary.get("status", "unknown")
+    state = (f"the demo's status is {status!r}" + (f" at stage {summary['stage']!r}" if summary.get("stage") else "")
+             + (f" ({summary['error']})" if summary.get("error") else ""))
+    objective = objective or summary.get("objective")
+    if not objective:
+        raise ValueError(f"{summary_path}: names no objective ({state}); pass --objective NAME or re-run the demo")
+    hf_dir = out / "hf" / objective
+    if not (hf_dir / "config.json").is_file():
+        raise ValueError(f"{hf_dir}: no converted model ({state}); re-run the demo (bash scripts/demo.sh)")
+    return hf_dir, int(summary.get("seq_len", 128))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo.outcome", description=__doc__.split("\n\n")[0])
-    parser.add_argument("demo_out", help="a finished demo's --out directory (demo_output)")
+    parser.add_argument("demo_out", help="a demo's --out directory (demo_output) that reached its conversion stage")
     parser.add_argument("--objective", default=None, help="which hf/<objective> model (default: the demo's)")
     args = parser.parse_args(argv)
     out = Path(args.demo_out)
-    summary = json.loads((out / "demo.json").read_text())
-    objective = args.objective or summary["objective"]
-    heldout = build_heldout(out, int(summary["corpus"]["bytes"]))
-    result = measure(out / "hf" / objective, heldout, out / "shards")
+    try:
+        hf_dir, seq_len = load_demo(out, args.objective)
+        heldout = build_heldout(out, seq_len=seq_len)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    result = measure(hf_dir, heldout, out / "shards")
     print("\n".join(report_lines(result)))
-    (out / "outcome.json").write_text(json.dumps(result, indent=2) + "\n")
+    write_outcome(out, result)
     return 0
 
 

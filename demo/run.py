@@ -10,6 +10,8 @@ and prints where every artefact went and the equivalent command of every stage, 
 
 The default corpus is this Python installation's own documentation (`demo.corpus`):
 real English prose that needs no download. `--corpus` uses the user's files or folders instead.
+One document in ten is held out, whatever the corpus's size, for the outcome stage's measurement on
+text the model never saw; a default corpus too small for that is an error before any training.
 The model is the `tiny-<objective>` preset widened to hidden 128 / 4 layers, trained for 1000
 steps of 32 sequences of 128 tokens on an 8k WordPiece vocabulary (about 4 minutes on two idle
 cores); enough for the fill-mask output to start depending on the context, not a useful model.
@@ -103,13 +105,21 @@ def command_line(module: str, *args: object) -> str:
 
 
 class Stages:
-    """Prints each stage's banner, equivalent command and wall time; collects them for `demo.json`."""
+    """Prints each stage's banner, equivalent command and wall time; collects them for `demo.json`, which
+    says at every stage's start which stage is running, and after a failure which one failed and why."""
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
         self.commands: dict[str, str] = {}
         self._start = 0.0
-        self._name = ""
+        self._name = "setup"
+        self.out: Optional[Path] = None  # set once `demo.json` is ours (`prepare_out_dir`)
+        self.record: dict = {}  # what demo.json says besides the stages (objective, corpus, ...)
+
+    def progress(self, status: str, **extra: object) -> None:
+        if self.out is not None:
+            write_summary(self.out, {"status": status, "stage": self._name, **self.record,
+                                     "stage_seconds": self.times, "commands": self.commands, **extra})
 
     def begin(self, name: str, title: str, command: Optional[str] = None) -> None:
         self._name, self._start = name, time.perf_counter()
@@ -117,10 +127,15 @@ class Stages:
         if command:
             self.commands[name] = command
             print(f"   $ {command}", flush=True)
+        self.progress("running")
 
     def end(self, detail: str = "") -> None:
         self.times[self._name] = round(time.perf_counter() - self._start, 1)
         print(f"   done in {self.times[self._name]:.1f}s{': ' + detail if detail else ''}", flush=True)
+
+    def fail(self, error: BaseException) -> None:
+        """`demo.json` says the demo failed, at which stage and with what error (`demo.outcome` reads it)."""
+        self.progress("failed", error=f"{type(error).__name__}: {error}")
 
 
 def shown_live(line: str) -> bool:
@@ -177,11 +192,12 @@ def fill_mask(model_dir: Path, prompts: Sequence[str], top_k: int = 5) -> list[d
     return results
 
 
-def run_demo(args: argparse.Namespace) -> dict:
+def run_demo(args: argparse.Namespace, stages: Optional[Stages] = None) -> dict:
     from data_prep.build_shards import build_shards
     from data_prep.train_tokenizer import train_tokenizer
     from pipeline.export.convert import convert
-    from demo.corpus import build_demo_corpus
+    from demo.corpus import HELDOUT_EVERY, MIN_HELDOUT_BYTES, build_demo_corpus
+    from demo.outcome import heldout_text
     from pipeline.train.metrics import read_jsonl
 
     objectives = demo_objectives()
@@ -194,14 +210,23 @@ def run_demo(args: argparse.Namespace) -> dict:
     prepare_out_dir(out)
     corpus, tok_dir, shards = out / "corpus.txt", out / "tokenizer", out / "shards"
     run_dir, hf_dir = out / "runs" / args.objective, out / "hf" / args.objective
-    stages = Stages()
+    stages = stages if stages is not None else Stages()
+    stages.out, stages.record = out, {"objective": args.objective, "seq_len": args.seq_len}
     started = time.perf_counter()
 
     source = " ".join(map(str, args.corpus)) or "this Python installation's documentation"
-    stages.begin("corpus", f"corpus: real text from {source}",
+    heldout_txt = heldout_text(out)
+    stages.begin("corpus", f"corpus: real text from {source}, one document in {HELDOUT_EVERY} held out",
                  command_line("demo.corpus", corpus, *(["--corpus", *args.corpus] if args.corpus else []),
-                              "--max-mb", args.max_corpus_mb))
-    stats = build_demo_corpus(corpus, args.corpus, int(args.max_corpus_mb * 1e6))
+                              "--max-mb", args.max_corpus_mb, "--heldout", heldout_txt))
+    stats = build_demo_corpus(corpus, args.corpus, int(args.max_corpus_mb * 1e6), heldout_path=heldout_txt)
+    if stats.heldout is None and not args.corpus:
+        raise ValueError(f"the corpus of this Python installation's documentation ({stats.bytes / 1e6:.2f} MB, "
+                         f"{stats.documents} documents, --max-corpus-mb {args.max_corpus_mb:g}) is too small to train "
+                         f"on and hold out one document in {HELDOUT_EVERY} with >= {MIN_HELDOUT_BYTES // 1000} KB of "
+                         "held-out text (about 200 KB of prose in all); give the demo more text with --corpus PATH "
+                         "(files or folders)" + ("" if args.max_corpus_mb >= 4 else " or raise --max-corpus-mb"))
+    stages.record["corpus"] = {**stats.as_json(), "heldout": stats.heldout.as_json() if stats.heldout else None}
     stages.end(stats.summary())
 
     stages.begin("tokenizer", f"tokenizer: WordPiece, {args.vocab_size} entries",
@@ -245,13 +270,15 @@ def run_demo(args: argparse.Namespace) -> dict:
     stages.begin("outcome", "outcome: the checkpoint against a random-init model on held-out text (docs/demo.md)",
                  shlex.join(["python", "-m", "demo.outcome", str(out)]))
     outcome = None
-    if args.corpus:
-        stages.end("skipped: --corpus given (held-out text comes from the default corpus's sources)")
+    if stats.heldout is None:
+        stages.end(f"skipped: --corpus too small to hold out one document in {HELDOUT_EVERY} with >= "
+                   f"{MIN_HELDOUT_BYTES // 1000} KB of text ({stats.documents} documents, {stats.bytes / 1e6:.2f} MB; "
+                   "all of it trained on)")
     else:
-        from demo.outcome import build_heldout, measure, report_lines
+        from demo.outcome import build_heldout, measure, report_lines, write_outcome
 
-        outcome = measure(hf_dir, build_heldout(out, stats.bytes, seq_len=args.seq_len), shards)
-        (out / "outcome.json").write_text(json.dumps(outcome, indent=2) + "\n")
+        outcome = measure(hf_dir, build_heldout(out, seq_len=args.seq_len), shards)
+        write_outcome(out, outcome)
         stages.end()
         print("\n".join("   " + line for line in report_lines(outcome)))
 
@@ -265,8 +292,8 @@ def run_demo(args: argparse.Namespace) -> dict:
                   "metrics": str(run_dir / "metrics.jsonl"), "tensorboard": str(run_dir / "tb"),
                   "checkpoints": str(run_dir / "checkpoints"), "train_log": str(run_dir / "train.log"),
                   "hf_model": str(hf_dir)},
-        "corpus": {"bytes": stats.bytes, "documents": stats.documents, "paragraphs": stats.paragraphs,
-                   "sources": stats.sources},
+        "seq_len": args.seq_len,
+        "corpus": stages.record["corpus"],
         "final_metrics": {k: v for k, v in last.items() if k in ("step", "loss", "mlm/loss", "mlm/accuracy",
                                                                  "tokens_seen", "tokens_per_s")},
         "fill_mask": predictions,
@@ -286,6 +313,10 @@ def print_summary(summary: dict) -> None:
                        ("Hugging Face model", "hf_model")):
         print(f"  {label:<20} {paths[key]}")
     print(f"  {'summary':<20} {Path(paths['run']).parent.parent / SUMMARY_FILE}")
+    corpus, held = summary["corpus"], summary["corpus"].get("heldout")
+    print(f"\nTrained on {corpus['bytes'] / 1e6:.2f} MB ({corpus['documents']} documents); " +
+          (f"held out {held['bytes'] / 1e6:.2f} MB ({held['documents']} documents), measured in outcome.json"
+           if held else "nothing held out (corpus too small to split)"))
     print("\nLoad it anywhere:\n  from transformers import pipeline\n"
           f"  pipeline('fill-mask', model='{paths['hf_model']}')('...[MASK]...')")
 
@@ -314,9 +345,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(key, "1")  # nothing is ever fetched from a hub
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    stages = Stages()
     try:
-        summary = run_demo(args)
-    except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as err:
+        summary = run_demo(args, stages)
+    except BaseException as err:  # noqa: BLE001 - recorded in demo.json whatever it is, then handled or re-raised
+        stages.fail(err)
+        if not isinstance(err, (ValueError, FileNotFoundError, FileExistsError, RuntimeError)):
+            raise
         print(f"error: {err}", file=sys.stderr)
         return 2
     print_summary(summary)

@@ -44,9 +44,10 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     corpus = tmp_path / "texts"
     corpus.mkdir()
-    sentences = [f"The river number {i} flows past the old mill and the quiet village near the hills."
-                 for i in range(300)]
-    (corpus / "a.txt").write_text("\n\n".join(sentences))
+    for doc in range(40):  # 40 documents (files) of ~6 KB: one in ten held out, >= 20 KB of it
+        (corpus / f"{doc:02d}.txt").write_text("\n\n".join(
+            f"The river number {doc * 100 + i} flows past the old mill and the quiet village near the hills."
+            for i in range(70)))
     out = tmp_path / "demo"
     code = main(["--objective", "mlm", "--corpus", str(corpus), "--out", str(out), "--steps", "2",
                  "--vocab-size", "200", "--seq-len", "32", "--prompt", "The river flows past the [MASK] mill."])
@@ -56,7 +57,9 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
     assert summary["status"] == "done"
     assert list(summary["stage_seconds"]) == ["corpus", "tokenizer", "shards", "pretrain", "convert", "fill_mask",
                                                "outcome"]
-    assert "skipped: --corpus given" in printed
+    assert (summary["corpus"]["documents"], summary["corpus"]["heldout"]["documents"]) == (36, 4)
+    assert "held out" in printed and "Trained on" in printed
+    assert summary["outcome"]["heldout_sequences"] > 0 and (out / "outcome.json").is_file()
     assert "starting: imports, config and data checks" in printed  # the op-build note before the quiet start
     predictions = summary["fill_mask"][0]["predictions"]
     assert len(predictions) == 5 and all(0 <= p["score"] <= 1 for p in predictions)
@@ -64,6 +67,25 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
     assert (out / "hf" / "mlm" / "config.json").is_file() and (out / "runs" / "mlm" / "metrics.jsonl").is_file()
     assert "The river flows past the [MASK] mill." in printed and "Hugging Face model" in printed
     assert "python -m pipeline.train --config tiny-mlm" in printed  # the equivalent command is shown
+
+
+def test_a_default_corpus_too_small_to_hold_out_is_an_error_before_training(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "demo"
+    assert main(["--max-corpus-mb", "0.05", "--out", str(out)]) == 2  # 50 KB: 5 KB would be held out
+    err = capsys.readouterr().err
+    assert "too small" in err and "--corpus PATH" in err and "--max-corpus-mb" in err
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["status"] == "failed" and summary["stage"] == "corpus" and "too small" in summary["error"]
+    assert not (out / "runs").exists() and not (out / "tokenizer").exists()  # nothing after the corpus ran
+
+
+def test_a_user_corpus_too_small_to_hold_out_is_trained_on_whole(tmp_path: Path) -> None:
+    from demo.corpus import build_demo_corpus
+
+    (tmp_path / "a.txt").write_text("\n\n".join(f"The river number {i} flows past the old mill near the hills."
+                                                 for i in range(300)))
+    stats = build_demo_corpus(tmp_path / "c.txt", [tmp_path / "a.txt"], heldout_path=tmp_path / "h.txt")
+    assert stats.heldout is None and stats.documents == 1 and not (tmp_path / "h.txt").exists()
 
 
 @pytest.mark.timeout(300)

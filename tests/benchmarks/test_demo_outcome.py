@@ -55,15 +55,23 @@ def _paragraph(doc: int, para: int) -> str:
     return " ".join(f"w{_letters(doc)}x{_letters(para)}y{_letters(k)}" for k in range(MIN_WORDS + 2)) + "."
 
 
-def test_heldout_text_is_what_follows_the_capped_corpus_and_shares_nothing_with_it(tmp_path):
-    sources = [("user-text", "\n\n".join(_paragraph(d, p) for p in range(3))) for d in range(40)]
-    train = write_corpus(sources, tmp_path / "train.txt", max_bytes=3000)
-    held = write_corpus(sources, tmp_path / "held.txt", max_bytes=3000, skip_bytes=train.bytes)
-    train_paras = set((tmp_path / "train.txt").read_text().split())
-    held_text = (tmp_path / "held.txt").read_text()
-    assert not train_paras & set(held_text.split())
-    assert held_text.startswith(_paragraph(train.documents, 0))  # the first document the cap left out
-    assert held.documents > 0
+def test_heldout_text_is_one_document_in_ten_of_the_capped_corpus_and_shares_nothing_with_it(tmp_path):
+    sources = [("user-text", "\n\n".join(_paragraph(d, p) for p in range(3))) for d in range(45)]
+    total = sum(len(("\n".join(_paragraph(d, p) for p in range(3)) + "\n\n").encode()) for d in range(45))
+    train = write_corpus(sources, tmp_path / "train.txt", max_bytes=total, heldout_path=tmp_path / "held.txt")
+    train_text, held_text = (tmp_path / "train.txt").read_text(), (tmp_path / "held.txt").read_text()
+    assert not set(train_text.split()) & set(held_text.split())
+    # by document, by position: the 10th, 20th, 30th and 40th documents, whole, in order
+    assert held_text == "".join("\n".join(_paragraph(d, p) for p in range(3)) + "\n\n" for d in (9, 19, 29, 39))
+    assert (train.documents, train.heldout.documents) == (41, 4) and train.heldout.paragraphs == 12
+    assert train.bytes + train.heldout.bytes == total  # all of a corpus under its cap: nothing lies "beyond" it
+    assert "trained on" in train.summary() and "held out" in train.summary()
+    again = write_corpus(sources, tmp_path / "train2.txt", max_bytes=total, heldout_path=tmp_path / "held2.txt")
+    assert (tmp_path / "held2.txt").read_text() == held_text and again.bytes == train.bytes  # deterministic
+    # a corpus too small to hold out min_heldout_bytes: nothing held out, all of it trained on
+    small = write_corpus(sources, tmp_path / "s.txt", max_bytes=total, heldout_path=tmp_path / "s_held.txt",
+                         min_heldout_bytes=train.heldout.bytes + 1)
+    assert small.heldout is None and small.bytes == total and not (tmp_path / "s_held.txt").exists()
 
 
 @pytest.fixture(scope="module")
@@ -92,3 +100,22 @@ def test_outcome_measures_both_models_and_finds_no_taco_leak(random_bert, tiny_s
     assert result["trained"]["mlm_acc"] < result["trained"]["unigram_acc"]
     assert verdict(result).startswith("NOT working")
     assert any("leak checks (must be 0)" in line for line in report_lines(result))
+
+
+def test_outcome_rerun_of_a_failed_or_unfinished_demo_says_what_is_missing(tmp_path, capsys):
+    from demo.outcome import main as outcome_main
+    from demo.run import Stages
+
+    out = tmp_path / "demo_output"
+    out.mkdir()
+    assert outcome_main([str(out)]) == 2 and "not a demo output" in capsys.readouterr().err
+    (out / "demo.json").write_text('{"status": "running"}')  # killed before its first stage
+    assert outcome_main([str(out)]) == 2
+    assert "names no objective" in capsys.readouterr().err
+    stages = Stages()
+    stages.out, stages.record = out, {"objective": "taco"}
+    stages.begin("pretrain", "pretraining")
+    stages.fail(RuntimeError("pipeline.train exited with 1"))
+    assert outcome_main([str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "hf/taco: no converted model" in err and "'failed' at stage 'pretrain'" in err and "exited with 1" in err
