@@ -1,6 +1,12 @@
-"""Check a shard directory against its manifest; exit non-zero on any mismatch.
+"""Check shard directories against their manifests; exit non-zero on any mismatch.
 
-    python -m data_prep.verify shards/
+    python -m data_prep.verify shards/ [more/ ...]        each directory on its own
+    python -m data_prep.verify --mixture wiki/ books/     the sources of one mixture (`data.sources`)
+    python -m data_prep.verify --config RUN.yaml [data.sources=...]   what a run config reads
+
+With `--mixture` (implied by `--config` with `data.sources`) every directory also has to share the
+first one's tokenizer (hash, vocabulary, special-token ids) and seq_len, as training requires
+(`pipeline.data.sources.mixture_mismatches`).
 
 Checks: the manifest against itself and the directory (`pipeline.data.shards.check_layout`:
 sizes, Arrow schemas, row counts, totals, `vocab_size` against the id type and the tokenizer,
@@ -20,6 +26,7 @@ from typing import Sequence
 import numpy as np
 
 from pipeline.data.shards import check_layout, iter_shard_paths, open_shard, read_manifest, sha256_file, xxh3_file
+from pipeline.data.sources import data_directories, mixture_mismatches
 
 
 def _check_rows(name: str, ids: np.ndarray, length: np.ndarray, seq_len: int, vocab_size: int, specials: dict[str, int]) -> list[str]:
@@ -79,19 +86,64 @@ def verify_directory(directory: str | Path) -> list[str]:
     return problems
 
 
+def verify_mixture(directories: Sequence[str | Path]) -> list[str]:
+    """`verify_directory` of each, then (all intact) the directories against the first as one mixture."""
+    problems = [problem for directory in directories for problem in verify_directory(directory)]
+    if not problems:
+        problems = mixture_mismatches([(str(d), str(d), read_manifest(d)) for d in directories])
+    return problems
+
+
+def config_directories(config: str, overrides: Sequence[str]) -> tuple[list[str], bool]:
+    """(directories, is a mixture) a run config reads: its `data.shards_dir` or every `data.sources` path."""
+    from pipeline.config.run import load_config
+
+    data = load_config(config, overrides).data
+    return data_directories(data), bool(data.sources)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data_prep.verify", description=__doc__.split("\n\n")[0])
-    parser.add_argument("directory", help="shard directory written by data_prep.build_shards")
+    parser.add_argument("directory", nargs="*", help="shard directories written by data_prep.build_shards (with "
+                        "--config: dotted overrides of the run config instead)")
+    parser.add_argument("--mixture", action="store_true", help="the directories are the sources of one mixture: "
+                        "they must also share one tokenizer and seq_len")
+    parser.add_argument("--config", help="verify what this run config (preset or YAML) reads: data.shards_dir or "
+                        "every data.sources path (as a mixture)")
     args = parser.parse_args(argv)
-    problems = verify_directory(args.directory)
-    if problems:
+    mixture = args.mixture
+    if args.config:
+        from pipeline.config.checks import ConfigError
+
+        try:
+            directories, mixture = config_directories(args.config, args.directory)
+        except ConfigError as err:
+            parser.error(str(err))
+    elif not args.directory:
+        parser.error("give at least one shard directory (or --config RUN.yaml)")
+    else:
+        directories = list(args.directory)
+    failed = False
+    for directory in directories:
+        problems = verify_directory(directory)
         for problem in problems:
             print(f"FAIL {problem}", file=sys.stderr)
-        print(f"{args.directory}: {len(problems)} problem(s)", file=sys.stderr)
-        return 1
-    manifest = read_manifest(args.directory)
-    print(f"OK {args.directory}: {len(manifest.shards)} shards, {manifest.total_sequences:,} sequences, {manifest.total_tokens:,} tokens")
-    return 0
+        if problems:
+            failed = True
+            print(f"{directory}: {len(problems)} problem(s)", file=sys.stderr)
+            continue
+        manifest = read_manifest(directory)
+        print(f"OK {directory}: {len(manifest.shards)} shards, {manifest.total_sequences:,} sequences, "
+              f"{manifest.total_tokens:,} tokens")
+    if mixture and not failed and len(directories) > 1:
+        problems = mixture_mismatches([(str(d), str(d), read_manifest(d)) for d in directories])
+        for problem in problems:
+            print(f"FAIL {problem}", file=sys.stderr)
+        if problems:
+            print(f"mixture of {len(directories)} directories: {len(problems)} problem(s)", file=sys.stderr)
+            return 1
+        print(f"OK mixture of {len(directories)} directories: one tokenizer, seq_len {read_manifest(directories[0]).seq_len}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from pipeline.config.checks import ConfigError
 from pipeline.config.loader import apply_override, describe_config, from_dict, load_raw
 from pipeline.data.config import BatchPlan, DataConfig, plan_batches
 from pipeline.data.shards import Manifest
+from pipeline.data.sources import data_directories
 from pipeline.model.config import ModelConfig
 from pipeline.objectives.registry import check_objectives, check_objectives_under_stage
 from pipeline.train.config import TrainConfig
@@ -112,9 +113,9 @@ def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start
     """Stage 2 (before any model is built): batch split, shards, engine, device switches, and the
     warm-start directory (`model.init_from`; its weights only for a fresh start, `fresh_start`)."""
     batch = plan_batches(cfg.data, world_size)
-    manifest, data_hash = cfg.data.check_shards(batch)
+    manifest, data_hash = cfg.data.check_shards(batch, cfg.train.total_steps, cfg.train.seed)
     cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)  # shape fits the data
-    cfg.model.check_init_from(manifest, cfg.data.shards_dir, fresh_start)
+    cfg.model.check_init_from(manifest, data_directories(cfg.data)[0], fresh_start)  # a mixture: one tokenizer
     engine = cfg.deepspeed.load_engine(cuda_available)
     stage = zero_stage_of(engine)
     check_objectives_under_stage(cfg.objectives, stage, cfg.deepspeed.stage_source())

@@ -15,12 +15,21 @@ from typing import Optional
 
 from pipeline.config.checks import ConfigError, check_keywords, check_positive
 from pipeline.data.shards import Manifest, check_layout, manifest_hash, read_manifest
+from pipeline.data.sources import (DEFAULT_MIXTURE_BLOCK, MixturePlan, check_exhaustion, mixture_hash,
+                                   mixture_mismatches, parse_sources, plan_mixture)
 
 
 @dataclass
 class DataConfig:
     shards_dir: str = ""
-    """Directory written by `data_prep.build_shards` (holds `manifest.json`, shards, `tokenizer/`). Required."""
+    """Directory written by `data_prep.build_shards` (holds `manifest.json`, shards, `tokenizer/`). Required
+    unless `data.sources` names a mixture (never both)."""
+    sources: list = field(default_factory=list)
+    """A data mixture instead of `shards_dir`: a list of `{path, weight | tokens, name, on_exhausted}`, one
+    shared tokenizer and seq_len; shares, interleave and exhaustion rules in `pipeline.data.sources`."""
+    mixture_block: int = DEFAULT_MIXTURE_BLOCK
+    """Positions per interleave block of `data.sources`: each block holds every source's exact quota
+    (shares realised to 1/mixture_block), in an order drawn from (seed, block)."""
     seq_len: Optional[int] = None
     """Expected sequence length of the shards (the recipe's); checked against the manifest when set."""
     global_batch_size: int = 8
@@ -50,34 +59,75 @@ class DataConfig:
             check_positive(self.grad_accum, "data.grad_accum")
         check_positive(self.num_workers, "data.num_workers", allow_zero=True)
         check_keywords(CorruptionCollator, self.corruption, "data.corruption", skip=4)  # views, specials, vocab, seed
+        if self.sources:
+            if self.shards_dir:
+                raise ConfigError(f"data.sources and data.shards_dir={self.shards_dir} are both set: they are mutually "
+                                  "exclusive (one directory, or a mixture of several); drop one of them")
+            parse_sources(self.sources, self.mixture_block)
 
-    def check_shards(self, batch: "BatchPlan") -> tuple[Manifest, str]:
-        """Stage-2 checks of the shard directory: (manifest, manifest hash), or a `ConfigError`."""
+    def check_shards(self, batch: "BatchPlan", total_steps: Optional[int] = None,
+                     seed: int = 0) -> tuple[Manifest, str]:
+        """Stage-2 checks of the shard directory, or of every source of `data.sources` (then the first
+        source's manifest, which they all agree with, and the mixture's hash): (manifest, data hash),
+        or a `ConfigError`. `total_steps` and `seed` (the run's) let a mixture check its token budgets
+        and `on_exhausted: stop` sources."""
+        if self.sources:
+            manifests, plan = self.check_sources(batch, total_steps, seed)
+            return manifests[0], mixture_hash([m.content_hash for m in manifests], plan)
         if not self.shards_dir:
             raise ConfigError("data.shards_dir is required (a directory written by data_prep.build_shards); "
-                              "pass data.shards_dir=PATH")
-        shards = Path(self.shards_dir)
-        if not shards.is_dir():
-            raise ConfigError(f"data.shards_dir={shards}: no such directory")
-        try:
-            manifest = read_manifest(shards)
-        except (FileNotFoundError, ValueError) as err:
-            raise ConfigError(f"data.shards_dir={shards}: {err}") from err
-        missing = [s.name for s in manifest.shards if not (shards / s.name).is_file()]
-        if missing:
-            raise ConfigError(f"data.shards_dir={shards}: shards listed in manifest.json are missing: {missing[:5]}")
-        problems = check_layout(shards, manifest)
-        if problems:
-            more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
-            raise ConfigError(f"data.shards_dir={shards}: {problems[0]}{more}; nothing was computed. Check the "
-                              f"directory with `python -m data_prep.verify {shards}` and rebuild it")
-        if self.seq_len is not None and self.seq_len != manifest.seq_len:
-            raise ConfigError(f"data.seq_len={self.seq_len} but the shards in {shards} have seq_len="
-                              f"{manifest.seq_len}; rebuild the shards or set data.seq_len={manifest.seq_len}")
+                              "pass data.shards_dir=PATH, or data.sources for a mixture")
+        manifest = check_shard_dir(self.shards_dir, "data.shards_dir", self.seq_len)
         if manifest.total_sequences < batch.global_batch_size:
             raise ConfigError(f"data.global_batch_size={batch.global_batch_size} exceeds the "
-                              f"{manifest.total_sequences} sequences in {shards}")
-        return manifest, manifest_hash(shards)
+                              f"{manifest.total_sequences} sequences in {self.shards_dir}")
+        return manifest, manifest_hash(self.shards_dir)
+
+    def check_sources(self, batch: "BatchPlan", total_steps: Optional[int] = None,
+                      seed: int = 0) -> tuple[list[Manifest], MixturePlan]:
+        """Every source checked as a `shards_dir` is, then against the first: one tokenizer (hash,
+        vocabulary, special-token ids) and one seq_len; then the shares (`plan_mixture`) and the
+        `on_exhausted: stop` sources against the run's length."""
+        specs = parse_sources(self.sources, self.mixture_block)
+        manifests = [check_shard_dir(spec.path, f"{spec.where}.path", self.seq_len) for spec in specs]
+        problems = mixture_mismatches([(f"{spec.where}.path={spec.path}", spec.path, manifest)
+                                       for spec, manifest in zip(specs, manifests)])
+        if problems:
+            raise ConfigError(problems[0])
+        total = sum(m.total_sequences for m in manifests)
+        if total < batch.global_batch_size:
+            raise ConfigError(f"data.global_batch_size={batch.global_batch_size} exceeds the {total} sequences of "
+                              "data.sources")
+        run_samples = total_steps * batch.global_batch_size if total_steps else None
+        plan = plan_mixture(specs, [m.total_sequences for m in manifests], [m.total_tokens for m in manifests],
+                            self.mixture_block, run_samples)
+        if run_samples:
+            check_exhaustion(plan, seed, run_samples, batch.global_batch_size, int(total_steps))
+        return manifests, plan
+
+
+def check_shard_dir(directory: str, where: str, seq_len: Optional[int]) -> Manifest:
+    """One shard directory for training (`where` names its field): complete, every listed shard present,
+    the layout against the manifest (`check_layout`), the expected `seq_len`; its manifest, or a `ConfigError`."""
+    shards = Path(directory)
+    if not shards.is_dir():
+        raise ConfigError(f"{where}={shards}: no such directory")
+    try:
+        manifest = read_manifest(shards)
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"{where}={shards}: {err}") from err
+    missing = [s.name for s in manifest.shards if not (shards / s.name).is_file()]
+    if missing:
+        raise ConfigError(f"{where}={shards}: shards listed in manifest.json are missing: {missing[:5]}")
+    problems = check_layout(shards, manifest)
+    if problems:
+        more = f" (and {len(problems) - 1} more problem(s))" if len(problems) > 1 else ""
+        raise ConfigError(f"{where}={shards}: {problems[0]}{more}; nothing was computed. Check the "
+                          f"directory with `python -m data_prep.verify {shards}` and rebuild it")
+    if seq_len is not None and seq_len != manifest.seq_len:
+        raise ConfigError(f"data.seq_len={seq_len} but the shards in {shards} have seq_len="
+                          f"{manifest.seq_len}; rebuild the shards or set data.seq_len={manifest.seq_len}")
+    return manifest
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,10 @@ class ShardDataset:
         row = index - int(self._offsets[shard_index])
         return {"input_ids": shard.input_ids[row], "word_starts": shard.word_starts[row]}
 
+    def lengths(self) -> np.ndarray:
+        """Tokens before the padding of every row (the shards' `length` column), int64 [rows]."""
+        return np.concatenate([shard.length for shard in self._open()] or [np.zeros(0, np.int32)]).astype(np.int64)
+
     def take(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Gather `rows` -> (input_ids [B, L] in the shard dtype, word_starts [B, L] uint8)."""
         rows = np.asarray(rows, dtype=np.int64)
@@ -175,7 +179,10 @@ class PretrainBatches:
         return np.arange(first, first + self.micro_batch_size, dtype=np.int64)
 
     def rows_at(self, positions: np.ndarray) -> np.ndarray:
-        """Dataset rows at global stream positions."""
+        """Dataset rows at global stream positions (a mixture, `pipeline.data.mixture.MixtureDataset`,
+        has its own order: `data.sources`' interleave)."""
+        if hasattr(self.dataset, "mixture_rows"):
+            return self.dataset.mixture_rows(self.seed, positions)
         size = len(self.dataset)
         epochs, offsets = np.divmod(positions, size)
         rows = np.empty(len(positions), dtype=np.int64)
@@ -224,6 +231,13 @@ class PretrainBatches:
             self.consumed_samples += self.global_batch_size
         return batch
 
+    def source_metrics(self) -> dict[str, int]:
+        """Per-source counters of a mixture at `consumed_samples` (`data/<name>/samples`, `.../tokens`:
+        all ranks' samples, a pure function of the count, so exact after a resume); {} for one directory."""
+        if not hasattr(self.dataset, "source_metrics"):
+            return {}
+        return self.dataset.source_metrics(self.seed, self.consumed_samples)
+
     def state_dict(self) -> dict[str, int]:
         """`consumed_samples` at the last completed step (plus what must match on resume)."""
         return {"consumed_samples": self.consumed_samples, "seed": self.seed, "dataset_size": len(self.dataset)}
@@ -238,10 +252,11 @@ class PretrainBatches:
         self._loader_iter = None
 
 
-def open_dataset(directory: str | os.PathLike, verify: bool) -> ShardDataset:
+def open_dataset(directory: str | os.PathLike, verify: bool, where: str = "data.shards_dir") -> ShardDataset:
     """The training run's dataset, opened on every rank once the process group is up, each shard's
     bytes checked against its manifest hash unless `verify` is off (`data.verify_shards`). A damaged
-    shard found by any rank is a `ConfigError` on every rank, before any compute."""
+    shard found by any rank is a `ConfigError` on every rank, before any compute; `where` names the
+    directory's field (a mixture's `data.sources[i].path`)."""
     from pipeline.config.checks import ConfigError
     from pipeline.distributed import first_problem
 
@@ -254,7 +269,7 @@ def open_dataset(directory: str | os.PathLike, verify: bool) -> ShardDataset:
     try:
         dataset.open()
     except (ShardError, FileNotFoundError) as err:
-        problem = f"data.shards_dir={directory}: {err}"
+        problem = f"{where}={directory}: {err}"
     problem = first_problem(problem)
     if problem:
         raise ConfigError(f"{problem}; nothing was computed. Check the directory with `python -m data_prep.verify "

@@ -201,9 +201,9 @@ def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> P
     bias_init = cfg.model.mlm_bias_init if warm_start else "zero"  # a resume loads its biases
     counts = None
     if bias_init == "unigram" or SAMPLED_SOFTMAX in mlm_head_training(cfg.objectives).values():
-        from pipeline.data.reader import ShardDataset
+        from pipeline.data.mixture import open_run_data
 
-        counts = unigram_counts(ShardDataset(cfg.data.shards_dir, verify=False))
+        counts = unigram_counts(open_run_data(cfg.data, cfg.train.total_steps * plan.batch.global_batch_size, check=False))
     return build_pretrain_model(encoder_config, cfg.objectives, manifest.special_tokens, cfg.objective_options,
                                 seed=cfg.train.seed, kernels=cfg.model.kernels,
                                 init_from=cfg.model.init_from if warm_start else None,
@@ -241,7 +241,8 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
         from pipeline.data.shards import manifest_file_sha256
 
         target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world_size, plan.zero_stage,
-                             cfg.train.allow_config_change, manifest_file_sha256(cfg.data.shards_dir))
+                             cfg.train.allow_config_change,
+                             manifest_file_sha256(cfg.data.shards_dir) if cfg.data.shards_dir else "")
         if cfg.train.resume not in ("auto", "never"):  # an explicit tag: this run's newer ones are set aside
             target.set_aside = newer_tags(ckpt_root, resume_dir)
     if not check_only:  # a file, read-only or full location: one line and exit 4 now, not at the first save
@@ -295,7 +296,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     import deepspeed
 
     from pipeline.data.corruption import CorruptionCollator
-    from pipeline.data.reader import PretrainBatches, open_dataset
+    from pipeline.data.mixture import open_run_data
+    from pipeline.data.reader import PretrainBatches
     from pipeline.distributed import init_distributed
     from pipeline.model.warm_start import describe_base
 
@@ -305,7 +307,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    dataset = open_dataset(cfg.data.shards_dir, cfg.data.verify_shards)  # every rank checks the shards' bytes
+    # every rank checks the shards' bytes (of every source of a mixture)
+    dataset = open_run_data(cfg.data, cfg.train.total_steps * plan.batch.global_batch_size)
     # the unigram references of the health metrics (plateau, entropy) from a bounded row sample
     model.set_health_unigram(unigram_counts(dataset))
 
@@ -332,7 +335,7 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     meta = RunMeta(
         encoder_config=model.config.to_dict(), objectives=dict(cfg.objectives),
         objective_options=dict(cfg.objective_options), special_tokens=dict(dataset.special_tokens),
-        tokenizer_dir=str(dataset.tokenizer_dir.resolve()), data_dir=str(Path(cfg.data.shards_dir).resolve()),
+        tokenizer_dir=str(dataset.tokenizer_dir.resolve()), data_dir=str(dataset.directory.resolve()),
         manifest_hash=plan.manifest_hash, config_hash=config_hash(config_dict), config=config_dict,
         zero_stage=plan.zero_stage, world_size=info.world_size, corpus=corpus_summary(plan.manifest),
         base_model=describe_base(cfg.model.init_from) if cfg.model.init_from else {}, recipe=dict(recipe or {}))
@@ -495,7 +498,7 @@ class Run:
             lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             consumed_samples=state.consumed_samples, tokens_seen=state.tokens_seen,
             skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
-            **self.meter.report(), **peak_memory_gb())
+            **self.meter.report(), **peak_memory_gb(), **self.batches.source_metrics())
         metrics.update(self.health.observe(step, metrics, announce=self.info.is_main))
         if self.cfg.deepspeed.precision == "fp16":
             metrics["loss_scale"] = float(getattr(self.engine.optimizer, "loss_scale", float("nan")))
