@@ -8,7 +8,8 @@
 # moved into place, so an interrupted fetch never leaves a half-unpacked package the test would use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-read -r version dest < <(PYTHONPATH=. python3 -c \
+PYTHON="${PYTHON:-python3}"  # scripts/test.sh passes its virtual environment's
+read -r version dest < <(PYTHONPATH=. "$PYTHON" -c \
     'from tests.kernels.test_compile_sm90 import GPU_IMAGE_DIR, GPU_IMAGE_TRITON; print(GPU_IMAGE_TRITON, GPU_IMAGE_DIR)')
 if [ -f "$dest/triton/__init__.py" ]; then
     echo "fetch_gpu_image_triton: Triton $version already at $dest"
@@ -19,7 +20,7 @@ tmp=$(mktemp -d "$(dirname "$dest")/.triton-$version.XXXXXX")
 trap 'rm -rf "$tmp"' EXIT
 # `pip install --target` rather than unzipping the wheel by hand: it keeps the executable bit of the
 # bundled ptxas / cuobjdump, which the compile test runs.
-python3 -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: --no-compile \
+"$PYTHON" -m pip install -q --disable-pip-version-check --no-deps --only-binary=:all: --no-compile \
     --target "$tmp/pkg" "triton==$version"
 rm -rf "$dest"
 mv "$tmp/pkg" "$dest"

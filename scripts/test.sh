@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# The README's test command: installs everything the tests need on a fresh machine (CPU torch pinned
-# first so nothing pulls CUDA wheels; Debian's SLURM + munge for the cluster tests; the GPU image's Triton,
-# unpacked aside for the sm_90 compile test), then runs pytest.
-# Extra arguments go to pytest (e.g. `bash scripts/test.sh -m "not slurm" tests/data`).
+# The README's test command: installs everything the tests need on a fresh machine into a virtual
+# environment (.venv in the repository, created on the first run; CPT_VENV / PYTHON: scripts/venv.sh):
+# CPU torch pinned first so nothing pulls CUDA wheels, the package with its test tools; Debian's SLURM +
+# munge for the cluster tests (system packages, root or sudo); the GPU image's Triton, unpacked aside
+# for the sm_90 compile test; then runs pytest with that environment's Python.
+# Extra arguments go to pytest (e.g. `bash scripts/test.sh -m "not slurm" tests/data`; a random order:
+# `bash scripts/test.sh -p randomly tests`, README.md#tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PIP_DISABLE_PIP_VERSION_CHECK=1
-python3 -m pip install -q torch==2.13.0
-python3 -m pip install -q -e ".[dev]"
+source scripts/venv.sh
+cpt_python
+cpt_install_torch
+phase 'pip install -e ".[dev]" (the package, its dependencies and the test tools)'
+"$PYTHON" -m pip install -q -e ".[dev]"
+took
 bash scripts/install_test_deps.sh
-bash scripts/fetch_gpu_image_triton.sh  # the GPU image's Triton for tests/kernels/test_compile_sm90.py
+PYTHON="$PYTHON" bash scripts/fetch_gpu_image_triton.sh  # the GPU image's Triton for tests/kernels/test_compile_sm90.py
 if [ "$#" -eq 0 ]; then set -- tests; fi
-exec python3 -m pytest -q "$@"
+exec "$PYTHON" -m pytest -q "$@"
