@@ -6,7 +6,7 @@ Layout of `<output_dir>/checkpoints/`:
     step_00001000/              one tag = one checkpoint
       mp_rank_00_model_states.pt, zero_pp_rank_*_optim_states.pt, ...   DeepSpeed's own files
       train_state.pt            `TrainState`: step, consumed samples, tokens, guard counters,
-                                objective extra state (CAPT's memory queue)
+                                objective extra state (CAPT's memory queue), the phase it is in
       pipeline_meta.json        `RunMeta`: config + hashes, encoder/objectives, data, world size
       COMPLETE.json             written after every rank finished: every file's size and sha256
       universal/                (only after a resume with another rank count or ZeRO stage)
@@ -110,6 +110,8 @@ class TrainState:
     loss_ema: float = 0.0  # running mean of the finite step losses (the divergence guard's reference)
     weight_norm: float = 0.0  # weights' L2 norm at the previous checkpoint (ditto; 0 = none yet)
     objective_state: dict[str, Any] = field(default_factory=dict)
+    phase: str = ""  # the phase (`phases[i].name`, `pipeline.train.phases`) of the last step; "" without phases
+    phase_start_samples: int = 0  # the run's consumed samples when that phase began (its reader's origin)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "TrainState":
@@ -451,6 +453,17 @@ def set_aside(root: Path, tags: list[Path], resumed: Path) -> None:
     _write_text_atomic(root / LATEST_FILE, resumed.name)
 
 
+#: Hashes of configs whose differences from their checkpoint are the overrides `cpt-train --resume` was
+#: given (`pipeline.train.resume_run` allows those without `train.allow_config_change=true`): `plan_resume`
+#: reports them as the changes asked for, not as an allowance the user never set (issue 42).
+_RESUME_OVERRIDE_CONFIGS: set[str] = set()
+
+
+def note_resume_overrides(config: dict) -> None:
+    """Mark `config` (a `RunConfig.to_dict()`) as `--resume`'s saved config changed by its overrides."""
+    _RESUME_OVERRIDE_CONFIGS.add(config_hash(config))
+
+
 def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int, zero_stage: int,
                 allow_config_change: bool, legacy_manifest_hash: str = "") -> ResumeTarget:
     """Read the checkpoint's meta and refuse a different config or data unless allowed.
@@ -475,7 +488,11 @@ def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int
         if not allow_config_change:
             raise CheckpointError(f"{tag_dir} was written with a different config or data: {text}. Pass "
                                   "train.allow_config_change=true to resume anyway")
-        log.warning("resuming %s despite changes (train.allow_config_change=true): %s", tag_dir, text)
+        if config_hash(config) in _RESUME_OVERRIDE_CONFIGS:  # noted for this resume only: taken once
+            _RESUME_OVERRIDE_CONFIGS.discard(config_hash(config))
+            log.info("resuming %s with the changes --resume's overrides asked for: %s", tag_dir, text)
+        else:
+            log.warning("resuming %s despite changes (train.allow_config_change=true): %s", tag_dir, text)
     universal = (meta.world_size != world_size or meta.zero_stage != zero_stage) and max(meta.zero_stage, zero_stage) > 0
     if universal and 3 in (meta.zero_stage, zero_stage):
         raise CheckpointError(

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 from pipeline.config.checks import ConfigError
 from pipeline.config.loader import apply_override, from_dict
 from pipeline.config.run import RunConfig, config_differences, resume_relevant
-from pipeline.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, CheckpointError, read_latest
+from pipeline.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, CheckpointError, note_resume_overrides, read_latest
 from pipeline.train.optim import lr_at
 from pipeline.train.run_meta import META_FILE, RunMeta
 
@@ -93,6 +93,7 @@ def load_resumed_config(path: str | Path, overrides: Sequence[str] = ()) -> tupl
     if changed and not cfg.train.allow_config_change:
         check_same_data(cfg, meta, overrides)
         cfg.train.allow_config_change = True  # the differences are exactly what the overrides asked for
+        note_resume_overrides(cfg.to_dict())  # so the resume logs them as asked for, not as the user's allowance
     saved_total = int(saved.get("train", {}).get("total_steps", cfg.train.total_steps))
     if cfg.train.total_steps != saved_total:
         log.info("--resume %s: train.total_steps %d -> %d from step %d; the LR schedule is re-stretched to the new "
