@@ -17,14 +17,50 @@ from demo.outcome import measure, report_lines, verdict
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_every_pip_install_of_the_demo_script_is_announced_and_timed():
-    lines = [line.strip() for line in (REPO / "scripts" / "demo.sh").read_text().splitlines()]
-    code = [line for line in lines if line and not line.startswith("#")]
-    installs = [i for i, line in enumerate(code) if "pip install" in line and not line.startswith(("phase", "echo"))]
-    assert len(installs) == 2
-    for i in installs:
-        assert code[i - 1].startswith("phase "), f"silent install: {code[i]}"
-        assert code[i + 1] == "took", f"untimed install: {code[i]}"
+def test_every_pip_install_of_the_scripts_is_announced_and_timed():
+    seen = 0
+    for script in ("demo.sh", "test.sh", "venv.sh"):
+        lines = [line.strip() for line in (REPO / "scripts" / script).read_text().splitlines()]
+        code = [line for line in lines if line and not line.startswith("#")]
+        installs = [i for i, line in enumerate(code) if "pip install" in line and not line.startswith(("phase", "echo"))]
+        for i in installs:
+            assert code[i - 1].startswith("phase "), f"{script}: silent install: {code[i]}"
+            assert code[i + 1] == "took", f"{script}: untimed install: {code[i]}"
+            assert code[i].startswith('"$PYTHON" -m pip'), f"{script}: not the virtual environment's pip: {code[i]}"
+        seen += len(installs)
+    assert seen == 3  # torch (venv.sh), the package (demo.sh), the package with its test tools (test.sh)
+
+
+def _source_venv(tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    import sys
+
+    return subprocess.run(["bash", "-c", 'set -euo pipefail; source scripts/venv.sh; cpt_python; echo "PYTHON=$PYTHON"'],
+                          cwd=REPO, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                                         "CPT_BASE_PYTHON": sys.executable, **env},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_scripts_create_and_reuse_a_virtual_environment_not_the_machines_python(tmp_path):
+    """The README's commands never pip-install into whatever python3 is (PEP 668): scripts/venv.sh creates
+    CPT_VENV with `python -m venv` (pip inside), reuses it, refuses a directory that is something else."""
+    venv_dir = tmp_path / "env"
+    first = _source_venv(tmp_path, {"CPT_VENV": str(venv_dir)})
+    assert first.returncode == 0, first.stderr
+    assert "creating the virtual environment" in first.stdout and f"PYTHON={venv_dir}/bin/python" in first.stdout
+    assert (venv_dir / "pyvenv.cfg").is_file()
+    probe = subprocess.run([str(venv_dir / "bin" / "python"), "-c", "import sys; print(sys.prefix != sys.base_prefix)"],
+                           capture_output=True, text=True, timeout=60)
+    assert probe.stdout.strip() == "True"
+    again = _source_venv(tmp_path, {"CPT_VENV": str(venv_dir)})
+    assert again.returncode == 0 and "using the virtual environment" in again.stdout and "creating" not in again.stdout
+    other = tmp_path / "thesis"
+    other.mkdir()
+    (other / "chapter1.tex").write_text("precious")
+    refused = _source_venv(tmp_path, {"CPT_VENV": str(other)})
+    assert refused.returncode == 1 and "is not a virtual environment" in refused.stderr
+    assert (other / "chapter1.tex").read_text() == "precious"
+    own = _source_venv(tmp_path, {"PYTHON": "/usr/bin/python3"})
+    assert own.returncode == 0 and "PYTHON=/usr/bin/python3" in own.stdout and "no virtual environment" in own.stdout
 
 
 def test_demo_script_says_what_it_runs(tmp_path):
