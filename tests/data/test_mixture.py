@@ -152,6 +152,21 @@ def test_mixture_stream_is_the_same_for_any_world_size_and_resumes_in_o1(two_sou
         assert merged.tolist() == full.rows_at(one).tolist()
 
 
+def test_worker_processes_read_the_same_mixture_batches(two_sources) -> None:
+    """`num_workers > 0`: the mixture dataset is pickled into DataLoader workers (its caches rebuilt
+    there) and they collate exactly the batches of the training process."""
+    dataset = open_run_data(mixture(*two_sources))
+
+    def batches(workers: int) -> list:
+        collator = CorruptionCollator(("masked",), dataset.special_tokens, dataset.vocab_size, SEED)
+        reader = PretrainBatches(dataset, collator, BatchPlan(4, 4, 1), 0, SEED, consumed_samples=48,
+                                 num_workers=workers)
+        return [next(reader) for _ in range(4 * 6)]
+
+    for inline, worker in zip(batches(0), batches(1)):
+        assert all(np.array_equal(inline[k].numpy(), worker[k].numpy()) for k in inline)
+
+
 def test_a_source_is_re_read_in_a_new_order_each_pass_and_its_counters_are_exact(two_sources) -> None:
     dataset = open_run_data(mixture(*two_sources))
     batches = PretrainBatches(dataset, None, BatchPlan(4, 4, 1), 0, SEED)
