@@ -10,7 +10,7 @@
 #                     no virtual environment is created
 #   TORCH_PIP_ARGS    extra pip arguments for torch, e.g. "--index-url https://download.pytorch.org/whl/cpu"
 #
-# After `cpt_python`, $PYTHON is the interpreter to use.
+# After `cpt_python`, $PYTHON is the interpreter to use (and the environment's bin/ leads PATH).
 
 TORCH_VERSION=2.13.0
 export PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -47,6 +47,9 @@ cpt_python() {
         took
     fi
     PYTHON="$dir/bin/python"
+    # as `source $dir/bin/activate` would: what the run starts by name (python3, cpt-*, the mpich wheel's
+    # mpirun, a job script's PYTHON default) is the environment's too, not the machine's
+    export VIRTUAL_ENV="$dir" PATH="$dir/bin:$PATH"
 }
 
 # torch first and pinned: installing the package alone would let pip pick an unpinned torch.
