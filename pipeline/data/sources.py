@@ -50,7 +50,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from pipeline.config.checks import ConfigError, did_you_mean
-from pipeline.data.shards import TOKENIZER_SUBDIR, Manifest
+from pipeline.data.shards import TOKENIZER_SUBDIR, Manifest, read_manifest
 
 SOURCE_KEYS = ("path", "weight", "tokens", "name", "on_exhausted")
 ON_EXHAUSTED = ("repeat", "stop")
@@ -203,6 +203,16 @@ def mixture_hash(content_hashes: Sequence[str], plan: MixturePlan) -> str:
                        "block": plan.block}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
+
+def mixture_identity(data: Any, total_steps: int) -> str:
+    """The data hash a run of `total_steps` steps on this mixture records (`DataConfig.check_shards`),
+    from the manifests alone: what `--resume` compares before any check (a token budget's share, and
+    so this hash, depends on the run's length)."""
+    specs = parse_sources(data.sources, data.mixture_block)
+    manifests = [read_manifest(spec.path) for spec in specs]
+    plan = plan_mixture(specs, [m.total_sequences for m in manifests], [m.total_tokens for m in manifests],
+                        data.mixture_block, total_steps * data.global_batch_size)
+    return mixture_hash([m.content_hash for m in manifests], plan)
 
 def source_seed(seed: int, source: int) -> int:
     """The seed of source `source`'s own pass permutations: derived from (run seed, source index)."""

@@ -110,6 +110,9 @@ def check_same_data(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) -> 
 
     if any(o.split("=", 1)[0].strip() == "data.shards_dir" for o in overrides):
         return
+    if cfg.data.sources:  # a mixture (pipeline.data.sources): its sources' manifests and shares
+        check_same_mixture(cfg, meta, overrides)
+        return
     try:
         current = manifest_hash(cfg.data.shards_dir)
         # checkpoints written before the manifest's content hash recorded the manifest file's sha256
@@ -120,6 +123,26 @@ def check_same_data(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) -> 
         raise ConfigError(f"--resume: the shards in data.shards_dir={cfg.data.shards_dir} changed since the checkpoint "
                           f"(manifest {meta.manifest_hash[:12]} -> {current[:12]}); pass train.allow_config_change=true "
                           "to continue on them anyway, or data.shards_dir=PATH of the run's data")
+
+
+def check_same_mixture(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) -> None:
+    """Refuse a `data.sources` mixture whose sources changed in place, or whose shares moved: a token
+    budget is a share of `train.total_steps` x global batch, so extending such a run would re-draw
+    the interleave (and the per-source counters) from step 1. Overriding `data.sources` is deliberate."""
+    from pipeline.data.sources import mixture_identity
+
+    if any(o.split("=", 1)[0].strip() in ("data.sources", "data.mixture_block") for o in overrides):
+        return
+    try:
+        current = mixture_identity(cfg.data, cfg.train.total_steps)
+    except (FileNotFoundError, OSError, ValueError):
+        return  # missing or unreadable shards, bad entries: check_run names the problem before any compute
+    if meta.manifest_hash != current:
+        raise ConfigError(f"--resume: the data.sources mixture changed since the checkpoint (data "
+                          f"{meta.manifest_hash[:12]} -> {current[:12]}): a source's shards, or its share (a "
+                          "data.sources[i].tokens budget is a share of train.total_steps x data.global_batch_size, "
+                          "so a new train.total_steps moves it); pass train.allow_config_change=true to continue "
+                          "with the new interleave, or give the sources weights")
 
 
 def resumed_recipe(meta: RunMeta, saved: dict, now: dict) -> dict[str, Any]:

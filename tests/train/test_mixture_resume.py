@@ -77,3 +77,26 @@ def test_a_resume_with_other_weights_is_a_config_change(sources, tmp_path: Path,
     assert run_inprocess("tiny-mlm", Path(""), out, "train.total_steps=6", "train.checkpoint_every=3",
                          *changed) == EXIT_CONFIG_ERROR
     assert "data.sources" in capsys.readouterr().err
+
+
+def test_extending_a_run_keeps_weights_but_refuses_moved_token_budgets(sources, tmp_path: Path) -> None:
+    """`cpt-train --resume RUN train.total_steps=N`: a weighted mixture keeps its interleave (same data
+    hash), a token budget's share would move with the run's length: refused, naming why."""
+    from pipeline.config.checks import ConfigError
+    from pipeline.data.shards import read_manifest
+    from pipeline.train.resume_run import load_resumed_config
+
+    wiki, books = sources
+    weighted, budgeted = tmp_path / "weighted", tmp_path / "budgeted"
+    steps = ["train.total_steps=3", "train.checkpoint_every=3"]
+    assert run_inprocess("tiny-mlm", Path(""), weighted, *steps, *mixture_overrides(wiki, books)) == 0
+    cfg, _ = load_resumed_config(weighted, ["train.total_steps=6"])
+    assert cfg.train.total_steps == 6 and cfg.data.sources[1]["weight"] == 0.25
+    budget = read_manifest(books).total_tokens // 2
+    assert run_inprocess("tiny-mlm", Path(""), budgeted, *steps, "data.shards_dir=", "data.mixture_block=64",
+                         f"data.sources=[{{path: {wiki}, weight: 1}}, {{path: {books}, tokens: {budget}}}]") == 0
+    with pytest.raises(ConfigError, match=r"--resume: the data.sources mixture changed since the checkpoint .*a "
+                                          r"data.sources\[i\].tokens budget is a share of train.total_steps"):
+        load_resumed_config(budgeted, ["train.total_steps=6"])
+    cfg, _ = load_resumed_config(budgeted, ["train.total_steps=6", "train.allow_config_change=true"])
+    assert cfg.train.total_steps == 6
