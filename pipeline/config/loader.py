@@ -145,7 +145,7 @@ def apply_override(raw: dict, override: str, root: type) -> None:
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """Check/convert one value against a field type (int, float, bool, str, Optional, tuple, dict)."""
+    """Check/convert one value against a field type (int, float, bool, str, Optional, tuple, list, dict)."""
     origin = typing.get_origin(tp)
     if origin is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
@@ -176,6 +176,15 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, (list, tuple)) and len(value) == len(args):
             return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
         raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+    elif origin is list:  # any length; a bare string is a one-item list (`train.trackers=wandb`)
+        (item,) = typing.get_args(tp)
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        raise ConfigError(f"{where}: expected a list, got {value!r}")
     elif tp is dict or origin is dict:
         if value is None:
             return {}

@@ -154,6 +154,11 @@ RESUME_IGNORED_FIELDS = (
     "train.dist_timeout_s",
     "train.progress_bar",
     "train.tensorboard",
+    "train.trackers",  # where metrics go (pipeline.train.trackers): not the trajectory
+    "train.tracker_project",
+    "train.tracker_run_name",
+    "train.tracker_tags",
+    "train.mlflow_tracking_uri",
 )
 _SECTIONS = {f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default_factory)}  # type: ignore[arg-type]
 

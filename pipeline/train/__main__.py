@@ -11,9 +11,13 @@ gloo worker threads of groups that outlive `destroy_process_group` (DeepSpeed ke
 ZeRO-3's groups) abort the process during finalisation now and then (SIGABRT, "terminate called
 without an active exception"; measured: 1 run in 12-24 of a 2-rank ZeRO-3 run), turning a completed
 run's exit 0 into 134.
+
+Rank 0 records how the run ended in `<output_dir>/run_state.json` (`pipeline.train.exit_record`,
+read by `cpt-status`).
 """
 import sys
 
+from pipeline.train import exit_record
 from pipeline.train.preemption import ignore_signals, install_process_handler
 
 
@@ -41,11 +45,19 @@ def exit_without_finalizing(code: int) -> None:
 def run() -> None:
     install_process_handler()
     made_group = False
+    tap = sys.stderr = exit_record.ErrorLineTap(sys.stderr)  # the error line of a failed run, for its exit record
     try:
         from pipeline.train.loop import main
 
-        code = main()
+        try:
+            code = main()
+        except BaseException as err:  # an uncaught error: exit 1 (130 for Ctrl-C), recorded, then raised
+            exit_record.finish(130 if isinstance(err, KeyboardInterrupt) else 1,
+                               f"{type(err).__name__}: {err}".splitlines()[0])
+            raise
+        exit_record.finish(code, tap.last_error)
     finally:
+        sys.stderr = tap.stream
         try:
             if "pipeline.distributed" in sys.modules:  # a run started (`--help`, config errors: no torch import)
                 made_group = sys.modules["pipeline.distributed"].shutdown_distributed()

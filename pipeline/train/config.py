@@ -1,9 +1,10 @@
 """`train.*`: length, seed, output, logging, checkpointing and the guards of a run, owned and validated here."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.config.checks import ConfigError, check_positive
+from pipeline.train.trackers import DEFAULT_TRACKERS, check_installed, check_tracker_names
 
 
 @dataclass
@@ -44,7 +45,23 @@ class TrainConfig:
     progress_bar: bool = True
     """Rank-0 tqdm progress bar."""
     tensorboard: bool = True
-    """Also write metrics to TensorBoard in `<output_dir>/tb/`."""
+    """Older switch of the TensorBoard tracker, kept working: `false` drops `tensorboard` from `train.trackers`."""
+    trackers: list[str] = field(default_factory=lambda: list(DEFAULT_TRACKERS))
+    """Where each logged step's scalars go: any of `jsonl` (`metrics.jsonl`, read by resume and `cpt-status`),
+    `tensorboard` (`tb/`), `wandb`, `mlflow` (optional extras: `pip install ".[wandb]"` / `".[mlflow]"`);
+    rank 0 only; a tracker failing mid-run is dropped with one warning (`pipeline.train.trackers`)."""
+    tracker_project: str = ""
+    """W&B project / MLflow experiment; "" -> `WANDB_PROJECT` / `MLFLOW_EXPERIMENT_NAME`, then the preset name."""
+    tracker_run_name: str = ""
+    """W&B / MLflow run name; "" -> `WANDB_NAME` / `MLFLOW_RUN_NAME`, then the output directory's name."""
+    tracker_tags: list[str] = field(default_factory=list)
+    """Tags of the W&B / MLflow run (empty: W&B reads `WANDB_TAGS`)."""
+    mlflow_tracking_uri: str = ""
+    """MLflow store; "" -> `MLFLOW_TRACKING_URI`, then a local file store `file://<output_dir>/mlruns`."""
+
+    def active_trackers(self) -> list[str]:
+        """`trackers`, less `tensorboard` when the older `tensorboard` switch is false."""
+        return [t for t in self.trackers if self.tensorboard or t != "tensorboard"]
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""
@@ -57,3 +74,5 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}={value}: must be > 1 (a ratio to the run's own history), or 0 for off")
         if not self.resume:
             raise ConfigError("train.resume: use 'auto', 'never' or a checkpoint directory")
+        check_tracker_names(self.trackers)
+        check_installed(self.active_trackers())  # before compute: the install line, not a crash at step 1

@@ -74,6 +74,7 @@ from pipeline.train.checkpoint import (
     settle_pending_save,
 )
 from pipeline.train.checkpoint_writes import check_output_dir
+from pipeline.train import exit_record
 from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded, restore_tf32, set_tf32
 from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, weight_stats
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
@@ -247,6 +248,7 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
             target.set_aside = newer_tags(ckpt_root, resume_dir)
     if not check_only:  # a file, read-only or full location: one line and exit 4 now, not at the first save
         check_output_dir(Path(cfg.train.output_dir), world.rank)
+        exit_record.begin(Path(cfg.train.output_dir), world.rank == 0)  # run_state.json, for cpt-status
     # identical initial weights on every rank, for any world size
     model = build_run_model(cfg, plan, warm_start=target is None)
     if target is not None:
@@ -344,7 +346,7 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
                  cfg.deepspeed.precision, resolve_impl(cfg.optim, device.type, offload),
                  sum(p.numel() for p in model.parameters()))
     return Run(cfg, plan, info, device, model, engine, optimizer, batches, state, meta, flop_counter,
-               MetricsWriter(cfg.train.output_dir, info.is_main, state.step, cfg.train.tensorboard),
+               MetricsWriter.for_run(cfg, info.is_main, state.step, recipe),  # train.trackers
                ThroughputMeter(info.world_size, device_peak_flops(cfg.deepspeed.precision)),
                NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16",
                               cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio))

@@ -1,4 +1,4 @@
-"""Training metrics: model FLOPs of what actually ran, MFU, throughput, and the JSONL/TensorBoard writer.
+"""Training metrics: model FLOPs of what actually ran, MFU, throughput, and the writer to the run's trackers.
 
 FLOPs (per training step, all ranks together) follow Megatron-LM's encoder formula (Narayanan et
 al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters", Sec. 5.1), generalised
@@ -35,7 +35,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -43,6 +43,7 @@ from torch import nn
 from pipeline.model.encoder import BertLayerStack
 from pipeline.model.heads import PredictionHeadTransform, TiedVocabProjection
 from pipeline.model.modernbert import ModernBertHeadTransform, ModernBertLayerStack
+from pipeline.train.trackers import RunIdentity, TrackerSet, open_identity, scalars_of
 
 
 def layer_work_flops(tokens: int, sum_sq_len: int, hidden: int, ffn: int) -> float:
@@ -195,46 +196,52 @@ class ThroughputMeter:
 
 
 class MetricsWriter:
-    """Rank-0 writer of `<output_dir>/metrics.jsonl` (one object per logged step) and TensorBoard.
+    """Rank-0 writer of each logged step's metrics to the run's trackers (`pipeline.train.trackers`):
+    `<output_dir>/metrics.jsonl` (one object per logged step; tracker `jsonl`), TensorBoard, W&B, MLflow.
 
     On resume from step S, lines of steps > S (written by the interrupted run after its last
     checkpoint, possibly a torn last line) are dropped first, and TensorBoard purges events after
-    S, so the files of a resumed run read like those of an uninterrupted one.
+    S, so the files of a resumed run read like those of an uninterrupted one; W&B and MLflow continue
+    the same tracker run. A failing tracker is dropped with one warning (`TrackerSet`); only the
+    JSONL file, which resume and `cpt-status` read, fails the run like any other output.
     """
 
-    def __init__(self, output_dir: str | os.PathLike, enabled: bool, resume_step: int, tensorboard: bool) -> None:
+    def __init__(self, output_dir: str | os.PathLike, enabled: bool, resume_step: int, tensorboard: bool = True,
+                 trackers: Optional[Sequence[str]] = None, identity: Optional[RunIdentity] = None) -> None:
         self.enabled = enabled
         self.path = Path(output_dir) / "metrics.jsonl"
-        self._tb = None
+        names = list(trackers) if trackers is not None else ["tensorboard", "jsonl"] if tensorboard else ["jsonl"]
+        self.trackers = TrackerSet([])
         self._fh = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        truncate_jsonl(self.path, resume_step)
-        self._fh = open(self.path, "a", encoding="utf-8")
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        if "jsonl" in names:
+            truncate_jsonl(self.path, resume_step)
+            self._fh = open(self.path, "a", encoding="utf-8")
+        self.trackers = TrackerSet.open(names, identity or RunIdentity(Path(output_dir)), resume_step)
 
-            self._tb = SummaryWriter(str(Path(output_dir) / "tb"), purge_step=resume_step + 1)
+    @classmethod
+    def for_run(cls, cfg: Any, enabled: bool, resume_step: int, recipe: Optional[dict] = None) -> "MetricsWriter":
+        """The writer of a run (`cfg`: its `RunConfig`): `train.trackers` (less `tensorboard` when
+        `train.tensorboard=false`), named and tagged from `train.tracker_*`, config + recipe attached."""
+        identity = open_identity(cfg.train.output_dir, cfg.to_dict(), recipe, cfg.train, cfg.name)
+        return cls(cfg.train.output_dir, enabled, resume_step, trackers=cfg.train.active_trackers(), identity=identity)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **metrics}
-        self._fh.write(json.dumps(record, sort_keys=True) + "\n")  # type: ignore[union-attr]
-        self._fh.flush()  # type: ignore[union-attr]
-        if self._tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, step)
+        if self._fh is not None:
+            record = {"step": step, **metrics}
+            self._fh.write(json.dumps(record, sort_keys=True) + "\n")
+            self._fh.flush()
+        self.trackers.log(step, scalars_of(metrics))
 
     def close(self) -> None:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        self.trackers.close()
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

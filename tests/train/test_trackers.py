@@ -1,0 +1,206 @@
+"""Experiment trackers (`train.trackers`, `pipeline.train.trackers`): W&B offline and MLflow with a
+local file store get the same scalars as `metrics.jsonl` and the run's config, read back with the
+libraries' own readers (W&B: its offline run file, decoded with wandb's own protobuf `Record`;
+MLflow: `mlflow.search_runs` and the client's metric history); a killed-and-resumed run continues
+the same tracker runs; a tracker whose package is missing is refused before compute with the install
+line; a tracker that fails mid-run costs one warning, never the run.
+
+No network: `WANDB_MODE=offline`, `WANDB_SILENT=true`, no API key; MLflow's store is a `file://`
+directory under `tmp_path`."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.train.trackers import IDS_FILE, STEP_KEY
+from tests.train.runs import DEADLINE_S, REPO, _env, losses, output_of, run_inprocess, train_command, wait_for_step
+
+wandb = pytest.importorskip("wandb")
+mlflow = pytest.importorskip("mlflow")
+
+OFFLINE = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DISABLE_GIT": "true", "WANDB_API_KEY": "",
+           "MLFLOW_ALLOW_FILE_STORE": "true"}
+
+
+@pytest.fixture
+def offline(monkeypatch, tmp_path):
+    for key, value in OFFLINE.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))  # no ~/.config/wandb settings
+    for key in ("WANDB_PROJECT", "WANDB_NAME", "WANDB_TAGS", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(key, raising=False)
+    return tmp_path
+
+
+# ---- W&B offline run files: leveldb-log framed protobuf `Record`s (wandb's `.wandb` format) ----------------
+_BLOCK, _HEADER = 32768, 7  # block size; record header: crc32c (4), length (2), type (1)
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def wandb_records(path: Path) -> list:
+    """Every `Record` of a `.wandb` file (a torn tail, as after a SIGKILL, ends the list)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path}: not a W&B run file"
+    pos, chunks, records = 7, [], []
+    while pos + _HEADER <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < _HEADER:  # block trailer padding
+            pos += left
+            continue
+        length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])
+        payload = data[pos + _HEADER:pos + _HEADER + length]
+        pos += _HEADER + length
+        if kind == 0 and length == 0:
+            break
+        chunks.append(payload)
+        if kind in (_FULL, _LAST):
+            record = pb.Record()
+            record.ParseFromString(b"".join(chunks))
+            records.append(record)
+            chunks = []
+    return records
+
+
+def wandb_runs(out: Path) -> dict[str, dict]:
+    """run id -> {"config": ..., "history": {step: {key: value}}} over every offline run directory
+    (a resumed offline run is a second directory with the same run id)."""
+    runs: dict[str, dict] = {}
+    for run_file in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
+        entry = None
+        for record in wandb_records(run_file):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                entry = runs.setdefault(record.run.run_id, {"config": {}, "history": {}})
+                for item in record.run.config.update:
+                    entry["config"][item.key] = json.loads(item.value_json)
+            elif kind == "history":
+                row = {"/".join(i.nested_key) if i.nested_key else i.key: json.loads(i.value_json)
+                       for i in record.history.item}
+                entry["history"][int(row[STEP_KEY])] = row
+    return runs
+
+
+def jsonl_scalars(out: Path) -> dict[int, dict]:
+    rows = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        step = record.pop("step")
+        rows[step] = {k: v for k, v in record.items() if isinstance(v, (int, float))}
+    return rows
+
+
+def mlflow_run(uri: str) -> tuple:
+    """(the only run of the store as a `search_runs` row, its client)."""
+    mlflow.set_tracking_uri(uri)
+    runs = mlflow.search_runs(search_all_experiments=True)
+    return runs, mlflow.tracking.MlflowClient(tracking_uri=uri)
+
+
+def test_wandb_and_mlflow_get_the_scalars_and_the_config(offline, tiny_shards_dir):
+    out, uri = offline / "run", (offline / "mlruns").as_uri()
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=4", "train.trackers=[jsonl,wandb,mlflow]",
+                         f"train.mlflow_tracking_uri={uri}", "train.tracker_project=trk-test",
+                         "train.tracker_tags=[smoke]") == 0
+    expected = jsonl_scalars(out)
+    assert sorted(expected) == [1, 2, 3, 4] and "loss" in expected[4] and "lr" in expected[4]
+
+    runs = wandb_runs(out)
+    assert list(runs) == [json.loads((out / IDS_FILE).read_text())["wandb"]["run_id"]]
+    (run,) = runs.values()
+    assert run["config"]["config"]["train"]["total_steps"] == 4 and run["config"]["recipe"]["preset"] == "tiny-mlm"
+    assert sorted(run["history"]) == [1, 2, 3, 4]
+    for step, row in expected.items():
+        for key, value in row.items():
+            assert run["history"][step][key] == pytest.approx(value, rel=1e-12, nan_ok=True), (step, key)
+
+    table, client = mlflow_run(uri)
+    assert len(table) == 1 and table["tags.mlflow.runName"][0] == "run" and table["tags.smoke"][0] == "true"
+    assert table["params.train.total_steps"][0] == "4" and table["params.recipe.preset"][0] == "tiny-mlm"
+    assert table["metrics.loss"][0] == pytest.approx(expected[4]["loss"], rel=1e-12)
+    run_id = table["run_id"][0]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "skipped_steps", "mlm/accuracy", "health/unigram_accuracy"):
+        history = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        assert history == pytest.approx({s: r[key] for s, r in expected.items()}, rel=1e-12), key
+
+
+def test_killed_and_resumed_run_is_one_tracker_run(offline, tiny_shards_dir):
+    out, uri = offline / "run", (offline / "mlruns").as_uri()
+    args = ["train.total_steps=40", "train.checkpoint_every=4", "train.trackers=[jsonl,wandb,mlflow]",
+            f"train.mlflow_tracking_uri={uri}"]
+    proc = subprocess.Popen(train_command("tiny-mlm", tiny_shards_dir, out, *args), cwd=REPO, env=_env(OFFLINE),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_step(out, 6, proc)
+    proc.kill()
+    assert proc.wait(timeout=DEADLINE_S) == -signal.SIGKILL, "the run finished before it could be killed"
+    ids = json.loads((out / IDS_FILE).read_text())
+
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *args) == 0  # resume="auto" from the step-4 checkpoint
+    assert json.loads((out / IDS_FILE).read_text()) == ids
+    assert list(wandb_runs(out)) == [ids["wandb"]["run_id"]]  # two offline directories, one run id
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 2
+    table, client = mlflow_run(uri)
+    assert list(table["run_id"]) == [ids["mlflow"]["run_id"]] and table["status"][0] == "FINISHED"
+    steps = {m.step for m in client.get_metric_history(ids["mlflow"]["run_id"], "loss")}
+    assert steps == set(range(1, 41))
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_missing_package_is_refused_before_compute(tracker, tiny_shards_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, tracker, None)  # `import <tracker>` now raises ImportError
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, f"train.trackers=[jsonl,{tracker}]") == 2
+    err = capsys.readouterr().err
+    assert f'error: train.trackers lists {tracker}, but {tracker} is not installed here' in err
+    assert f'pip install ".[{tracker}]"' in err
+    assert not out.exists(), "the run wrote something before refusing"
+
+
+def test_tensorboard_switch_still_drops_tensorboard():
+    from pipeline.config.run import load_config
+
+    assert load_config("tiny-mlm").train.active_trackers() == ["tensorboard", "jsonl"]
+    assert load_config("tiny-mlm", ["train.tensorboard=false"]).train.active_trackers() == ["jsonl"]
+    cfg = load_config("tiny-mlm", ["train.trackers=[mlflow,jsonl,tensorboard]", "train.tensorboard=false"])
+    assert cfg.train.active_trackers() == ["mlflow", "jsonl"]
+
+
+def test_a_tracker_failing_mid_run_costs_one_warning(offline, tiny_shards_dir):
+    """MLflow's file store is replaced by a plain file mid-run (the process stopped meanwhile with
+    SIGSTOP, so the swap falls between two logged steps). The tests run as root, where a read-only
+    directory does not stop writes; a file in a directory's place fails every write into it."""
+    out, store = offline / "run", offline / "mlruns"
+    total = 60
+    proc = subprocess.Popen(
+        train_command("tiny-mlm", tiny_shards_dir, out, f"train.total_steps={total}", "train.checkpoint_every=1000",
+                      "train.trackers=[jsonl,mlflow]", f"train.mlflow_tracking_uri={store.as_uri()}"),
+        cwd=REPO, env=_env(OFFLINE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_step(out, 2, proc)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        swapped_at = max(losses(out))
+        assert swapped_at < total, "the run finished before the store could be broken"
+        store.rename(offline / "mlruns.moved")
+        store.write_text("not a directory\n")
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert proc.wait(timeout=DEADLINE_S) == 0
+    output = output_of(proc)
+    assert output.count("tracker mlflow failed") == 1, output[-3000:]
+    assert "the run goes on without it" in output
+    assert sorted(losses(out)) == list(range(1, total + 1))  # training and metrics.jsonl went on
+    store.unlink()
+    shutil.move(str(offline / "mlruns.moved"), str(store))
+    table, client = mlflow_run(store.as_uri())
+    logged = {m.step for m in client.get_metric_history(table["run_id"][0], "loss")}
+    assert swapped_at <= max(logged) < total
