@@ -11,7 +11,18 @@ run. A re-run with different arguments (or changed input files / tokenizer) is r
 `manifest.json` is written last; its presence means the build is complete.
 
 Tokenization uses the Rust tokenizer's batch encoder in `--num-proc` worker processes fed with
-document chunks in order (`imap`), so the output does not depend on `--num-proc`.
+document chunks in order (`imap`), so the output does not depend on `--num-proc`. The workers are
+started by a `forkserver` (`POOL_START_METHOD`), never forked from the caller: a process forked
+while another of the caller's threads holds a lock (a tokenizer's thread pool, logging, a tracker's
+upload thread) inherits the lock held forever, and the worker hangs in `futex_wait` (then the pool's
+terminate() -> join() hangs too).
+
+Before anything is written the tokenizer must be able to represent the text
+(`pipeline.tokenizer_checks`): a vocabulary below `MIN_VOCAB` entries, or more than `MAX_UNK_SHARE`
+of the first documents' tokens unknown (a converted model directory that lost its tokenizer files
+loads as a 5-token placeholder: ~96% `[UNK]`), is refused with the share in the message (exit 2).
+An interrupt (Ctrl-C, SIGINT) ends with one line and exit 130; the shards recorded so far are kept
+and the same command resumes.
 """
 from __future__ import annotations
 
@@ -36,6 +47,7 @@ from data_prep.packing import PACKING_MODES, Packer
 from data_prep.readers import InputError, ReadOptions, Source, check_source, iter_documents, resolve_inputs
 from data_prep.encode import DocumentEncoder
 from data_prep.tokenizer_io import LoadedTokenizer, load_tokenizer
+from pipeline.tokenizer_checks import SAMPLE_DOCUMENTS, coverage_problem, unknown_share
 from pipeline.data.shards import (
     FORMAT_VERSION,
     MANIFEST_FILE,
@@ -59,6 +71,9 @@ STATE_FILE = "build_state.json"
 SLEEP_AFTER_SHARD_ENV = "DATA_PREP_SLEEP_AFTER_SHARD"
 CHUNK_DOCUMENTS = 512
 CHUNK_CHARS = 4 << 20
+#: How the tokenizer workers start: from a clean server process, not by forking the (maybe threaded) caller.
+POOL_START_METHOD = "forkserver"
+EXIT_INTERRUPTED = 130
 
 
 class BuildRefused(RuntimeError):
@@ -168,13 +183,21 @@ def _remove_unrecorded(out: Path, keep: set[str]) -> None:
 _WORKER_TOKENIZER: DocumentEncoder | None = None
 
 
-def _init_worker(backend_json: str) -> None:
+def _set_tokenizer(backend_json: str) -> None:
     global _WORKER_TOKENIZER
-    # A forked worker inherits the parent's Python signal handlers; one that only notes SIGTERM (a
-    # training process's preemption handler, a driver's clean stop) would make the pool's terminate()
-    # unable to end a worker busy in the tokenizer's native code, and its join() would wait forever.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _WORKER_TOKENIZER = DocumentEncoder(backend_json)
+
+
+def _init_worker(backend_json: str) -> None:
+    """A pool worker: SIGTERM's default action, SIGINT ignored, the tokenizer loaded."""
+    # A worker that inherited a handler that only notes SIGTERM (a training process's preemption
+    # handler, a driver's clean stop: whatever the start method carries over) would make the pool's
+    # terminate() unable to end it while it is busy in the tokenizer's native code, and join() would
+    # wait forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Ctrl-C reaches the whole process group: the parent alone reports it (one line) and ends the pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _set_tokenizer(backend_json)
 
 
 def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -200,19 +223,44 @@ def _chunks(sources: list[Source], options: ReadOptions, skip: int) -> Iterator[
         yield chunk
 
 
+def worker_pool(num_proc: int, backend_json: str) -> multiprocessing.pool.Pool:
+    """`num_proc` tokenizer workers (`_init_worker`), started by `POOL_START_METHOD`."""
+    return multiprocessing.get_context(POOL_START_METHOD).Pool(num_proc, _init_worker, (backend_json,))
+
+
+def check_coverage(tokenizer: LoadedTokenizer, sources: list[Source], options: ReadOptions) -> None:
+    """Refuse (ValueError naming --tokenizer and the unknown share) a tokenizer that cannot represent
+    the first `SAMPLE_DOCUMENTS` non-empty documents (`pipeline.tokenizer_checks`)."""
+    texts: list[str] = []
+    for chunk in _chunks(sources, options, 0):
+        texts += [text for _, text, _ in chunk if text.strip()][: SAMPLE_DOCUMENTS - len(texts)]
+        if len(texts) >= SAMPLE_DOCUMENTS:
+            break
+    if not texts:
+        return  # no documents: the build reports that itself
+    ids, _, lengths = DocumentEncoder(tokenizer.backend_json).encode(texts)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    share, tokens = unknown_share((ids[lo:hi] for lo, hi in zip(offsets[:-1], offsets[1:])),
+                                  tokenizer.special_tokens["unk"])
+    problem = coverage_problem(tokenizer.directory, tokenizer.vocab_size, share, tokens,
+                               f"the first {len(texts)} documents")
+    if problem:
+        raise ValueError(f"--tokenizer {problem}; nothing was written")
+
+
 def _tokenized(chunks: Iterator[list[tuple[int, str, int]]], tokenizer: LoadedTokenizer, num_proc: int):
     """Yield (chunk, tokenized non-empty texts) in input order, using `num_proc` processes."""
     def texts_of(chunk: list[tuple[int, str, int]]) -> list[str]:
         return [text for _, text, _ in chunk if text.strip()]
 
     if num_proc <= 1:
-        _init_worker(tokenizer.backend_json)
+        _set_tokenizer(tokenizer.backend_json)  # in this process: its own signal handlers stay
         for chunk in chunks:
             yield chunk, _tokenize_chunk(texts_of(chunk))
         return
     # A bounded window of chunks in flight (Pool.imap would read the whole corpus ahead into memory).
     window: deque = deque()
-    with multiprocessing.get_context("fork").Pool(num_proc, _init_worker, (tokenizer.backend_json,)) as pool:
+    with worker_pool(num_proc, tokenizer.backend_json) as pool:
         for chunk in chunks:
             window.append((chunk, pool.apply_async(_tokenize_chunk, (texts_of(chunk),))))
             if len(window) >= 2 * num_proc:
@@ -279,6 +327,7 @@ def build_shards(
     for source in sources:
         check_source(source, read_options)
     loaded = load_tokenizer(tokenizer)
+    check_coverage(loaded, sources, read_options)
     tokenizer_hash = hash_directory(loaded.directory)
     dtype = id_dtype_for(loaded.vocab_size)
     rows = rows_per_shard(seq_len, dtype, shard_size_mb)
@@ -438,6 +487,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def interrupted_message(out: Path) -> str:
+    """What an interrupted build left: the shards its state records (kept) and how to resume."""
+    try:
+        shards = len(json.loads((out / STATE_FILE).read_text())["shards"])
+    except (OSError, ValueError, KeyError, TypeError):
+        shards = 0
+    kept = f"the {shards} shard(s) recorded in {out / STATE_FILE} are kept" if shards else "no shard was complete yet"
+    return f"interrupted (SIGINT): {kept}; re-run the same command to resume"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -455,6 +514,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InputError, ValueError, BuildRefused) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"error: {interrupted_message(Path(args.out))}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"{args.out}: {manifest.total_sequences:,} sequences in {len(manifest.shards)} shard(s)")
     return 0
 

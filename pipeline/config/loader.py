@@ -74,13 +74,29 @@ def resolve_preset(name_or_path: str) -> Path:
     return candidate
 
 
+def yaml_error_line(err: yaml.YAMLError) -> str:
+    """A YAML parse error in one line: `line L, column C: problem (context)` (PyYAML's own text spans
+    several lines, with a copy of the offending line and a caret)."""
+    mark = getattr(err, "problem_mark", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    context = getattr(err, "context", None)
+    return f"{where}{problem}{f' ({context})' if context else ''}"
+
+
 def _read_yaml(path: Path) -> dict:
+    """The top-level mapping of a config file. An empty file, or one holding only `null`, `0` or a
+    list, is an error naming the file: read as `{}` it would train silently on built-in defaults."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: invalid YAML ({err})") from err
+        raise ConfigError(f"{path}: invalid YAML at {yaml_error_line(err)}") from err
+    if raw is None:
+        raise ConfigError(f"{path}: empty config (no settings); a config file is a mapping of sections, e.g. "
+                          "`inherit: tiny-mlm` or `train: {total_steps: 100}`")
     if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {type(raw).__name__} "
+                          f"{raw!r:.40}")
     return raw
 
 

@@ -325,13 +325,71 @@ def test_pool_workers_do_not_inherit_a_parents_sigterm_handler(tiny_tokenizer_di
     from data_prep.build_shards import _init_worker
     from data_prep.tokenizer_io import load_tokenizer
 
+    from data_prep.build_shards import worker_pool
+
     noted: list[int] = []
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: noted.append(signum))
     try:
         backend = load_tokenizer(tiny_tokenizer_dir).backend_json
-        with multiprocessing.get_context("fork").Pool(2, _init_worker, (backend,)) as pool:
+        with worker_pool(2, backend) as pool:  # the builder's own pool
             assert pool.map(_worker_sigterm_is_default, range(4)) == [True] * 4
-        with multiprocessing.get_context("fork").Pool(1) as pool:  # without the initializer: inherited
+        with multiprocessing.get_context("fork").Pool(2, _init_worker, (backend,)) as pool:  # any start method
+            assert pool.map(_worker_sigterm_is_default, range(4)) == [True] * 4
+        with multiprocessing.get_context("fork").Pool(1) as pool:  # forked without the initializer: inherited
             assert pool.map(_worker_sigterm_is_default, range(1)) == [False]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _worker_parent(_: int) -> int:
+    return os.getppid()
+
+
+#: A parent that has started threads before it builds shards with 2 workers (run in a subprocess, so
+#: a deadlocked worker fails the test by its timeout instead of hanging the suite): one thread
+#: tokenizes in a loop (the Rust tokenizer's own thread pool), one logs, one writes to stderr, so
+#: locks are held at any instant; the workers must still start and the build must finish.
+THREADED_PARENT = """
+import logging, os, sys, threading
+from data_prep.build_shards import build_shards, worker_pool
+from tests.data.test_build_shards import _worker_parent
+from data_prep.tokenizer_io import load_tokenizer
+from data_prep.encode import DocumentEncoder
+corpus, tokenizer, out, seq_len, shard_mb = sys.argv[1:6]
+stop = threading.Event()
+encoder = DocumentEncoder(load_tokenizer(tokenizer).backend_json)
+text = open(corpus).read()[:4000]
+def tokenize():
+    while not stop.is_set():
+        encoder.encode([text] * 8)
+def log():
+    while not stop.is_set():
+        logging.getLogger("busy").warning("busy")
+def write():
+    while not stop.is_set():
+        sys.stderr.write(".")
+threads = [threading.Thread(target=f, daemon=True) for f in (tokenize, log, write)]
+for t in threads:
+    t.start()
+build_shards([corpus], tokenizer, out, seq_len=int(seq_len), shard_size_mb=float(shard_mb), num_proc=2, progress=False)
+with worker_pool(2, load_tokenizer(tokenizer).backend_json) as pool:
+    parents = set(pool.map(_worker_parent, range(4)))
+stop.set()
+print("parents", os.getpid() in parents, flush=True)
+"""
+
+
+def test_shards_build_in_a_parent_that_started_threads_first(tiny_corpus_file, tiny_tokenizer_dir, tiny_shards_dir,
+                                                             tmp_path):
+    """Issue 42: a forked worker of a threaded parent could inherit a held lock and hang in futex_wait
+    (then Pool.terminate -> join hung). The workers are started by a forkserver, not forked from the
+    parent (their parent process is not the builder), and the build of a threaded parent finishes with
+    the same shards as an unthreaded one."""
+    out = tmp_path / "shards"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", THREADED_PARENT, str(tiny_corpus_file), str(tiny_tokenizer_dir),
+                           str(out), str(TINY_SEQ_LEN), str(TINY_SHARD_MB)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "parents False"  # no worker is a child of the builder: none was forked from it
+    assert _shard_bytes(out) == _shard_bytes(tiny_shards_dir)
