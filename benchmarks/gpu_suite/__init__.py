@@ -1,9 +1,10 @@
-"""The GPU suite: one front door that turns a lent GPU into the project's performance evidence.
+"""The GPU suite: one front door that turns a GPU - a 15-minute lease or your own - into the project's
+performance evidence.
 
-`python -m benchmarks.gpu_suite --plan` lists the stages (one device command each), `--prepare`
-builds what travels, `--stage NAME` runs one on the GPU machine, `--dry-run` rehearses them all on
-the CPU, `--collect DIR` files the results and regenerates the README's performance table.
-Modules: `plan` (stages, budgets, limits), `stage_io` (context and the one writer), `targets`,
-one module per stage (`env_stage`, `kernels_stage`, `throughput_stage`, `sanity_stage`),
-`prepare`, `collect`.
+`python -m benchmarks.gpu_suite --plan` prints the commands to type on a lease and checks the plan
+against it, `--prepare` builds what travels, `--stage NAME` runs one command's rows, `--local`
+every command on a GPU of your own, `--dry-run` rehearses them on the CPU, `--collect DIR` files the
+results and regenerates the README's performance table. Modules: `plan` (the rows in value order,
+the commands, the lease arithmetic), `runner` (the one runner and the one writer), `train_rows` and
+`kernel_rows` (what a row measures), `targets`, `prepare`, `collect`.
 """

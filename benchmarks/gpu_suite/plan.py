@@ -1,78 +1,132 @@
-"""The GPU plan: which stages run, in which order, each as one device command, and the limits they must fit.
+"""The GPU plans in one place: the rows in value order, grouped into device commands, and the lease they must fit.
 
-A lent GPU (`../shared/gpu/README.md`) gives about 30 minutes, at most 10 minutes per command, at
-most 8 result files (two folders deep) back per command, 64 MiB of working tree (carried folders
-included) and a 2,000-character command. The plan keeps margin under each: a stage's budget plus the
-wheel install is at most `STAGE_LIMIT_S` (8 minutes), the whole plan at most `PLAN_LIMIT_S`
-(25 minutes), a stage writes at most `MAX_STAGE_FILES` files. `check_plan` returns every violated
-limit; a stage whose measured time exceeds its budget (the dry run's CPU time against its dry budget,
-or a GPU run's recorded wall time against its GPU budget) is one of them.
+A lent GPU (`../shared/gpu/README.md`) gives 15 minutes of device time in all: the machine's start
+(`START_S`), every command, the idle gap held after each command (`IDLE_S`) and any failed start;
+at most 10 minutes a command, at most 8 result files back per command, 64 MiB of working tree
+(carried folders included) and a 2,000-character command. So a plan costs
 
-Two plans, each one lease (`PLANS`): `core`, issue 22's evidence (BERT-large), runs first; `modernbert`,
-issue 30's same-size architecture comparison, is a second, optional plan for the next lease. It cannot
-join the core plan: the core stages take 24.3 of the 25 minutes, and ModernBERT rows beside the BERT
-rows would need about 10 more minutes. Its stages re-measure the BERT partner of every ModernBERT row in
-the same warm process rather than pairing with the core plan's rows, because a ratio is only read
-between rows measured side by side on one GPU (another lease may be another card, or the same card
-under other conditions).
+    device seconds = START_S + sum over its commands of (limit_s + IDLE_S)
+
+where a command's `limit_s` is the wall time it may take, install included: its runner stops
+starting rows at `limit_s - INSTALL_S` from its own start (`Stage.deadline_s`) and starts a row
+only when the row's estimate (`Row.gpu_s`) still fits before it. `check_plan` fails a plan over
+`LEASE_S`, a command whose install plus row estimates exceed its own limit, a limit over the
+device's 10 minutes, and every other limit above.
+
+Two plans, one lease each (`PLANS`): `core` (command 1, `headline`, yields MLM and hf-bert at
+L=128 and L=512, every objective at L=128 and the fused kernels against their peers; command 2,
+`more`, is optional) and `modernbert` (ModernBERT large-24 beside BERT-large, pair by pair, one
+command sized like `headline`). Row estimates are first guesses for an H100 (not yet measured:
+each result records every row's `wall_s`; correct `gpu_s` from them).
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[2]
-#: The git-ignored folders that travel with every command: the wheels the image lacks, and the data.
+#: The git-ignored folders that travel with every command on a lease: the wheels the image lacks and
+#: `source.json` (the commit: the device gets no `.git`). `--local` needs neither.
 WHEELS_DIR = ".whl"
 CARRY_DIR = ".gpu_suite"
 CARRY = (WHEELS_DIR, CARRY_DIR)
+SOURCE_FILE = "source.json"
 #: `../shared/gpu/README.md`'s install line: the image's torch/triton stay, the wheels add the rest.
 INSTALL = ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "
            f"{WHEELS_DIR}/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit; ")
-#: Seconds assumed for the install line and the interpreter's imports before a stage starts.
+LEASE_S = 15 * 60.0
+START_S = 120.0
+IDLE_S = 30.0
+DEVICE_COMMAND_LIMIT_S = 10 * 60.0
+#: Seconds assumed for the install line and the interpreter's imports before the first row.
 INSTALL_S = 45.0
-STAGE_LIMIT_S = 8 * 60.0
-PLAN_LIMIT_S = 25 * 60.0
-COMMAND_LIMIT = 2000
+COMMAND_CHARS = 2000
 CARRY_LIMIT_BYTES = 64 * 2**20
 MAX_STAGE_FILES = 8
+LENGTHS = (128, 512)
+OBJECTIVES = ("mlm", "taco", "capt", "cocolm", "infoword")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measurement: `kind` picks its runner (`benchmarks.gpu_suite.rows.RUNNERS`), `params` its
+    arguments; `gpu_s`: the device seconds it is expected to take (its runner's warm-up included)."""
+
+    name: str
+    kind: str
+    gpu_s: float
+    params: tuple[tuple[str, Any], ...] = ()
+
+    def arg(self, key: str, default: Any = None) -> Any:
+        return dict(self.params).get(key, default)
 
 
 @dataclass(frozen=True)
 class Stage:
-    """One device command. `budget_s`: GPU seconds after the install (the stage stops starting new
-    rows when it is spent, so its files always come back); `dry_budget_s`: CPU seconds of its dry run."""
+    """One device command: its rows in the order they run and the wall time it may take (install included)."""
 
     name: str
     title: str
-    budget_s: float
-    dry_budget_s: float
-    runner: str  # "module:function", called with a StageContext
+    limit_s: float
+    rows: tuple[Row, ...] = field(default=())
+
+    @property
+    def deadline_s(self) -> float:
+        """Seconds from the process's start after which no row starts."""
+        return self.limit_s - INSTALL_S
 
     def command(self) -> str:
         return INSTALL + f"python3 -m benchmarks.gpu_suite --stage {self.name} --out $OUT"
 
 
-#: The core plan (issue 22): run first on a lease.
-STAGES: tuple[Stage, ...] = (
-    Stage("env", "environment and kernel correctness", 150, 60, "benchmarks.gpu_suite.env_stage:run"),
-    Stage("kernels", "fused losses against eager, compile and peers", 360, 60, "benchmarks.gpu_suite.kernels_stage:run"),
-    Stage("throughput-128", "BERT-large throughput at L=128", 270, 90, "benchmarks.gpu_suite.throughput_stage:run_128"),
-    Stage("throughput-512", "BERT-large throughput at L=512", 270, 90, "benchmarks.gpu_suite.throughput_stage:run_512"),
-    Stage("sanity", "base-size training sanity on WikiText-2", 180, 90, "benchmarks.gpu_suite.sanity_stage:run"),
-)
-#: The ModernBERT plan (issue 30 item 5): BERT-large and ModernBERT large-24 pair by pair, one length per
-#: command; 10 rows in a budget that gives each about as long as a core throughput row.
-MODERNBERT_STAGES: tuple[Stage, ...] = (
-    Stage("throughput-modernbert-128", "ModernBERT large-24 vs BERT-large throughput at L=128", 390, 90,
-          "benchmarks.gpu_suite.throughput_stage:run_modernbert_128"),
-    Stage("throughput-modernbert-512", "ModernBERT large-24 vs BERT-large throughput at L=512", 390, 90,
-          "benchmarks.gpu_suite.throughput_stage:run_modernbert_512"),
-)
-PLANS: dict[str, tuple[Stage, ...]] = {"core": STAGES, "modernbert": MODERNBERT_STAGES}
+def env_row(gpu_s: float = 30) -> Row:
+    return Row("env", "env", gpu_s)
+
+
+def train_row(objective: str, length: int, arch: str = "bert", gpu_s: float = 33) -> Row:
+    prefix = "" if arch == "bert" else f"{arch} "
+    return Row(f"{prefix}{objective} L={length}", "train", gpu_s,
+               (("objective", objective), ("length", length), ("arch", arch)))
+
+
+def hf_row(length: int, gpu_s: float = 28) -> Row:
+    return Row(f"hf-bert L={length}", "hf", gpu_s, (("length", length),))
+
+
+def kernel_row(case: str, size: str, impls: tuple[str, ...], gpu_s: float = 20) -> Row:
+    return Row(f"kernel {case} {size}", "kernel", gpu_s, (("case", case), ("size", size), ("impls", impls)))
+
+
+EAGER = ("triton", "eager_bf16", "eager_fp32")
+LCE_PEERS = EAGER + ("liger", "cce")
+OTHER_CASES = ("linear_cross_entropy_with_accuracy", "corrective_lm_loss", "sampled_softmax_cross_entropy",
+               "sampled_softmax_shared", "sequence_contrastive_loss")
+
+HEADLINE = Stage("headline", "the headline numbers: BERT-large MLM and hf-bert at L=128 and 512, every objective "
+                 "at L=128, fused losses against eager / Liger / CCE", 420, (
+                     env_row(),
+                     train_row("mlm", 128), hf_row(128), train_row("mlm", 512), hf_row(512),
+                     *(train_row(o, 128) for o in OBJECTIVES[1:]),
+                     kernel_row("linear_cross_entropy", "16k", LCE_PEERS),
+                     kernel_row("token_contrastive_loss", "16k", EAGER)))
+MORE = Stage("more", "the objectives at L=512, the queue InfoNCE share of a CAPT step, pytest -m gpu, "
+             "the second kernel size", 300, (
+                 *(train_row(o, 512, gpu_s=30) for o in OBJECTIVES[1:]),
+                 Row("queue InfoNCE share of a CAPT step", "queue", 10),
+                 Row("pytest -m gpu", "pytest", 45, (("timeout_s", 40),)),
+                 kernel_row("linear_cross_entropy", "64k", LCE_PEERS),
+                 kernel_row("token_contrastive_loss", "64k", EAGER),
+                 Row("kernel other cases 16k", "kernel", 30, (("case", OTHER_CASES), ("size", "16k"),
+                                                              ("impls", ("triton", "eager_bf16"))))))
+MODERNBERT = Stage("modernbert", "ModernBERT large-24 beside BERT-large, pair by pair: MLM at L=128 and 512, every "
+                   "objective at L=128", 420, tuple(
+                       r for objective, length in [("mlm", 128), ("mlm", 512), *((o, 128) for o in OBJECTIVES[1:])]
+                       for r in (train_row(objective, length, "bert", 28), train_row(objective, length, "modernbert", 28))))
+PLANS: dict[str, tuple[Stage, ...]] = {"core": (HEADLINE, MORE), "modernbert": (MODERNBERT,)}
 #: Every stage of every plan (what `--stage NAME` runs, the dry run rehearses and `--collect` files).
 ALL_STAGES: tuple[Stage, ...] = tuple(stage for stages in PLANS.values() for stage in stages)
 
@@ -81,33 +135,32 @@ def stage_named(name: str, stages: Sequence[Stage] = ALL_STAGES) -> Stage:
     for stage in stages:
         if stage.name == name:
             return stage
-    raise KeyError(f"--stage {name!r}: no such stage; the plan has {', '.join(s.name for s in stages)}")
+    raise KeyError(f"--stage {name!r}: no such stage; the plans have {', '.join(s.name for s in stages)}")
 
 
-def check_plan(stages: Sequence[Stage] = STAGES, measured_s: Optional[Mapping[str, float]] = None,
-               dry_run: bool = False, carry_bytes: Optional[int] = None,
-               files_written: Optional[Mapping[str, int]] = None) -> list[str]:
-    """Every limit the plan breaks, as one line each ([] when it fits).
+def device_seconds(stages: Sequence[Stage]) -> float:
+    """What a plan costs of a lease: the start, then each command's limit and the idle gap after it."""
+    return START_S + sum(stage.limit_s + IDLE_S for stage in stages)
 
-    measured_s: stage -> seconds it took (against `dry_budget_s` for a dry run, `budget_s` on a GPU);
-    carry_bytes: the working tree plus carried folders; files_written: stage -> result files."""
+
+def check_plan(stages: Sequence[Stage], carry_bytes: Optional[int] = None,
+               files_written: Optional[dict[str, int]] = None) -> list[str]:
+    """Every limit the plan breaks, one line each ([] when it fits); the arithmetic only, no clock."""
     problems = []
-    total = 0.0
     for stage in stages:
-        need = INSTALL_S + stage.budget_s
-        total += need
-        if need > STAGE_LIMIT_S:
-            problems.append(f"{stage.name}: budget {stage.budget_s:.0f} s + install {INSTALL_S:.0f} s = {need:.0f} s "
-                            f"> the {STAGE_LIMIT_S:.0f} s a stage may take")
-        if len(stage.command()) > COMMAND_LIMIT:
-            problems.append(f"{stage.name}: command is {len(stage.command())} characters > {COMMAND_LIMIT}")
-    if total > PLAN_LIMIT_S:
-        problems.append(f"plan: {total:.0f} s of GPU time > {PLAN_LIMIT_S:.0f} s")
-    for name, seconds in (measured_s or {}).items():
-        stage = stage_named(name, stages)
-        budget = stage.dry_budget_s if dry_run else stage.budget_s
-        if seconds > budget:
-            problems.append(f"{name}: took {seconds:.0f} s > its {'dry-run ' if dry_run else ''}budget {budget:.0f} s")
+        need = INSTALL_S + sum(row.gpu_s for row in stage.rows)
+        if need > stage.limit_s:
+            problems.append(f"{stage.name}: install {INSTALL_S:.0f} s + row estimates "
+                            f"{need - INSTALL_S:.0f} s = {need:.0f} s > its limit {stage.limit_s:.0f} s")
+        if stage.limit_s > DEVICE_COMMAND_LIMIT_S:
+            problems.append(f"{stage.name}: limit {stage.limit_s:.0f} s > the device's "
+                            f"{DEVICE_COMMAND_LIMIT_S:.0f} s a command")
+        if len(stage.command()) > COMMAND_CHARS:
+            problems.append(f"{stage.name}: command is {len(stage.command())} characters > {COMMAND_CHARS}")
+    total = device_seconds(stages)
+    if total > LEASE_S:
+        problems.append(f"plan: {total / 60:.1f} device minutes (start {START_S:.0f} s + commands + "
+                        f"{IDLE_S:.0f} s idle after each) > the lease's {LEASE_S / 60:.0f}")
     for name, count in (files_written or {}).items():
         if count > MAX_STAGE_FILES:
             problems.append(f"{name}: wrote {count} files > the {MAX_STAGE_FILES} that come back")
@@ -123,25 +176,73 @@ def travelling_bytes(root: Path = REPO, carry: Iterable[str] = CARRY) -> int:
                             capture_output=True, check=True).stdout.split(b"\0")
     total = sum((root / os.fsdecode(p)).stat().st_size for p in listed if p and (root / os.fsdecode(p)).is_file())
     for folder in carry:
-        for path in (root / folder).rglob("*"):
-            if path.is_file():
-                total += path.stat().st_size
+        total += sum(p.stat().st_size for p in (root / folder).rglob("*") if p.is_file())
     return total
 
 
-def describe(stages: Sequence[Stage] = STAGES, name: str = "core") -> str:
-    """`--plan [NAME]`: the commands in order, with the budgets and the carry list."""
+def describe(stages: Sequence[Stage], name: str) -> str:
+    """`--plan [NAME]`: the commands to type, in order, each with its rows, limit and the lease arithmetic."""
     others = [p for p in PLANS if p != name]
-    lines = [f"GPU plan {name!r} (one lease; the other plans, each its own lease: "
-             f"{', '.join(f'--plan {p}' for p in others) or 'none'}): {len(stages)} commands, run in this order; "
-             f"carry each with: {list(CARRY)}",
-             f"(prepare the carried folders here first: python -m benchmarks.gpu_suite --prepare)", ""]
-    total = 0.0
+    lines = [f"GPU plan {name!r} (one lease; {', '.join(f'--plan {p}' for p in others)}: another lease): "
+             f"{len(stages)} command(s), in this order; carry {list(CARRY)}; give each command a timeout of its limit", ""]
     for i, stage in enumerate(stages, 1):
-        total += INSTALL_S + stage.budget_s
-        lines += [f"{i}. {stage.name}: {stage.title} (budget {stage.budget_s:.0f} s + install {INSTALL_S:.0f} s; "
-                  f"{len(stage.command())} characters)", f"   {stage.command()}"]
-    lines += ["", f"total: {total / 60:.1f} min of GPU time (limits: {STAGE_LIMIT_S / 60:.0f} min a stage, "
-              f"{PLAN_LIMIT_S / 60:.0f} min the plan)",
-              "then, here, for each command's files: python -m benchmarks.gpu_suite --collect FILES_AT_DIR"]
+        rows = sum(r.gpu_s for r in stage.rows)
+        lines += [f"{i}. {stage.name}{' (optional)' if i > 1 else ''}: {stage.title}",
+                  f"   limit {stage.limit_s:.0f} s = install {INSTALL_S:.0f} s + rows until {stage.deadline_s:.0f} s "
+                  f"(estimates {rows:.0f} s): " + ", ".join(r.name for r in stage.rows),
+                  f"   {stage.command()}"]
+    total = device_seconds(stages)
+    lines += ["", f"device time: start {START_S:.0f} s + " + " + ".join(f"({s.limit_s:.0f} + {IDLE_S:.0f} idle) s"
+                                                                       for s in stages)
+              + f" = {total:.0f} s = {total / 60:.1f} min of the lease's {LEASE_S / 60:.0f}",
+              "then, here, for each command's returned folder: python -m benchmarks.gpu_suite --collect FILES_AT_DIR",
+              "with a GPU of your own instead: python -m benchmarks.gpu_suite --local" + (
+                  f" {name}" if name != "core" else "") + " --out DIR (no wheels, no carried folders)"]
     return "\n".join(lines)
+
+
+def show_plan(name: str) -> int:
+    """The plan, its limit check (exit 1 when broken) and, separately, what is not prepared yet."""
+    stages = PLANS[name]
+    print(describe(stages, name))
+    problems = check_plan(stages, carry_bytes=travelling_bytes())
+    for line in problems:
+        print(f"plan check: {line}")
+    print("plan check: fits the lease and every limit" if not problems else "plan check: FAILED")
+    for line in readiness():
+        print(f"not prepared yet: {line}")
+    return 1 if problems else 0
+
+
+def readiness() -> list[str]:
+    """What a lease still needs (reported by `--plan`, never hiding it): the wheels, and a `source.json`
+    that names the commit the tree is at."""
+    problems = []
+    if not any((REPO / WHEELS_DIR).glob("deepspeed-*.whl")):
+        problems.append(f"{WHEELS_DIR}/ has no DeepSpeed wheel (the image lacks DeepSpeed): run --prepare")
+    recorded = REPO / CARRY_DIR / SOURCE_FILE
+    if not recorded.is_file():
+        problems.append(f"{recorded.relative_to(REPO)} missing: run --prepare")
+    else:
+        now, then = source_info(), json.loads(recorded.read_text())
+        if (now.get("commit"), now.get("dirty")) != (then.get("commit"), then.get("dirty")):
+            problems.append(f"{recorded.relative_to(REPO)} records commit {then.get('commit')} (dirty: "
+                            f"{then.get('dirty')}), the tree is at {now.get('commit')} (dirty: {now.get('dirty')}): "
+                            "run --prepare again so the results name the code that ran")
+    return problems
+
+
+def source_info(root: Path = REPO) -> dict[str, Any]:
+    """The commit and whether the tree differed from it: from git, else from the `source.json` that
+    `--prepare` puts in the carried folder (the lent machine gets the tree without `.git`)."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return {"commit": commit, "dirty": bool(dirty), "from": "git"}
+    except (OSError, subprocess.CalledProcessError):
+        recorded = root / CARRY_DIR / SOURCE_FILE
+        if recorded.is_file():
+            return {**json.loads(recorded.read_text()), "from": str(recorded.relative_to(root))}
+        return {"commit": None, "dirty": None, "from": "unknown (no .git and no prepared source.json)"}

@@ -1,12 +1,14 @@
-"""The issue's targets (one run, same GPU), each judged met / missed from numbers measured in one stage.
+"""The issue's targets (one run, same GPU), judged met / missed from the rows a command has finished so far.
 
     MLM BERT-large MFU >= 50% at L=512 and >= 45% at L=128; MLM >= 1.3x hf-bert tokens/s;
-    each objective's MFU >= 0.9x MLM's; fused linear cross-entropy peak memory <= 1.1x Cut
-    Cross-Entropy's and >= 4x below eager fp32, time <= Liger's; token InfoNCE >= 10x less memory
-    and >= 3x faster than eager; queue InfoNCE <= 1% of the MLM step.
+    each objective's MFU >= 0.9x MLM's (same length, same command); fused linear cross-entropy
+    peak memory <= 1.1x Cut Cross-Entropy's and >= 4x below eager fp32, time <= Liger's; token
+    InfoNCE >= 10x less memory and >= 3x faster than eager; queue InfoNCE <= 1% of a CAPT step;
+    every fused loss correct (env row) and `pytest -m gpu` passing.
 
-A target is judged only on a GPU run (`applicable`); on the CPU rehearsal, or when a number is
-missing (a peer not installed, a row out of memory), it is listed with `met: None` ("not judged").
+A performance target is judged only on a GPU run (`applicable`); on the CPU rehearsal, or while a
+number is missing (a row not run yet, a peer not installed, a row out of memory), it is listed
+with `met: None` ("not judged"). Correctness is judged on the rehearsal too.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ LCE_MEM_BELOW_EAGER_FP32 = 4.0
 LCE_TIME_VS_LIGER = 1.0
 TOKEN_INFONCE_MEM = 10.0
 TOKEN_INFONCE_SPEED = 3.0
-QUEUE_SHARE_OF_MLM_STEP = 0.01
+QUEUE_SHARE_OF_CAPT_STEP = 0.01
 
 
 def target(name: str, measured: Optional[float], op: str, threshold: float, applicable: bool,
@@ -36,3 +38,61 @@ def target(name: str, measured: Optional[float], op: str, threshold: float, appl
 
 def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
     return None if num is None or den is None or den <= 0 else num / den
+
+
+def judge(rows: list[dict[str, Any]], gpu: bool) -> list[dict[str, Any]]:
+    """Every target the finished rows allow (performance only with `gpu`), in row order."""
+    out: list[dict[str, Any]] = []
+    train = {(r["kind"], r.get("arch", "bert"), r.get("objective"), r.get("seq_len")): r
+             for r in rows if r["kind"] in ("train", "hf") and "error" not in r}
+    for r in rows:
+        kind, length = r["kind"], r.get("length")
+        if "error" in r:
+            continue
+        if kind == "env":
+            out += [target(f"correct {c['case']}", float(c["ok"]), ">=", 1.0, True,
+                           c.get("error", f"loss {c.get('loss_rel_err', 0):.1e}, grad {c.get('grad_rel_err_max', 0):.1e}"))
+                    for c in r["correctness"]]
+        elif kind == "pytest":
+            out.append(target("pytest -m gpu passes", None if r["exit"] is None else float(r["exit"] == 0), ">=", 1.0,
+                              True, r["summary"]))
+        elif kind == "queue":
+            out.append(target(f"L={length} queue InfoNCE share of a CAPT step", r["share"], "<=",
+                              QUEUE_SHARE_OF_CAPT_STEP, gpu, "CAPT loss per micro-batch / CAPT step time per micro-batch"))
+        elif kind == "hf":
+            mlm = train.get(("train", "bert", "mlm", r["seq_len"]), {})
+            out.append(target(f"L={length} MLM tokens/s vs hf-bert", ratio(mlm.get("tokens_per_s"), r.get("tokens_per_s")),
+                              ">=", MLM_VS_HF, gpu))
+        elif kind == "train" and r["arch"] == "bert":
+            if r["objective"] == "mlm":
+                out.append(target(f"L={length} MLM MFU", r.get("mfu"), ">=", MFU_MLM[length], gpu))
+            else:
+                mlm = train.get(("train", "bert", "mlm", r["seq_len"]), {})
+                out.append(target(f"L={length} {r['objective']} MFU / MLM's", ratio(r.get("mfu"), mlm.get("mfu")), ">=",
+                                  OBJECTIVE_MFU_VS_MLM, gpu))
+        elif kind == "kernel":
+            out += kernel_targets(r, gpu)
+    return out
+
+
+def kernel_targets(r: dict[str, Any], gpu: bool) -> list[dict[str, Any]]:
+    get = {(x["case"], x["impl"]): x for x in r["results"]}
+    size, lce, tok = r["size"], "linear_cross_entropy", "token_contrastive_loss"
+
+    def value(case: str, impl: str, key: str) -> Optional[float]:
+        return get.get((case, impl), {}).get(key)
+
+    out = []
+    if (lce, "triton") in get:
+        out += [target(f"{size} fused linear CE peak memory / CCE's", ratio(value(lce, "triton", "peak_mib"),
+                       value(lce, "cce", "peak_mib")), "<=", LCE_MEM_VS_CCE, gpu),
+                target(f"{size} fused linear CE memory below eager fp32", value(lce, "triton", "mem_below_eager_fp32"),
+                       ">=", LCE_MEM_BELOW_EAGER_FP32, gpu),
+                target(f"{size} fused linear CE time / Liger's", ratio(value(lce, "triton", "ms"),
+                       value(lce, "liger", "ms")), "<=", LCE_TIME_VS_LIGER, gpu)]
+    if (tok, "triton") in get:
+        out += [target(f"{size} token InfoNCE memory below eager", value(tok, "triton", "mem_below_eager_bf16"), ">=",
+                       TOKEN_INFONCE_MEM, gpu, "eager on the same bf16 inputs"),
+                target(f"{size} token InfoNCE speed-up over eager", value(tok, "triton", "speedup_vs_eager_bf16"), ">=",
+                       TOKEN_INFONCE_SPEED, gpu, "eager on the same bf16 inputs")]
+    return out

@@ -1,0 +1,264 @@
+"""Training rows: BERT-large (or ModernBERT large-24) steps of one objective, `hf-bert`, and the queue
+InfoNCE's share of a CAPT step; bf16 on one GPU, one warm process for every row of a command.
+
+A `train` row times the step a real run spends on an unlogged step and nothing else. It builds the
+run exactly as `pipeline.train.loop.train` does (`check_run`, `build_run_model`, `start`: the
+preset's DeepSpeed engine file - ZeRO-1 for every large preset, fp32 gradient accumulation under
+bf16 - its objective options and optimizer settings, the real data path and collator), then drives
+`Run.forward_backward` with `record_metrics=False` for `WARMUP` + `STEPS` optimizer steps: no
+accuracy, health metrics or COCO-LM no-grad projection (they run only on logged steps, every
+`train.log_every`), no metrics line, no checkpoint (a BERT-large save with optimizer state is
+~4.7 GB plus hashing), no profiler. Each step ends with a device synchronize (the loop's per-step
+all-reduce of the guard flags ends with one too) and is timed alone; the row reports the median
+step time, the spread (max - min) / median of the timed steps, tokens/s = tokens / time and
+MFU = FLOPs / time / peak over them (`bench_throughput.MFU_FORMULA`, FLOPs from the loop's own
+counter). The optimizer is `optim.impl=torch`: torch's fused AdamW through DeepSpeed's
+client-optimizer path, so nothing is compiled just in time on the device (DeepSpeed's FusedAdam
+builds with ninja on first use, 30-90 s).
+
+Every row has the same micro-batch (16,384 tokens: 128 x 128 or 32 x 512) and `GRAD_ACCUM`
+micro-batches per optimizer step; each records the accumulation its preset takes on one GPU
+(`preset_grad_accum`, 32-256): an update every 2 micro-batches makes tokens/s and MFU a lower bound
+on the presets'. `hf` is `benchmarks/throughput/hf_baseline.py` (BertForMaskedLM, SDPA, fused AdamW
+with the MLM row's settings, same shards, micro-batch and accumulation). A ModernBERT row gets
+`tokens_vs_bert` / `mfu_vs_bert` against the BERT row of the same objective and shape measured just
+before it (`bench_throughput.add_arch_ratios`). Data: synthetic shards of the BERT vocabulary.
+"""
+from __future__ import annotations
+
+import gc
+import shutil
+import statistics
+import time
+import warnings
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+PRESETS = {"mlm": "mlm-capt-large", "taco": "taco-base", "capt": "capt-large", "cocolm": "cocolm-large",
+           "infoword": "infoword-large"}
+SIZES = {"bert": "large", "modernbert": "large-24"}
+#: What a ModernBERT row shares with its BERT partner besides the objective and the shape.
+PAIR_MATCH = ("seq_len", "engine", "precision", "micro_batch", "grad_accum")
+MICRO_BATCH = {128: 128, 512: 32}
+GRAD_ACCUM = 2
+#: 3 warm-up steps (allocator, cuBLAS heuristics, Triton autotuning) and 10 timed ones: each row
+#: reports its spread so a lease shows whether 10 are enough.
+WARMUP, STEPS = 3, 10
+VOCAB = 30522
+OPTIMIZER = "torch.optim.AdamW(fused=True) via DeepSpeed's client-optimizer path (optim.impl=torch; nothing JIT-built)"
+#: The rehearsal: tiny models (paired: the smallest same-shape pair), short sequences, fp32 on the CPU.
+DRY = dict(sizes={"bert": "tiny"}, paired_sizes={"bert": "capt-small", "modernbert": "small"},
+           seq_len={128: 32, 512: 64}, micro_batch=2, warmup=1, steps=2, vocab=1001)
+
+
+def settings(length: int, dry_run: bool, paired: bool = False) -> dict[str, Any]:
+    """The row's shape, batch, steps and precision; `sizes`: model.size per family."""
+    if dry_run:
+        return dict(sizes=DRY["paired_sizes" if paired else "sizes"], seq_len=DRY["seq_len"][length],
+                    micro_batch=DRY["micro_batch"], accum=GRAD_ACCUM, warmup=DRY["warmup"], steps=DRY["steps"],
+                    vocab=DRY["vocab"], precision="fp32", workers=0)
+    return dict(sizes=SIZES if paired else {"bert": SIZES["bert"]}, seq_len=length, micro_batch=MICRO_BATCH[length],
+                accum=GRAD_ACCUM, warmup=WARMUP, steps=STEPS, vocab=VOCAB, precision="bf16", workers=2)
+
+
+def overrides(s: dict[str, Any], shards: Path, run_dir: Path, arch: str = "bert") -> list[str]:
+    """The row's changes to its preset: family and size, shards, shape, batch, precision, optimizer
+    implementation and run control; the DeepSpeed engine file stays the preset's."""
+    total = s["warmup"] + s["steps"]
+    return [f"model.arch={arch}", f"model.size={s['sizes'][arch]}", f"data.shards_dir={shards}",
+            f"data.seq_len={s['seq_len']}", f"data.micro_batch_size={s['micro_batch']}",
+            f"data.global_batch_size={s['micro_batch'] * s['accum']}", f"deepspeed.precision={s['precision']}",
+            "optim.impl=torch", f"train.total_steps={total}", f"train.log_every={total}",
+            f"train.checkpoint_every={total}", "train.resume=never", "train.tensorboard=false",
+            "train.progress_bar=false", f"train.output_dir={run_dir}", f"data.num_workers={s['workers']}",
+            f"optim.warmup_steps={max(1, s['warmup'])}"]
+
+
+def shards_for(ctx, s: dict[str, Any]) -> Path:
+    """Synthetic shards of the row's length, written once per command."""
+    from benchmarks.data.synthetic_shards import write_synthetic_shards
+
+    path = ctx.work / f"shards-L{s['seq_len']}"
+    if not (path / "manifest.json").is_file():
+        rows = max(256, 2 * s["micro_batch"] * s["accum"] * (s["warmup"] + s["steps"]))
+        write_synthetic_shards(path, s["vocab"], s["seq_len"], rows=rows)
+    return path
+
+
+def fresh_memory() -> dict[str, float]:
+    """Free what earlier rows left (engines still alive hold their model and optimizer through hooks
+    the garbage collector cannot see: `destroy()` them) and reset the peak; returns what is resident."""
+    import torch
+
+    gc.collect()
+    try:
+        from deepspeed import DeepSpeedEngine
+
+        with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated attributes
+            warnings.simplefilter("ignore")
+            engines = [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
+        for engine in engines:
+            engine.destroy()
+        del engines
+    except ImportError:
+        pass
+    gc.collect()
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    return {"resident_before_gb": round(torch.cuda.memory_allocated() / 2**30, 2)}
+
+
+def shape(s: dict[str, Any], arch: str) -> dict[str, Any]:
+    return {"arch": arch, "size": s["sizes"][arch], "seq_len": s["seq_len"], "precision": s["precision"],
+            "micro_batch": s["micro_batch"]}
+
+
+def summarize(times: list[float], tokens: list[int], flops: list[float], peak: float | None) -> dict[str, Any]:
+    """Rates over the timed steps: median step time, spread, tokens/s, TFLOP/s and MFU over their sum."""
+    import torch
+
+    total = sum(times)
+    median = statistics.median(times)
+    out = {"measured_steps": len(times), "step_time_s": median, "spread": (max(times) - min(times)) / median,
+           "tokens_per_s": sum(tokens) / total, "tflops_per_device": sum(flops) / total / 1e12,
+           "mfu": sum(flops) / total / peak if peak else None}
+    if torch.cuda.is_available():
+        out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
+
+
+def timed_steps(cfg, s: dict[str, Any]) -> dict[str, Any]:
+    """Build the run as `train()` does and time its unlogged steps (see the module docstring)."""
+    import torch
+
+    from pipeline import seeding
+    from pipeline.capabilities import use_private_extensions_dir
+    from pipeline.config.run import check_run
+    from pipeline.objectives.base import StepProgress
+    from pipeline.train.loop import build_run_model, start, torch_process_state
+    from pipeline.train.metrics import device_peak_flops
+    from pipeline.train.optim import lr_at, set_lr
+
+    use_private_extensions_dir()
+    cuda = torch.cuda.is_available()
+    plan = check_run(cfg, 1, cuda, fresh_start=True)
+    model = build_run_model(cfg, plan)
+    total, accum = s["warmup"] + s["steps"], plan.batch.grad_accum
+    times, tokens, flops = [], [], []
+    with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
+        run = start(cfg, plan, model, None, cfg.to_dict())
+        try:
+            for step in range(1, total + 1):
+                started = time.perf_counter()
+                seeding.reseed_dropout(cfg.train.seed, step, run.info.rank)
+                set_lr(run.optimizer, lr_at(step, cfg.optim, total))
+                _, _, step_tokens = run.forward_backward(StepProgress(step, total, accum, record_metrics=False), accum)
+                if cuda:
+                    torch.cuda.synchronize()
+                step_flops = run.flop_counter.pop()
+                if step > s["warmup"]:
+                    times.append(time.perf_counter() - started)
+                    tokens.append(step_tokens)
+                    flops.append(step_flops)
+        finally:
+            run.writer.close()
+            run.flop_counter.remove()
+            run.engine.destroy()
+    return summarize(times, tokens, flops, device_peak_flops(cfg.deepspeed.precision))
+
+
+def train_row(ctx, row) -> dict[str, Any]:
+    from pipeline.config.run import load_config
+    from pipeline.data.config import plan_batches
+
+    objective, length, arch = row.arg("objective"), row.arg("length"), row.arg("arch", "bert")
+    s = settings(length, ctx.dry_run, ctx.paired)
+    shards = shards_for(ctx, s)
+    run_dir = ctx.work / f"{arch}-{objective}-L{length}"
+    out: dict[str, Any] = {"objective": objective, **shape(s, arch), "preset": PRESETS[objective], **fresh_memory()}
+    try:
+        cfg = load_config(PRESETS[objective], overrides(s, shards, run_dir, arch))
+        out["optim"] = {"lr": cfg.optim.lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
+                        "weight_decay": cfg.optim.weight_decay}
+        out.update(engine=cfg.deepspeed.config, grad_accum=plan_batches(cfg.data, 1).grad_accum,
+                   preset_grad_accum=plan_batches(load_config(PRESETS[objective]).data, 1).grad_accum)
+        out.update(timed_steps(cfg, s))
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if out.get("peak_mem_gb") is not None and "resident_before_gb" in out:
+        out["peak_above_start_gb"] = round(out["peak_mem_gb"] - out["resident_before_gb"], 2)
+    if objective == "mlm" and arch == "bert":
+        ctx.cache[("mlm_optim", length)] = out["optim"]
+    if objective == "capt" and arch == "bert":
+        ctx.cache["capt"] = out
+    return out
+
+
+def hf_row(ctx, row) -> dict[str, Any]:
+    """`hf-bert`: transformers' BertForMaskedLM with the MLM row's AdamW settings (that row runs first)."""
+    from benchmarks.throughput import hf_baseline
+    from pipeline.train.metrics import device_peak_flops
+
+    length = row.arg("length")
+    optim = ctx.cache.get(("mlm_optim", length))
+    if optim is None:
+        raise RuntimeError(f"no MLM row at L={length} before it: hf-bert takes its optimizer settings from that row")
+    s = settings(length, ctx.dry_run, ctx.paired)
+    out: dict[str, Any] = {"objective": "mlm", **shape(s, "bert"), "preset": "BertForMaskedLM (sdpa)",
+                           "grad_accum": s["accum"], "optim": optim, **fresh_memory()}
+    args = Namespace(shards=str(shards_for(ctx, s)), size=s["sizes"]["bert"], seq_len=s["seq_len"],
+                     micro_batch=s["micro_batch"], precision=s["precision"], steps=s["steps"], warmup=s["warmup"],
+                     lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"],
+                     grad_accum=s["accum"], seed=1234, num_workers=s["workers"], out=str(ctx.work / "hf-bert"))
+    records = [r for r in hf_baseline.run(args) if r["step"] > s["warmup"]]
+    out.update(summarize([r["step_time_s"] for r in records], [r["tokens_per_s"] * r["step_time_s"] for r in records],
+                         [r["tflops_per_device"] * 1e12 * r["step_time_s"] for r in records],
+                         device_peak_flops(s["precision"])))
+    shutil.rmtree(ctx.work / "hf-bert", ignore_errors=True)
+    return out
+
+
+def queue_row(ctx, row) -> dict[str, Any]:
+    """CAPT's queue InfoNCE (Triton, queue 8,192, one pair per sequence of the micro-batch), forward +
+    backward, over the CAPT row's step time per micro-batch (same command, same length)."""
+    import torch
+
+    from benchmarks.kernels.bench_kernels import SHAPES, build_case, implementation, measure
+
+    capt = ctx.cache.get("capt")
+    if not capt or not capt.get("step_time_s"):
+        raise RuntimeError("no CAPT row measured before it in this command")
+    cuda = ctx.device.type == "cuda"
+    shape_ = {**SHAPES["full" if cuda else "small"], "pairs": capt["micro_batch"]}
+    args, grads, kwargs = build_case("sequence_contrastive_loss", shape_, ctx.device,
+                                     torch.bfloat16 if cuda else torch.float32)
+    ms, _ = measure(implementation("sequence_contrastive_loss", "triton"), args, grads, kwargs, ctx.device,
+                    *((3, 20) if cuda else (1, 1)))
+    step_ms = capt["step_time_s"] * 1e3 / capt["grad_accum"]
+    return {"seq_len": capt["seq_len"], "micro_batch": capt["micro_batch"], "queue_ms": ms,
+            "capt_ms_per_micro_batch": step_ms, "share": ms / step_ms}
+
+
+def add_ratios(rows: list[dict[str, Any]], paired: bool) -> list[str]:
+    """On the finished training rows: `tokens_vs_mlm` / `mfu_vs_mlm` against the MLM row of the same
+    family and length; without `paired`, `tokens_vs_hf_bert` against hf-bert of that length; with it,
+    `tokens_vs_bert` / `mfu_vs_bert` of each ModernBERT row against its BERT partner (the printable
+    lines of `bench_throughput.add_arch_ratios` are returned)."""
+    from benchmarks.gpu_suite.targets import ratio
+    from benchmarks.throughput.bench_throughput import add_arch_ratios
+
+    train = [r for r in rows if r["kind"] in ("train", "hf") and "error" not in r]
+    by = {(r["kind"], r["arch"], r["objective"], r["seq_len"]): r for r in train}
+    for r in train:
+        mlm = by.get(("train", r["arch"], "mlm", r["seq_len"]), {})
+        r["tokens_vs_mlm"] = ratio(r.get("tokens_per_s"), mlm.get("tokens_per_s"))
+        r["mfu_vs_mlm"] = ratio(r.get("mfu"), mlm.get("mfu"))
+        if not paired:
+            hf = by.get(("hf", "bert", "mlm", r["seq_len"]), {})
+            r["tokens_vs_hf_bert"] = ratio(r.get("tokens_per_s"), hf.get("tokens_per_s"))
+    if not paired:
+        return []
+    return add_arch_ratios([r for r in train if r["kind"] == "train"], name="objective", size="size", match=PAIR_MATCH)
