@@ -80,6 +80,7 @@ from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, weight_stat
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
 from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
 from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, preemption_scope
+from pipeline.train.run_lock import hold_run_dir, released_at_exit
 from pipeline.train.run_meta import RunMeta, corpus_summary
 
 log = logging.getLogger("pipeline.train")
@@ -217,7 +218,8 @@ def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = Non
     """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code.
     `recipe` (`describe_recipe`: preset and overrides) is recorded in the checkpoints for the model card;
     `check_world_size` / `check_gpus`: validate for that many ranks / as on a GPU node (`--check` only)."""
-    with preemption_scope() as preemption:  # a signal from here on is a flag (pipeline.train.preemption)
+    # a signal from here on is a flag (pipeline.train.preemption); the run directory's lock ends with the run
+    with preemption_scope() as preemption, released_at_exit():
         return _train(cfg, check_only, preemption, recipe, check_world_size, check_gpus)
 
 
@@ -248,6 +250,7 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
             target.set_aside = newer_tags(ckpt_root, resume_dir)
     if not check_only:  # a file, read-only or full location: one line and exit 4 now, not at the first save
         check_output_dir(Path(cfg.train.output_dir), world.rank)
+        hold_run_dir(cfg.train.output_dir, world.rank)  # one writer per run directory (exit 2 naming the holder)
         exit_record.begin(Path(cfg.train.output_dir), world.rank == 0)  # run_state.json, for cpt-status
     # identical initial weights on every rank, for any world size
     model = build_run_model(cfg, plan, warm_start=target is None)
