@@ -70,9 +70,7 @@ class RunConfig:
         if self.objectives and not any(float(w) != 0 for w in self.objectives.values()):
             raise ConfigError(f"objectives: every weight is 0 ({dict(self.objectives)}): the run would train nothing "
                               "(loss 0, unchanged weights); give at least one objective a non-zero weight")
-        if self.optim.warmup_steps >= self.train.total_steps and self.train.total_steps > 1:
-            raise ConfigError(f"optim.warmup_steps={self.optim.warmup_steps} must be < train.total_steps="
-                              f"{self.train.total_steps}")
+        self.optim.check_steps(self.train.total_steps)  # warm-up and the WSD decay fit the run
 
 
 def _jsonable(value: Any) -> Any:

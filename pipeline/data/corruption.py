@@ -11,7 +11,7 @@ sample gets the same corruption after a resume and a different one in every epoc
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -240,6 +240,13 @@ class CorruptionCollator:
     collated batch, whose extra keys (index tensors an objective would otherwise find on the
     device, e.g. TACO's anchors) join the batch — built here, in the loader's worker processes and
     pinned with the rest, so the step never reads device data on the host.
+
+    Selection rate: `mask_rate` (default 0.15, BERT's) is the fraction of content tokens every
+    selecting view picks — `masked` (exactly round(rate * n) per row), `wwm_masked` and
+    `span_masked` (whole words / spans up to that budget). `mlm_probability` (masked, wwm_masked) and
+    `span_budget` (span_masked) override it for one kind of view; unset, they are `mask_rate`.
+    ModernBERT and Ettin mask 30% (`mask_rate: 0.3` in the modernbert-* presets; Warner et al. 2024
+    after Wettig et al. 2023, "Should You Mask 15% in Masked Language Modeling?").
     """
 
     def __init__(
@@ -248,10 +255,11 @@ class CorruptionCollator:
         special_tokens: Mapping[str, int],
         vocab_size: int,
         seed: int,
-        mlm_probability: float = 0.15,
+        mask_rate: float = 0.15,
+        mlm_probability: Optional[float] = None,
         mask_fraction: float = 0.8,
         random_fraction: float = 0.1,
-        span_budget: float = 0.15,
+        span_budget: Optional[float] = None,
         span_mean: float = 5.0,
         span_std: float = 1.0,
         span_min_words: int = 1,
@@ -267,7 +275,11 @@ class CorruptionCollator:
         self._structure_ids = np.array(special_ids(special_tokens, STRUCTURE_TOKENS), dtype=np.int64)
         special_ids(special_tokens, ("mask",))  # masking writes it: its absence is an error here, not later
         never_drawn = {int(v) for v in special_tokens.values()}
-        for name, value in {"mlm_probability": mlm_probability, "span_budget": span_budget, "crop_fraction": crop_fraction}.items():
+        mlm_probability = mask_rate if mlm_probability is None else mlm_probability
+        span_budget = mask_rate if span_budget is None else span_budget
+        rates = {"mask_rate": mask_rate, "mlm_probability": mlm_probability, "span_budget": span_budget,
+                 "crop_fraction": crop_fraction}
+        for name, value in rates.items():
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"{name} {value}: must be in (0, 1]")
         if mask_fraction < 0 or random_fraction < 0 or mask_fraction + random_fraction > 1:

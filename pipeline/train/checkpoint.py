@@ -67,6 +67,7 @@ import torch
 
 from pipeline.config.checks import ConfigError
 from pipeline.config.run import config_differences, config_hash
+from pipeline.train.schedule_branch import schedule_branch
 from pipeline.distributed import barrier, broadcast_object, first_problem
 from pipeline.model.arch import arch_of_fields
 from pipeline.train.checkpoint_writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
@@ -481,14 +482,21 @@ def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int
     problems = []
     if meta.config_hash != config_hash(config):
         problems += config_differences(meta.config, config) or ["(config hash differs)"]
-    if meta.manifest_hash not in (manifest_hash, legacy_manifest_hash or manifest_hash):
+    data_changed = meta.manifest_hash not in (manifest_hash, legacy_manifest_hash or manifest_hash)
+    if data_changed:
         problems.append(f"data manifest: {meta.manifest_hash[:12]} ({meta.data_dir}) -> {manifest_hash[:12]}")
     if problems:
         text = "; ".join(problems)
-        if not allow_config_change:
-            raise CheckpointError(f"{tag_dir} was written with a different config or data: {text}. Pass "
-                                  "train.allow_config_change=true to resume anyway")
-        if config_hash(config) in _RESUME_OVERRIDE_CONFIGS:  # noted for this resume only: taken once
+        # a decay branched off a stable-phase checkpoint: only later steps' rates change (pipeline.train.schedule_branch)
+        branch, why = (False, "") if data_changed else schedule_branch(meta.config, config, meta.step)
+        if branch:
+            _RESUME_OVERRIDE_CONFIGS.discard(config_hash(config))  # (a --resume override of the schedule)
+            log.info("resuming %s on a new LR schedule from step %d (the rate of every trained step unchanged): %s",
+                     tag_dir, meta.step + 1, text)
+        elif not allow_config_change:
+            raise CheckpointError(f"{tag_dir} was written with a different config or data: {text}"
+                                  f"{f' ({why})' if why else ''}. Pass train.allow_config_change=true to resume anyway")
+        elif config_hash(config) in _RESUME_OVERRIDE_CONFIGS:  # noted for this resume only: taken once
             _RESUME_OVERRIDE_CONFIGS.discard(config_hash(config))
             log.info("resuming %s with the changes --resume's overrides asked for: %s", tag_dir, text)
         else:

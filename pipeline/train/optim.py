@@ -2,18 +2,22 @@
 
 `build_optimizer` picks the implementation: DeepSpeed's FusedAdam on GPU (torch's fused AdamW
 when DeepSpeed's op cannot be built), DeepSpeedCPUAdam when ZeRO offloads the optimizer, torch
-AdamW on CPU; NVIDIA apex FusedAdam / FusedLAMB when `optim.impl=apex`. apex is an optional extra
-that is detected at run time and never required (and the unrelated PyPI package named `apex` is
+AdamW on CPU; NVIDIA apex FusedAdam / FusedLAMB when `optim.impl=apex`; `optim.name=stable_adamw`
+is `pipeline.train.stable_adamw.StableAdamW` on every device. apex is an optional extra that is
+detected at run time and never required (and the unrelated PyPI package named `apex` is
 rejected: it has no `apex.optimizers`).
 
-The schedule is a pure function of the step (`lr_at`), applied to the optimizer before every
-step, so resuming needs no scheduler state and skipped steps cannot shift it.
+The schedule (`optim.schedule`: linear, cosine, wsd) is a pure function of the step (`lr_at`),
+applied to the optimizer before every step, so resuming needs no scheduler state and skipped
+steps cannot shift it; `first_lr_change` compares two schedules over the steps already trained
+(a WSD decay branched off a stable-phase checkpoint, `pipeline.train.schedule_branch`).
 """
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -22,14 +26,19 @@ from pipeline.config.checks import ConfigError, check_choice, check_positive
 
 log = logging.getLogger(__name__)
 
-OPTIMIZERS = ("adamw", "lamb")
+OPTIMIZERS = ("adamw", "lamb", "stable_adamw")
 OPTIMIZER_IMPLS = ("auto", "torch", "deepspeed", "apex")
+SCHEDULES = ("linear", "cosine", "wsd")
+DECAY_SHAPES = ("linear", "cosine", "1-sqrt")
+#: `optim.*` fields that only `lr_at` reads (a resume may change them when the rate of every trained step stays)
+SCHEDULE_FIELDS = ("lr", "schedule", "warmup_steps", "min_lr_ratio", "decay_shape", "decay_steps", "decay_fraction")
 
 
 @dataclass
 class OptimConfig:
     name: str = "adamw"
-    """`adamw` (decoupled weight decay) or `lamb` (GPU only: DeepSpeed or apex fused LAMB)."""
+    """`adamw` (decoupled weight decay), `lamb` (GPU only: DeepSpeed or apex fused LAMB) or `stable_adamw`
+    (AdamW with per-tensor update clipping, Wortsman et al. 2023: `pipeline.train.stable_adamw`; impl auto/torch)."""
     impl: str = "auto"
     """`auto` (DeepSpeed FusedAdam on GPU, torch AdamW on CPU), `torch`, `deepspeed`, `apex`."""
     lr: float = 1e-4
@@ -43,7 +52,17 @@ class OptimConfig:
     warmup_steps: int = 0
     """Linear warm-up from 0 to `lr` over this many steps."""
     min_lr_ratio: float = 0.0
-    """Linear decay after warm-up ends at `lr * min_lr_ratio` on the last step."""
+    """The decay ends at `lr * min_lr_ratio` (every schedule)."""
+    schedule: str = "linear"
+    """After warm-up: `linear` decay, `cosine` decay, or `wsd` (warm-up, stable at `lr`, then a decay of
+    `decay_shape` over the last `decay_steps` / `decay_fraction` of the steps); see `lr_at`."""
+    decay_shape: str = "linear"
+    """`wsd` only: the decay's shape, `linear`, `cosine` or `1-sqrt` (Hägele et al. 2024)."""
+    decay_steps: int = 0
+    """`wsd` only: the decay's length in steps (the last ones of `train.total_steps`); 0 = `decay_fraction`."""
+    decay_fraction: float = 0.2
+    """`wsd` only, when `decay_steps` is 0: the decay's share of `train.total_steps`, rounded (0.2: Hägele et al.
+    2024's cool-down that matches a cosine run)."""
     grad_clip: float = 1.0
     """Global gradient-norm clipping threshold (0 disables)."""
 
@@ -60,6 +79,32 @@ class OptimConfig:
             raise ConfigError(f"optim.betas={list(self.betas)}: each must be in [0, 1)")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio}: must be in [0, 1]")
+        check_choice(self.schedule, SCHEDULES, "optim.schedule")
+        check_choice(self.decay_shape, DECAY_SHAPES, "optim.decay_shape")
+        check_positive(self.decay_steps, "optim.decay_steps", allow_zero=True)
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ConfigError(f"optim.decay_fraction={self.decay_fraction}: must be in (0, 1]")
+        if self.schedule != "wsd":
+            wsd_only = {"decay_shape": "linear", "decay_steps": 0, "decay_fraction": 0.2}
+            for key, default in wsd_only.items():
+                if getattr(self, key) != default:
+                    raise ConfigError(f"optim.{key}={getattr(self, key)!r} applies to optim.schedule=wsd only "
+                                      f"(optim.schedule={self.schedule!r})")
+        if self.name == "stable_adamw" and self.impl not in ("auto", "torch"):
+            raise ConfigError(f"optim.impl={self.impl} has no StableAdamW; optim.name=stable_adamw runs with "
+                              "optim.impl=auto or torch (pipeline.train.stable_adamw)")
+
+    def check_steps(self, total_steps: int, where: str = "train.total_steps") -> None:
+        """Checks against the run's length (`where` names it): warm-up and the WSD decay must fit."""
+        if self.warmup_steps >= total_steps and total_steps > 1:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be < {where}={total_steps}")
+        if self.schedule == "wsd":
+            start, length = decay_window(self, total_steps)
+            if start < self.warmup_steps:
+                field = f"optim.decay_steps={self.decay_steps}" if self.decay_steps else \
+                    f"optim.decay_fraction={self.decay_fraction} ({length} steps)"
+                raise ConfigError(f"{field}: the WSD decay would start at step {start + 1}, inside the warm-up "
+                                  f"(optim.warmup_steps={self.warmup_steps}) of {where}={total_steps}")
 
     def check_device(self, cuda: bool) -> None:
         """Stage-2 checks: the implementation this machine must support."""
@@ -74,21 +119,53 @@ class OptimConfig:
             raise ConfigError("optim.impl=deepspeed (FusedAdam) needs a GPU; use optim.impl=auto or torch")
 
 
+def decay_window(cfg: OptimConfig, total_steps: int) -> tuple[int, int]:
+    """(S, D): the decay trains steps S+1 .. S+D = T. linear / cosine: S = W, D = max(1, T - W);
+    wsd: D = decay_steps, or round(decay_fraction * T) (at least 1), and S = T - D (steps W+1 .. S
+    are the stable phase at the peak rate)."""
+    if cfg.schedule != "wsd":
+        return cfg.warmup_steps, max(1, total_steps - cfg.warmup_steps)
+    length = cfg.decay_steps if cfg.decay_steps > 0 else max(1, math.floor(cfg.decay_fraction * total_steps + 0.5))
+    return total_steps - length, length
+
+
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate of optimizer step `step` (1-based): linear warm-up, then linear decay.
+    """Learning rate of optimizer step `step` (1-based) under `optim.schedule`.
 
-        warm-up  (s <= W):  lr * s / W
-        decay    (s >  W):  lr * (r + (1 - r) * (T - s + 1) / (T - W))
+        warm-up  (s <= W):       lr * s / W
+        stable   (W < s <= S):   lr                                    (wsd only; S = W otherwise)
+        decay    (s >  S):       lr * (r + (1 - r) * f(a)),   a = clip((T - s + 1) / D, 0, 1)
 
-    with W = warmup_steps, T = total_steps, r = min_lr_ratio: the peak is reached at s = W and
-    the last step still trains (its rate is lr * (r + (1 - r) / (T - W))).
+    with W = warmup_steps, T = total_steps, r = min_lr_ratio, (S, D) = `decay_window`, and the
+    decay shape f: linear f(a) = a (`linear` schedule, today's values bit for bit, and wsd's
+    `linear`), cosine f(a) = (1 - cos(pi a)) / 2 (`cosine`, and wsd's `cosine`), 1-sqrt
+    f(a) = 1 - sqrt(1 - a) (Hägele et al. 2024, "Scaling Laws and Compute-Optimal Training Beyond
+    Fixed Training Durations"). a runs from 1 at the first decay step down to 1/D at the last, so
+    the peak is reached at s = W (s = S+1 for linear/cosine) and the last step still trains (chosen,
+    as the linear schedule always did: a step at rate 0 would be a wasted step).
     """
     warmup = cfg.warmup_steps
     if step <= warmup:
         return cfg.lr * step / warmup
-    span = max(1, total_steps - warmup)
+    start, span = decay_window(cfg, total_steps)
+    if step <= start:
+        return cfg.lr
     remaining = min(1.0, max(0.0, (total_steps - step + 1) / span))
+    shape = "cosine" if cfg.schedule == "cosine" else cfg.decay_shape if cfg.schedule == "wsd" else "linear"
+    if shape == "cosine":
+        remaining = 0.5 * (1.0 - math.cos(math.pi * remaining))
+    elif shape == "1-sqrt":
+        remaining = 1.0 - math.sqrt(1.0 - remaining)
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * remaining)
+
+
+def first_lr_change(old: OptimConfig, old_total: int, new: OptimConfig, new_total: int, through: int) -> Optional[int]:
+    """The first step in 1 .. `through` whose rate differs (exact float comparison) between the two
+    schedules, or None: whether a resume at step `through` leaves every trained step's rate as it was."""
+    for step in range(1, through + 1):
+        if lr_at(step, old, old_total) != lr_at(step, new, new_total):
+            return step
+    return None
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -110,6 +187,13 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str, offloa
     groups = param_groups(model, cfg.weight_decay)
     common = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     impl = resolve_impl(cfg, device_type, offload)
+    if cfg.name == "stable_adamw":
+        if offload:
+            raise ConfigError("optim.name=stable_adamw: ZeRO's offload_optimizer steps with DeepSpeedCPUAdam (plain "
+                              "AdamW); use an engine without offload_optimizer, or optim.name=adamw")
+        from pipeline.train.stable_adamw import StableAdamW
+
+        return StableAdamW(groups, **common)
     if cfg.name == "lamb":
         if impl == "apex":
             from apex.optimizers import FusedLAMB
@@ -143,6 +227,8 @@ def resolve_impl(cfg: OptimConfig, device_type: str, offload: bool) -> str:
     """`optim.impl` made concrete for this device: cpu_adam, apex, deepspeed or torch."""
     if offload:
         return "cpu_adam"
+    if cfg.name == "stable_adamw":
+        return "torch"
     if cfg.impl == "auto":
         return "deepspeed" if device_type == "cuda" else "torch"
     return cfg.impl

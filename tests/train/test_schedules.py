@@ -1,0 +1,127 @@
+"""`optim.schedule` (issue 38): linear (today's, bit for bit), cosine and warmup-stable-decay with linear /
+cosine / 1-sqrt decays — values at known steps, the refusals, and the check that a decay branched off
+a stable-phase checkpoint changes no rate already trained (`pipeline.train.schedule_branch`)."""
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+
+from pipeline.config.checks import ConfigError
+from pipeline.config.run import load_config
+from pipeline.train.optim import OptimConfig, decay_window, first_lr_change, lr_at
+from pipeline.train.schedule_branch import schedule_branch
+
+
+def rates(total: int, **fields) -> list[float]:
+    cfg = OptimConfig(lr=1.0, warmup_steps=2, **fields)
+    cfg.check()
+    cfg.check_steps(total)
+    return [lr_at(s, cfg, total) for s in range(1, total + 1)]
+
+
+def test_linear_is_todays_formula_bit_for_bit():
+    """The formula of commit e3c46db, copied: every step of several shapes of run, exactly."""
+    def before(step, cfg, total):
+        warmup = cfg.warmup_steps
+        if step <= warmup:
+            return cfg.lr * step / warmup
+        span = max(1, total - warmup)
+        remaining = min(1.0, max(0.0, (total - step + 1) / span))
+        return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * remaining)
+
+    for lr, warmup, ratio, total in [(1e-3, 2, 0.0, 20), (8e-4, 3000, 0.1, 400000), (3e-4, 0, 0.05, 7), (1e-4, 1, 0.0, 1)]:
+        cfg = OptimConfig(lr=lr, warmup_steps=warmup, min_lr_ratio=ratio)
+        steps = range(1 if warmup else 1, total + 3, max(1, total // 5000))
+        assert all(lr_at(s, cfg, total) == before(s, cfg, total) for s in steps)
+
+
+def test_values_at_known_steps():
+    assert rates(10) == [0.5, 1.0, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125]
+    cosine = rates(10, schedule="cosine")
+    assert cosine[:3] == [0.5, 1.0, 1.0] and cosine[6] == pytest.approx(0.5, abs=1e-15)  # a = 1/2 at step 7
+    assert cosine[3] == pytest.approx((1 - math.cos(math.pi * 7 / 8)) / 2) and cosine[9] == pytest.approx((1 - math.cos(math.pi / 8)) / 2)
+    wsd = rates(10, schedule="wsd", decay_steps=4)
+    assert wsd == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25]
+    cos_decay = rates(10, schedule="wsd", decay_steps=4, decay_shape="cosine")
+    assert cos_decay[:7] == [0.5] + [1.0] * 6 and cos_decay[8] == pytest.approx(0.5, abs=1e-15)
+    assert cos_decay[7] == pytest.approx((1 - math.cos(math.pi * 3 / 4)) / 2)
+    sqrt_decay = rates(10, schedule="wsd", decay_steps=4, decay_shape="1-sqrt")
+    assert sqrt_decay[:7] == [0.5] + [1.0] * 6
+    assert sqrt_decay[7:] == pytest.approx([1 - math.sqrt(0.25), 1 - math.sqrt(0.5), 1 - math.sqrt(0.75)])
+    # decay as a fraction of the run: round(0.2 * 20) = 4 steps, 17..20
+    assert decay_window(OptimConfig(schedule="wsd", decay_fraction=0.2, warmup_steps=2), 20) == (16, 4)
+    frac = rates(20, schedule="wsd", decay_fraction=0.2)
+    assert frac[15] == 1.0 and frac[16:] == [1.0, 0.75, 0.5, 0.25]
+    # min_lr_ratio is the floor of every decay: r + (1 - r) f
+    floor = rates(10, schedule="wsd", decay_steps=4, decay_shape="1-sqrt", min_lr_ratio=0.1)
+    assert floor[9] == pytest.approx(0.1 + 0.9 * (1 - math.sqrt(0.75)))
+    # wsd with the decay over every post-warm-up step is the linear / cosine schedule
+    assert rates(10, schedule="wsd", decay_steps=8) == rates(10)
+    assert rates(10, schedule="wsd", decay_steps=8, decay_shape="cosine") == rates(10, schedule="cosine")
+    for values in (cosine, sqrt_decay, frac):  # monotone after the peak, never 0 on a trained step
+        peak = values.index(1.0)
+        assert all(a >= b > 0 for a, b in zip(values[peak:], values[peak + 1:]))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["optim.schedule=step"], r"optim.schedule"),
+    (["optim.schedule=wsd", "optim.decay_shape=sqrt"], r"optim.decay_shape"),
+    (["optim.schedule=wsd", "optim.decay_fraction=0"], r"optim.decay_fraction=0.*\(0, 1\]"),
+    (["optim.schedule=wsd", "optim.decay_steps=-1"], r"optim.decay_steps"),
+    (["optim.decay_steps=5"], r"optim.decay_steps=5 applies to optim.schedule=wsd only"),
+    (["optim.schedule=cosine", "optim.decay_shape=1-sqrt"], r"optim.decay_shape='1-sqrt' applies to optim.schedule=wsd"),
+    (["optim.schedule=wsd", "optim.decay_steps=19"], r"optim.decay_steps=19: the WSD decay would start at step 2, inside the warm-up"),
+    (["optim.schedule=wsd", "optim.decay_fraction=1.0"], r"optim.decay_fraction=1.0 \(20 steps\)"),
+    (["optim.name=stable_adamw", "optim.impl=deepspeed"], r"optim.impl=deepspeed has no StableAdamW"),
+    (["optim.warmup_steps=20"], r"optim.warmup_steps=20 must be < train.total_steps=20"),
+])
+def test_refusals_name_the_field(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny-mlm", ["data.shards_dir=/nowhere", *overrides])
+
+
+def config(total: int, **optim) -> dict:
+    cfg = load_config("tiny-mlm", ["data.shards_dir=/nowhere", f"train.total_steps={total}",
+                                   *(f"optim.{k}={v}" for k, v in optim.items())])
+    return cfg.to_dict()
+
+
+def test_branch_of_a_stable_checkpoint_is_accepted_only_when_no_trained_rate_changes():
+    stable = config(20, schedule="wsd", decay_steps=4)  # stable through step 16
+    # a longer run, the decay moved later: every rate through step 10 is the same
+    assert schedule_branch(stable, config(30, schedule="wsd", decay_steps=4), 10) == (True, "")
+    assert schedule_branch(stable, config(20, schedule="wsd", decay_steps=8, decay_shape="1-sqrt"), 12) == (True, "")
+    assert schedule_branch(stable, config(24, schedule="wsd", decay_fraction=0.25), 16) == (True, "")  # 18 + 6
+    # the decay would run steps 13-20 (13 still at the peak), but step 14 was trained at the peak: refused
+    ok, why = schedule_branch(stable, config(20, schedule="wsd", decay_steps=8), 14)
+    assert not ok and "changes the learning rate of step 14, already trained (1.000000e-03 -> 8.750000e-04)" in why
+    # a changed peak changes the warm-up's rates at once
+    ok, why = schedule_branch(stable, config(30, schedule="wsd", decay_steps=4, lr=0.002), 10)
+    assert not ok and "step 1" in why
+    # not only a schedule change: no verdict (the usual refusal)
+    other = load_config("tiny-mlm", ["data.shards_dir=/nowhere", "train.total_steps=30", "optim.schedule=wsd",
+                                     "optim.decay_steps=4", "optim.weight_decay=0.1"]).to_dict()
+    assert schedule_branch(stable, other, 10) == (False, "")
+    # a new total read elsewhere (CAPT's t/T temperature) is refused with the reason
+    capt = load_config("tiny-capt", ["data.shards_dir=/nowhere", "optim.schedule=wsd", "optim.decay_steps=4"]).to_dict()
+    longer = load_config("tiny-capt", ["data.shards_dir=/nowhere", "optim.schedule=wsd", "optim.decay_steps=4",
+                                       "train.total_steps=40"]).to_dict()
+    ok, why = schedule_branch(capt, longer, 10)
+    assert not ok and "objectives.capt" in why
+
+
+def test_a_checkpoint_written_before_the_schedule_fields_resumes_as_linear():
+    today = config(20)
+    before = {**today, "optim": {k: v for k, v in today["optim"].items()
+                                 if k not in ("schedule", "decay_shape", "decay_steps", "decay_fraction")}}
+    assert schedule_branch(before, today, 10) == (True, "")
+
+
+def test_first_lr_change_is_exact():
+    a = OptimConfig(lr=1e-3, warmup_steps=2, schedule="wsd", decay_steps=4)
+    assert first_lr_change(a, 20, a, 21, 17) is None  # the peak through 17 in both (17: the first decay step of T=20)
+    assert first_lr_change(a, 20, a, 21, 18) == 18
+    linear = OptimConfig(lr=1e-3, warmup_steps=2)  # extending a linear run re-stretches its decay from step 4 on
+    assert first_lr_change(linear, 20, linear, 21, 3) is None and first_lr_change(linear, 20, linear, 21, 4) == 4
