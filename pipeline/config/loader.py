@@ -149,13 +149,17 @@ def apply_override(raw: dict, override: str, root: type) -> None:
                 raise ConfigError(f"override {key}: unknown key {where!r}{did_you_mean(part, names)}")
             sub = typing.get_type_hints(cls)[part]
             cls = sub if dataclasses.is_dataclass(sub) else None  # inside a mapping field: free keys
+        if isinstance(node, list):  # an item of a list field by its index (`phases.1.shards_dir=DIR`)
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"override {key}: {where}: the list has items 0..{len(node) - 1}; {part!r} is none")
+            part = int(part)  # type: ignore[assignment]
         if i == len(parts) - 1:
             node[part] = value
         else:
-            nxt = node.get(part)
+            nxt = node[part] if isinstance(node, list) else node.get(part)
             if nxt is None:
                 nxt = node[part] = {}
-            elif not isinstance(nxt, dict):
+            elif not isinstance(nxt, (dict, list)):
                 raise ConfigError(f"override {key}: {where} is {nxt!r}, not a mapping")
             node = nxt
 

@@ -26,7 +26,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from pipeline.config.checks import ConfigError
 from pipeline.config.loader import apply_override, describe_config, from_dict, load_raw
@@ -38,6 +38,7 @@ from pipeline.objectives.registry import check_objectives, check_objectives_unde
 from pipeline.train.config import TrainConfig
 from pipeline.train.engine import DeepSpeedConfig, zero_stage_of
 from pipeline.train.optim import OptimConfig
+from pipeline.train.phases import Schedule, check_phases, plan_schedule
 
 __all__ = ["ConfigError", "RunConfig", "RunPlan", "load_config", "check_run", "describe_run_config"]
 
@@ -55,6 +56,10 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    phases: list = field(default_factory=list)
+    """Training phases walked in order by one run (each `{name, steps | tokens | fraction, shards_dir, seq_len,
+    micro_batch_size, global_batch_size, model: {global_rope_theta, ...}, optim: {schedule segment}}`; the steps
+    sum to `train.total_steps`): `pipeline.train.phases`. Empty: one phase, the run's `data.*`."""
 
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(dataclasses.asdict(self))
@@ -67,6 +72,8 @@ class RunConfig:
         self.optim.check()
         self.deepspeed.check()
         self.train.check()
+        if self.phases:
+            check_phases(self)
         if self.objectives and not any(float(w) != 0 for w in self.objectives.values()):
             raise ConfigError(f"objectives: every weight is 0 ({dict(self.objectives)}): the run would train nothing "
                               "(loss 0, unchanged weights); give at least one objective a non-zero weight")
@@ -105,11 +112,21 @@ class RunPlan:
     zero_stage: int
     manifest: Manifest
     manifest_hash: str
+    schedule: Optional[Schedule] = None  # phases and/or batch warm-up (`pipeline.train.phases`); None: neither
 
 
 def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start: bool = True) -> RunPlan:
     """Stage 2 (before any model is built): batch split, shards, engine, device switches, and the
-    warm-start directory (`model.init_from`; its weights only for a fresh start, `fresh_start`)."""
+    warm-start directory (`model.init_from`; its weights only for a fresh start, `fresh_start`).
+    With `phases`, every phase's data is checked and the plan is phase 0's."""
+    schedule = plan_schedule(cfg, world_size)
+    if schedule is not None and schedule.phased:
+        return _check_run(schedule.run_config(schedule.phases[0]), world_size, cuda_available, fresh_start, schedule)
+    return _check_run(cfg, world_size, cuda_available, fresh_start, schedule)
+
+
+def _check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start: bool,
+               schedule: Optional[Schedule]) -> RunPlan:
     batch = plan_batches(cfg.data, world_size)
     manifest, data_hash = cfg.data.check_shards(batch, cfg.train.total_steps, cfg.train.seed)
     cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)  # shape fits the data
@@ -119,7 +136,7 @@ def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start
     check_objectives_under_stage(cfg.objectives, stage, cfg.deepspeed.stage_source())
     cfg.model.check_device(cuda_available)
     cfg.optim.check_device(cuda_available)
-    return RunPlan(batch, engine, stage, manifest, data_hash)
+    return RunPlan(batch, engine, stage, manifest, data_hash, schedule)
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,8 +190,13 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def resume_relevant(config_dict: dict) -> dict[str, Any]:
-    """Flat `section.field -> value` without `RESUME_IGNORED_FIELDS`."""
-    return {k: v for k, v in _flatten(config_dict).items() if k not in RESUME_IGNORED_FIELDS}
+    """Flat `section.field -> value` without `RESUME_IGNORED_FIELDS` (nor a phase's `shards_dir`: as
+    `data.shards_dir`, its manifest hash identifies the data)."""
+    flat = {k: v for k, v in _flatten(config_dict).items() if k not in RESUME_IGNORED_FIELDS}
+    if isinstance(flat.get("phases"), list):
+        flat["phases"] = [{k: v for k, v in p.items() if k != "shards_dir"} if isinstance(p, dict) else p
+                          for p in flat["phases"]]
+    return flat
 
 
 def describe_recipe(name_or_path: str, cfg: RunConfig) -> dict[str, Any]:

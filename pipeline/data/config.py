@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline.config.checks import ConfigError, check_keywords, check_positive
+from pipeline.config.checks import ConfigError, check_keywords, check_positive, did_you_mean
 from pipeline.data.shards import Manifest, check_layout, manifest_hash, read_manifest
 from pipeline.data.sources import (DEFAULT_MIXTURE_BLOCK, MixturePlan, check_exhaustion, mixture_hash,
                                    mixture_mismatches, parse_sources, plan_mixture)
@@ -48,6 +48,11 @@ class DataConfig:
     on every rank when the shards are first opened, before the first step. `false` skips only that
     full read (sizes, footers, row counts and the manifest are always checked); for data checked
     separately with `python -m data_prep.verify`."""
+    batch_warmup: dict = field(default_factory=dict)
+    """Batch-size warm-up `{start_global_batch_size: S, tokens: N}`: the global batch grows from S to
+    `global_batch_size` over the first N token positions (sequences x seq_len), in multiples of
+    micro x world (gradient-accumulation steps ramp; `BatchRamp`); the samples and their order are
+    the run's without it. Empty: off."""
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""
@@ -59,6 +64,7 @@ class DataConfig:
             check_positive(self.grad_accum, "data.grad_accum")
         check_positive(self.num_workers, "data.num_workers", allow_zero=True)
         check_keywords(CorruptionCollator, self.corruption, "data.corruption", skip=4)  # views, specials, vocab, seed
+        check_batch_warmup(self)
         if self.sources:
             if self.shards_dir:
                 raise ConfigError(f"data.sources and data.shards_dir={self.shards_dir} are both set: they are mutually "
@@ -167,3 +173,68 @@ def plan_batches(data: DataConfig, world_size: int) -> BatchPlan:
             f"data.grad_accum={data.grad_accum} x world size {world_size} = {plan.global_batch_size}; "
             "fix one of them or leave data.grad_accum unset to derive it")
     return plan
+
+
+#: Keys of `data.batch_warmup`.
+BATCH_WARMUP_KEYS = ("start_global_batch_size", "tokens")
+
+
+def check_batch_warmup(data: DataConfig) -> None:
+    """Stage-1 checks of `data.batch_warmup` (keys, positive integers, start below the target)."""
+    warmup = data.batch_warmup
+    if not warmup:
+        return
+    if not isinstance(warmup, dict):
+        raise ConfigError(f"data.batch_warmup: expected a mapping {{start_global_batch_size: S, tokens: N}}, got {warmup!r}")
+    for key in warmup:
+        if key not in BATCH_WARMUP_KEYS:
+            raise ConfigError(f"data.batch_warmup.{key}: unknown key{did_you_mean(str(key), BATCH_WARMUP_KEYS)}; valid keys: {', '.join(BATCH_WARMUP_KEYS)}")
+    for key in BATCH_WARMUP_KEYS:
+        value = warmup.get(key)
+        if isinstance(value, float) and value.is_integer():
+            value = warmup[key] = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ConfigError(f"data.batch_warmup.{key}={value!r}: must be a positive integer (write 1000000000, "
+                              "not 1e9)")
+    if warmup["start_global_batch_size"] >= data.global_batch_size:
+        raise ConfigError(f"data.batch_warmup.start_global_batch_size={warmup['start_global_batch_size']} must be "
+                          f"below data.global_batch_size={data.global_batch_size} (it grows to it)")
+
+
+@dataclass(frozen=True)
+class BatchRamp:
+    """The batch-size warm-up's split of each step (`data.batch_warmup`): a pure function of the
+    samples consumed before the step, c (t = c x seq_len token positions):
+
+        accum(t) = clamp(floor((S x N + (G - S) x t) / (N x q)), S / q, G / q),   q = micro x world
+
+    (integer arithmetic: every rank and every resume computes the same split). The micro-batch is
+    fixed, so the reader's sample stream is the run's without warm-up, cut into smaller steps."""
+
+    start: int  # S: the first step's global batch
+    tokens: int  # N: token positions over which the batch grows
+    seq_len: int
+    final: BatchPlan  # G = final.global_batch_size
+
+    def plan_at(self, consumed: int) -> BatchPlan:
+        final = self.final
+        t = consumed * self.seq_len
+        if t >= self.tokens:
+            return final
+        q = final.micro_batch_size * final.world_size
+        size = self.start * self.tokens + (final.global_batch_size - self.start) * t
+        accum = min(final.grad_accum, max(self.start // q, size // (self.tokens * q)))
+        return BatchPlan(final.micro_batch_size, accum, final.world_size)
+
+
+def plan_ramp(data: DataConfig, final: BatchPlan, seq_len: int, where: str = "data.batch_warmup") -> Optional[BatchRamp]:
+    """Stage 2 of `data.batch_warmup` (the world size known): the start in micro x world multiples."""
+    if not data.batch_warmup:
+        return None
+    start, quantum = int(data.batch_warmup["start_global_batch_size"]), final.micro_batch_size * final.world_size
+    if start % quantum:
+        options = [k * quantum for k in range(1, final.grad_accum)][:6]
+        raise ConfigError(f"{where}.start_global_batch_size={start} is not a multiple of data.micro_batch_size="
+                          f"{final.micro_batch_size} x world size {final.world_size} = {quantum} (the warm-up ramps "
+                          f"gradient-accumulation steps); starts that work: {options or 'none'}")
+    return BatchRamp(start, int(data.batch_warmup["tokens"]), seq_len, final)

@@ -79,6 +79,7 @@ from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded, r
 from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, weight_stats
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
 from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
+from pipeline.train.phases import before_step
 from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, preemption_scope
 from pipeline.train.run_lock import hold_run_dir, released_at_exit
 from pipeline.train.run_meta import RunMeta, corpus_summary
@@ -243,9 +244,11 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
     if resume_dir is not None:
         from pipeline.data.shards import manifest_file_sha256
 
-        target = plan_resume(resume_dir, config_dict, plan.manifest_hash, world_size, plan.zero_stage,
-                             cfg.train.allow_config_change,
-                             manifest_file_sha256(cfg.data.shards_dir) if cfg.data.shards_dir else "")
+        data_hash, data_dir = plan.manifest_hash, cfg.data.shards_dir
+        if plan.schedule is not None:  # the data of the checkpoint's own phase
+            data_hash, data_dir = plan.schedule.data_identity(resume_dir, data_hash, data_dir)
+        target = plan_resume(resume_dir, config_dict, data_hash, world_size, plan.zero_stage,
+                             cfg.train.allow_config_change, manifest_file_sha256(data_dir) if data_dir else "")
         if cfg.train.resume not in ("auto", "never"):  # an explicit tag: this run's newer ones are set aside
             target.set_aside = newer_tags(ckpt_root, resume_dir)
     if not check_only:  # a file, read-only or full location: one line and exit 4 now, not at the first save
@@ -253,7 +256,11 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
         hold_run_dir(cfg.train.output_dir, world.rank)  # one writer per run directory (exit 2 naming the holder)
         exit_record.begin(Path(cfg.train.output_dir), world.rank == 0)  # run_state.json, for cpt-status
     # identical initial weights on every rank, for any world size
-    model = build_run_model(cfg, plan, warm_start=target is None)
+    run_cfg, run_plan = cfg, plan
+    if plan.schedule is not None:  # the phase of the next step: its data, seed and batch (pipeline.train.phases)
+        run_cfg, run_plan = plan.schedule.start_view(plan, target.meta.step if target is not None else 0)
+    model = build_run_model(plan.schedule.run_config(plan.schedule.phases[0]) if plan.schedule else cfg, plan,
+                            warm_start=target is None)
     if target is not None:
         check_resume_shapes(target, model)
     if check_only:
@@ -263,7 +270,7 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
               f"{'resume from ' + str(resume_dir) if resume_dir else start_from}{newer}")
         return 0
     with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
-        run = start(cfg, plan, model, target, config_dict, recipe)
+        run = start(run_cfg, run_plan, model, target, config_dict, recipe)
         return run.loop(preemption)
 
 
@@ -300,9 +307,6 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     """Phase 2: ranks, engine, resume, data and metrics — everything the loop needs."""
     import deepspeed
 
-    from pipeline.data.corruption import CorruptionCollator
-    from pipeline.data.mixture import open_run_data
-    from pipeline.data.reader import PretrainBatches
     from pipeline.distributed import init_distributed
     from pipeline.model.warm_start import describe_base
 
@@ -312,10 +316,7 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    # every rank checks the shards' bytes (of every source of a mixture)
-    dataset = open_run_data(cfg.data, cfg.train.total_steps * plan.batch.global_batch_size)
-    # the unigram references of the health metrics (plateau, entropy) from a bounded row sample
-    model.set_health_unigram(unigram_counts(dataset))
+    dataset = open_data(cfg, plan, model)
 
     if cfg.model.layernorm == "apex":
         log.info("apex FusedLayerNorm replaced %d LayerNorms", use_apex_layernorm(model))
@@ -332,11 +333,10 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
         model.load_extra_state_from_checkpoint(state.objective_state)
         log.info("resumed from %s at step %d (%d samples)", target.tag_dir, state.step, state.consumed_samples)
 
-    collator = CorruptionCollator(model.views, dataset.special_tokens, dataset.vocab_size, cfg.train.seed,
-                                  plans=model.host_plans(), **cfg.data.corruption)
-    batches = PretrainBatches(dataset, collator, plan.batch, info.rank, cfg.train.seed,
-                              consumed_samples=state.consumed_samples, num_workers=cfg.data.num_workers,
-                              pin_memory=cuda)
+    if plan.schedule is not None:  # a checkpoint at a phase boundary: the next phase starts here
+        plan.schedule.resume_into(state, model)
+    batches = open_batches(cfg, plan, model, info.rank, state.consumed_samples - state.phase_start_samples, cuda,
+                           dataset)
     meta = RunMeta(
         encoder_config=model.config.to_dict(), objectives=dict(cfg.objectives),
         objective_options=dict(cfg.objective_options), special_tokens=dict(dataset.special_tokens),
@@ -353,6 +353,30 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
                ThroughputMeter(info.world_size, device_peak_flops(cfg.deepspeed.precision)),
                NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16",
                               cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio))
+
+
+def open_data(cfg: RunConfig, plan: RunPlan, model: PretrainModel) -> Any:
+    """The run's (or phase's) dataset, every rank checking the shards' bytes (of every source of a
+    mixture); sets the model's health unigram references (plateau, entropy) from a bounded row sample."""
+    from pipeline.data.mixture import open_run_data
+
+    dataset = open_run_data(cfg.data, cfg.train.total_steps * plan.batch.global_batch_size)
+    model.set_health_unigram(unigram_counts(dataset))
+    return dataset
+
+
+def open_batches(cfg: RunConfig, plan: RunPlan, model: PretrainModel, rank: int, consumed: int, cuda: bool,
+                 dataset: Any = None) -> Any:
+    """This rank's micro-batch stream (`PretrainBatches`) from `consumed` samples of the run's (phase's)
+    data, corrupted with `cfg.train.seed`'s streams; the one place a run's reader is built."""
+    from pipeline.data.corruption import CorruptionCollator
+    from pipeline.data.reader import PretrainBatches
+
+    dataset = dataset if dataset is not None else open_data(cfg, plan, model)
+    collator = CorruptionCollator(model.views, dataset.special_tokens, dataset.vocab_size, cfg.train.seed,
+                                  plans=model.host_plans(), **cfg.data.corruption)
+    return PretrainBatches(dataset, collator, plan.batch, rank, cfg.train.seed, consumed_samples=consumed,
+                           num_workers=cfg.data.num_workers, pin_memory=cuda)
 
 
 @dataclass
@@ -381,7 +405,7 @@ class Run:
         from tqdm.auto import tqdm
 
         cfg, state = self.cfg, self.state
-        total, accum = cfg.train.total_steps, self.plan.batch.grad_accum
+        total = cfg.train.total_steps
         bar = tqdm(total=total, initial=state.step, disable=not (self.info.is_main and cfg.train.progress_bar),
                    desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
         last_metrics: dict = {}
@@ -393,8 +417,12 @@ class Run:
                          "it: cpt-train --resume %s train.total_steps=N (N > %d)", state.step, total, cfg.train.output_dir, state.step)
             while state.step < total:
                 step = state.step + 1
+                if self.plan.schedule is not None:  # a new phase or batch split (pipeline.train.phases)
+                    before_step(self, step, open_batches)
+                    cfg = self.cfg
+                accum = self.plan.batch.grad_accum
                 seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
-                lr = lr_at(step, cfg.optim, total)
+                lr = self.plan.schedule.lr_at(step, cfg.optim) if self.plan.schedule else lr_at(step, cfg.optim, total)
                 set_lr(self.optimizer, lr)
 
                 logged = step % cfg.train.log_every == 0 or step == total  # metrics-only work on these steps
@@ -409,7 +437,7 @@ class Run:
                 bad = self.guard.observe(state, step, nonfinite, self.engine.was_step_applied())
                 step_loss = loss_sum / (accum * self.info.world_size)
                 diverged = self.guard.loss_diverged(state, step_loss)  # every rank alike: all-reduced values
-                state.step, state.consumed_samples = step, self.batches.consumed_samples
+                state.step, state.consumed_samples = step, state.phase_start_samples + self.batches.consumed_samples
                 state.tokens_seen += int(tokens)
                 self.meter.add_step(self.plan.batch.global_batch_size, int(tokens), flops)
                 bar.update(1)
@@ -480,7 +508,9 @@ class Run:
         sums: dict[str, torch.Tensor] = {}
         nonfinite = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0
-        for _ in range(accum):
+        for micro in range(accum):
+            if self.plan.schedule is not None:  # the split may have changed: mark the boundary (set_engine_batch)
+                self.engine.set_gradient_accumulation_boundary(micro == accum - 1)
             batch = next(self.batches)
             # Host-side values first (no device sync): the token count and the sampling stream.
             tokens += int(batch["attention_mask"].sum())
@@ -503,7 +533,8 @@ class Run:
             lr=lr, grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             consumed_samples=state.consumed_samples, tokens_seen=state.tokens_seen,
             skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
-            **self.meter.report(), **peak_memory_gb(), **self.batches.source_metrics())
+            **self.meter.report(), **peak_memory_gb(), **self.batches.source_metrics(),
+            **(self.plan.schedule.metrics(step, self.plan.batch) if self.plan.schedule else {}))
         metrics.update(self.health.observe(step, metrics, announce=self.info.is_main))
         if self.cfg.deepspeed.precision == "fp16":
             metrics["loss_scale"] = float(getattr(self.engine.optimizer, "loss_scale", float("nan")))
