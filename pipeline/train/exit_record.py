@@ -38,14 +38,15 @@ def _write(path: Path, record: dict[str, Any]) -> None:
         log.warning("could not write %s (%s); cpt-status will not know this run's state", path, err)
 
 
-def begin(output_dir: Path, is_main: bool) -> None:
-    """Rank 0: record that the run is running (pid, host, start time)."""
+def begin(output_dir: Path, is_main: bool, **run: Any) -> None:
+    """Rank 0: record that the run is running (pid, host, start time, and `run`: e.g. `name`,
+    `total_steps`, what `cpt-status` needs before the first checkpoint)."""
     global _current, _started
     if not is_main:
         return
     _current = Path(output_dir) / RUN_STATE_FILE
     _started = {"pid": os.getpid(), "host": socket.gethostname(), "started_at": time.time(),
-                "argv": list(sys.argv)}
+                "argv": list(sys.argv), **run}
     _write(_current, {"state": "running", **_started})
 
 

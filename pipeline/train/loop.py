@@ -254,7 +254,8 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
     if not check_only:  # a file, read-only or full location: one line and exit 4 now, not at the first save
         check_output_dir(Path(cfg.train.output_dir), world.rank)
         hold_run_dir(cfg.train.output_dir, world.rank)  # one writer per run directory (exit 2 naming the holder)
-        exit_record.begin(Path(cfg.train.output_dir), world.rank == 0)  # run_state.json, for cpt-status
+        exit_record.begin(Path(cfg.train.output_dir), world.rank == 0, name=cfg.name,  # run_state.json (cpt-status)
+                          total_steps=cfg.train.total_steps)
     # identical initial weights on every rank, for any world size
     run_cfg, run_plan = cfg, plan
     if plan.schedule is not None:  # the phase of the next step: its data, seed and batch (pipeline.train.phases)

@@ -1,0 +1,324 @@
+"""`cpt-status RUN_DIR [RUN_DIR ...] [--json]`: how a training run is doing, from what it writes.
+
+Per run directory: its state, the step of the total, tokens seen, the recent speed (tokens/s and MFU
+over the last `RECENT` logged steps) and the ETA at that speed, the last loss and its trend, the
+learning signals' verdicts, the newest complete checkpoint with the `cpt-convert` command for it,
+and the disk its checkpoints use. A directory that is not itself a run but holds runs (a sweep) is
+expanded to them, and several runs print as one table.
+
+What it reads (no process attached, nothing written; safe on a run that is writing):
+* `run_state.json` (`pipeline.train.exit_record`): running (pid, host, total steps) or the exit code
+  and error line. States: `running`; `finished` (exit 0); `stopped` (exit 75, checkpointed for
+  requeue: `pipeline.train.preemption`); `diverged` (exit 3: the non-finite / divergence guard);
+  `failed` (any other code, with its error line); `died` (the record still says running, but its
+  process is gone from this host: SIGKILL, the OOM killer); `unknown` (no record: a run from before
+  exit records; a run at its last step with its final checkpoint reads as `finished`).
+* `metrics.jsonl` (`pipeline.train.metrics.read_jsonl`: a torn last line, mid-write, is skipped).
+* `checkpoints/` (`pipeline.train.checkpoint`: a tag counts once its `COMPLETE.json` lists every file
+  at its size) and the newest tag's `pipeline_meta.json` (total steps when the record has none).
+
+Trend: the mean loss over the last `TAIL_FRACTION` of the logged steps against the window before it
+(`pipeline.eval.signals.tail_windows`), flat within `FLAT` (1%). Signals: `final_signals` over the
+same last window, each with `still improving` when its window-over-window move is the good way.
+ETA = remaining steps x the mean `step_time_s` of the recent logged steps (checkpoint saves are
+kept out of that time by the loop, so a run that saves often ends somewhat later).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from pipeline.eval.signals import TAIL_FRACTION, final_signals, format_signal, still_improving, tail_windows
+from pipeline.train import exit_record
+from pipeline.train.checkpoint import CHECKPOINT_DIR, is_complete, list_tags
+from pipeline.train.loop import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_SAVE_FAILED
+from pipeline.train.metrics import read_jsonl
+from pipeline.train.preemption import REQUEUE_EXIT_CODE
+from pipeline.train.run_meta import RunMeta
+
+#: Logged steps the recent speed is averaged over.
+RECENT = 5
+#: A loss moving less than this (relative) between the two last windows is "flat".
+FLAT = 0.01
+METRICS_FILE = "metrics.jsonl"
+#: What each failure exit code of `cpt-train` means (`pipeline.train.loop`'s module docstring).
+EXIT_MEANINGS = {EXIT_CONFIG_ERROR: "bad config, data or checkpoint", EXIT_NONFINITE: "diverged",
+                 EXIT_SAVE_FAILED: "output not writable", EXIT_RANK_LOST: "a rank died or hung",
+                 REQUEUE_EXIT_CODE: "stopped for requeue"}
+
+
+@dataclass
+class RunStatus:
+    """Everything `cpt-status` says about one run (the `--json` object)."""
+
+    run_dir: str
+    name: str
+    state: str  # running | finished | stopped | diverged | failed | died | unknown
+    detail: str  # one line saying the state in words
+    exit_code: Optional[int] = None
+    error: str = ""
+    step: int = 0
+    total_steps: Optional[int] = None
+    tokens_seen: Optional[int] = None
+    tokens_per_s: Optional[float] = None
+    mfu: Optional[float] = None
+    eta_s: Optional[float] = None
+    loss: Optional[float] = None
+    loss_trend: str = ""  # falling / flat / rising
+    loss_change: Optional[float] = None  # relative change of the mean loss, last window vs the one before
+    signals: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint: Optional[str] = None
+    checkpoint_step: Optional[int] = None
+    convert_command: str = ""
+    checkpoint_bytes: int = 0
+    metrics_age_s: Optional[float] = None  # seconds since metrics.jsonl was last written
+
+    @property
+    def signals_learned(self) -> str:
+        return f"{sum(s['learned'] for s in self.signals)}/{len(self.signals)}" if self.signals else "-"
+
+
+def is_run_dir(path: Path) -> bool:
+    return any((path / name).exists() for name in (METRICS_FILE, CHECKPOINT_DIR, exit_record.RUN_STATE_FILE))
+
+
+def expand(paths: Sequence[str]) -> list[Path]:
+    """The run directories named: each path itself when it is a run, else its sub-directories that are."""
+    runs: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if not path.is_dir():
+            raise SystemExit(f"error: {raw}: no such directory")
+        found = [path] if is_run_dir(path) else sorted(p for p in path.iterdir() if p.is_dir() and is_run_dir(p))
+        if not found:
+            raise SystemExit(f"error: {raw}: not a run directory (no {METRICS_FILE}, {CHECKPOINT_DIR}/ or "
+                             f"{exit_record.RUN_STATE_FILE}) and holds none")
+        runs.extend(found)
+    return runs
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def disk_bytes(root: Path) -> int:
+    """Bytes of every file below `root` (files that vanish mid-walk, pruned tags, are skipped)."""
+    total = 0
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(directory, name)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def newest_checkpoint(run_dir: Path) -> Optional[tuple[int, Path]]:
+    """(step, tag dir) of the newest complete checkpoint, or None."""
+    for step, tag in reversed(list_tags(run_dir / CHECKPOINT_DIR)):
+        if is_complete(tag):
+            return step, tag
+    return None
+
+
+def _mean(records: Sequence[dict], key: str) -> Optional[float]:
+    values = [float(r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+    return sum(values) / len(values) if values else None
+
+
+def loss_trend(records: Sequence[dict]) -> tuple[str, Optional[float]]:
+    """(falling | flat | rising, relative change) of the mean loss, last window against the one before."""
+    before, end = tail_windows(len(records), TAIL_FRACTION)
+    a, b = _mean(records[before], "loss"), _mean(records[end], "loss")
+    if a is None or b is None or a == 0:
+        return "", None
+    change = (b - a) / abs(a)
+    return ("flat" if abs(change) < FLAT else "falling" if change < 0 else "rising"), change
+
+
+def state_of(record: Optional[dict], step: int, total: Optional[int], checkpoint_step: Optional[int],
+             ) -> tuple[str, str, Optional[int], str]:
+    """(state, detail, exit code, error line) from the exit record (and, without one, the files)."""
+    if record is None:
+        if total is not None and step >= total and checkpoint_step == total:
+            return "finished", "finished (no exit record; final checkpoint written)", None, ""
+        return "unknown", f"unknown (no {exit_record.RUN_STATE_FILE}: not started by cpt-train, or older)", None, ""
+    host, pid = record.get("host", "?"), record.get("pid")
+    if record.get("state") == "running":
+        if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+            if total is not None and step >= total and checkpoint_step == total:
+                return "finished", "finished (its process is gone without an exit record)", None, ""
+            return ("died", f"died: process {pid} on {host} is gone without an exit record (SIGKILL, OOM killer?); "
+                            "resume it with the same command", None, "")
+        return "running", f"running (pid {pid} on {host})", None, ""
+    code = int(record.get("exit_code", -1))
+    error = str(record.get("error", ""))
+    if code == 0:
+        return "finished", "finished (exit 0)", 0, error
+    if code == REQUEUE_EXIT_CODE:
+        return "stopped", f"stopped for requeue (exit {code}): checkpointed; the job's requeue resumes it", code, error
+    if code == EXIT_NONFINITE:
+        return "diverged", f"diverged (exit {code}): {error}" if error else f"diverged (exit {code})", code, error
+    meaning = EXIT_MEANINGS.get(code, "error")
+    return "failed", f"failed (exit {code}, {meaning}){': ' + error if error else ''}", code, error
+
+
+def collect(run_dir: Path) -> RunStatus:
+    """The status of one run directory."""
+    records = [r for r in read_jsonl(run_dir / METRICS_FILE) if isinstance(r.get("step"), int)]
+    record = exit_record.read(run_dir)
+    newest = newest_checkpoint(run_dir)
+    meta_config: dict = {}
+    if newest is not None:
+        try:
+            meta_config = RunMeta.read(newest[1]).config
+        except (OSError, ValueError):
+            meta_config = {}
+    total = (record or {}).get("total_steps") or meta_config.get("train", {}).get("total_steps")
+    name = (record or {}).get("name") or meta_config.get("name") or run_dir.name
+    last = records[-1] if records else {}
+    step = int(last.get("step", newest[0] if newest else 0))
+    state, detail, code, error = state_of(record, step, total, newest[0] if newest else None)
+    recent = records[-RECENT:]
+    status = RunStatus(run_dir=str(run_dir), name=name, state=state, detail=detail, exit_code=code, error=error,
+                       step=step, total_steps=total, tokens_seen=last.get("tokens_seen"),
+                       tokens_per_s=_mean(recent, "tokens_per_s"), mfu=_mean(recent, "mfu"), loss=last.get("loss"))
+    step_time = _mean(recent, "step_time_s")
+    if total is not None and step < total and step_time is not None and state not in ("finished", "diverged", "failed"):
+        status.eta_s = (total - step) * step_time
+    status.loss_trend, status.loss_change = loss_trend(records)
+    for signal in final_signals(records) if records else []:
+        status.signals.append({**signal.to_dict(), "still_improving": still_improving(records, signal),
+                               "text": format_signal(signal)})
+    if newest is not None:
+        status.checkpoint_step, status.checkpoint = newest[0], str(newest[1])
+        status.convert_command = f"cpt-convert {newest[1]} hf/{name}-step{newest[0]}"
+    status.checkpoint_bytes = disk_bytes(run_dir / CHECKPOINT_DIR)
+    metrics = run_dir / METRICS_FILE
+    if metrics.is_file():
+        status.metrics_age_s = max(0.0, time.time() - metrics.stat().st_mtime)
+    return status
+
+
+# ---- formatting ----------------------------------------------------------------------------------
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"  # pragma: no cover
+
+
+def human_count(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def human_duration(seconds: Optional[float]) -> str:
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h"
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
+
+
+def _step_text(s: RunStatus) -> str:
+    if s.total_steps:
+        return f"{s.step}/{s.total_steps} ({100.0 * s.step / s.total_steps:.1f}%)"
+    return f"{s.step}/?"
+
+
+def _loss_text(s: RunStatus) -> str:
+    if s.loss is None:
+        return "-"
+    trend = f" {s.loss_trend}" + (f" {100 * s.loss_change:+.1f}%" if s.loss_change is not None else "") if s.loss_trend else ""
+    return f"{s.loss:.4f}{trend}"
+
+
+def format_detail(s: RunStatus) -> str:
+    """The multi-line report of one run."""
+    age = f"; metrics written {human_duration(s.metrics_age_s)} ago" if s.metrics_age_s is not None else ""
+    speed = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f} tokens/s"
+    if s.mfu is not None:
+        speed += f", MFU {100 * s.mfu:.1f}%"
+    lines = [f"{s.run_dir}  ({s.name})",
+             f"  state       {s.detail}{age}",
+             f"  step        {_step_text(s)}, {human_count(s.tokens_seen)} tokens seen",
+             f"  speed       {speed} (last {RECENT} logged steps), ETA {human_duration(s.eta_s)}",
+             f"  loss        {_loss_text(s)}" + (" (last 20% of logged steps vs the 20% before)" if s.loss_trend else "")]
+    if s.signals:
+        lines.append(f"  signals     {s.signals_learned} learned")
+        lines += [f"    {sig['text']}{' (still improving)' if sig['still_improving'] else ''}" for sig in s.signals]
+    if s.checkpoint:
+        lines.append(f"  checkpoint  {s.checkpoint} (step {s.checkpoint_step}); {human_bytes(s.checkpoint_bytes)} "
+                     "in checkpoints/")
+        lines.append(f"  convert     {s.convert_command}")
+    else:
+        lines.append(f"  checkpoint  none complete yet; {human_bytes(s.checkpoint_bytes)} in checkpoints/")
+    return "\n".join(lines)
+
+
+def format_table(statuses: Sequence[RunStatus]) -> str:
+    """One row per run (a sweep)."""
+    header = ("RUN", "STATE", "STEP", "TOKENS", "TOK/S", "MFU", "ETA", "LOSS", "SIGNALS", "CHECKPOINT", "DISK")
+    rows = [header]
+    for s in statuses:
+        state = s.state if s.exit_code in (None, 0) else f"{s.state} ({s.exit_code})"
+        rows.append((Path(s.run_dir).name, state, _step_text(s), human_count(s.tokens_seen),
+                     human_count(s.tokens_per_s), "-" if s.mfu is None else f"{100 * s.mfu:.1f}%",
+                     human_duration(s.eta_s), _loss_text(s), s.signals_learned,
+                     f"step {s.checkpoint_step}" if s.checkpoint else "-", human_bytes(s.checkpoint_bytes)))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
+    lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
+    errors = [f"{Path(s.run_dir).name}: {s.error}" for s in statuses if s.error]
+    return "\n".join(lines + errors)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="cpt-status", description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                        help="a run's output directory, or a directory of runs (a sweep)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list with one object per run")
+    args = parser.parse_args(argv)
+    try:
+        runs = expand(args.run_dirs)
+    except SystemExit as err:
+        print(err, file=sys.stderr)
+        return 2
+    statuses = [collect(run) for run in runs]
+    if args.json:
+        print(json.dumps([asdict(s) for s in statuses], indent=1, default=str))
+    elif len(statuses) == 1:
+        print(format_detail(statuses[0]))
+    else:
+        print(format_table(statuses))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
