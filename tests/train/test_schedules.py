@@ -3,8 +3,8 @@ cosine / 1-sqrt decays — values at known steps, the refusals, and the check th
 a stable-phase checkpoint changes no rate already trained (`pipeline.train.schedule_branch`)."""
 from __future__ import annotations
 
+import logging
 import math
-import sys
 
 import pytest
 
@@ -125,3 +125,48 @@ def test_first_lr_change_is_exact():
     assert first_lr_change(a, 20, a, 21, 18) == 18
     linear = OptimConfig(lr=1e-3, warmup_steps=2)  # extending a linear run re-stretches its decay from step 4 on
     assert first_lr_change(linear, 20, linear, 21, 3) is None and first_lr_change(linear, 20, linear, 21, 4) == 4
+
+
+WSD = ["optim.schedule=wsd", "train.checkpoint_every=2", "train.keep_last=10"]
+
+
+def test_a_decay_branched_off_a_stable_checkpoint_equals_the_same_decay_in_one_run(tiny_shards_dir, tmp_path, capsys,
+                                                                                  caplog):
+    """A stable run (8 steps, decay 7-8) branched at its step-6 checkpoint into a 10-step run decaying
+    over steps 7-10, without `train.allow_config_change`: bit for bit the 10-step run done in one go."""
+    from pipeline.train.run_meta import RunMeta
+    from tests.train.runs import metric_rows, module_state, run_inprocess, tag_dir
+
+    stable, one_run, branched = tmp_path / "stable", tmp_path / "one_run", tmp_path / "branched"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, stable, *WSD, "train.total_steps=8", "optim.decay_steps=2") == 0
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, one_run, *WSD, "train.total_steps=10", "optim.decay_steps=4") == 0
+    meta = RunMeta.read(tag_dir(stable, 6))  # the checkpoint records the schedule it was trained under
+    assert {k: meta.config["optim"][k] for k in ("schedule", "decay_steps", "decay_shape")} == \
+        {"schedule": "wsd", "decay_steps": 2, "decay_shape": "linear"}
+
+    with caplog.at_level(logging.INFO, logger="pipeline.train"):
+        assert run_inprocess("tiny-mlm", tiny_shards_dir, branched, *WSD, "train.total_steps=10", "optim.decay_steps=4",
+                             f"train.resume={tag_dir(stable, 6)}") == 0
+    assert "on a new LR schedule from step 7" in caplog.text and "despite changes" not in caplog.text
+    expected, got = metric_rows(one_run), metric_rows(branched)
+    assert sorted(got) == [7, 8, 9, 10]
+    for step in got:
+        assert got[step] == expected[step], f"step {step} differs"
+    assert [expected[s]["lr"] for s in (6, 7, 8, 9, 10)] == [1e-3, 1e-3, 7.5e-4, 5e-4, 2.5e-4]
+    assert metric_rows(stable)[8]["lr"] == 5e-4  # the stable run's own decay differed from step 8 on
+    final, again = module_state(tag_dir(one_run, 10)), module_state(tag_dir(branched, 10))
+    assert final.keys() == again.keys() and all(torch_equal(final[k], again[k]) for k in final)
+
+    # a decay that would have started before the checkpoint's step: refused, naming the step
+    refused = tmp_path / "refused"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, refused, *WSD, "train.total_steps=10", "optim.decay_steps=6",
+                         f"train.resume={tag_dir(stable, 6)}") == 2
+    err = capsys.readouterr().err
+    assert "optim.decay_steps: 2 -> 6" in err and "changes the learning rate of step 6, already trained" in err
+    assert "train.allow_config_change=true" in err
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)
