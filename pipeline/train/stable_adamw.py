@@ -26,8 +26,8 @@ DeepSpeed's checkpoint and universal-checkpoint code expects.
 The clipping unit is the tensor the optimizer is given. Without ZeRO that is each weight matrix,
 as in the paper. Under DeepSpeed ZeRO 1/2/3 the client optimizer is given each rank's flat fp32
 partition of a parameter group (ZeRO 3: of a sub-group), so the RMS is taken over that partition
-(padding included, which adds zeros to the mean): a coarser clip than per weight matrix, the same
-on every resume. Per-weight clipping inside ZeRO partitions is not implemented.
+(padding included, which adds zeros to the mean): a coarser clip than per weight matrix that
+depends on the rank count, the same on every resume. Per-weight clipping inside ZeRO partitions is not implemented.
 
 No host synchronisation: the clip factor stays a 0-d tensor on the parameter's device.
 """
