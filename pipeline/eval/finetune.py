@@ -210,6 +210,30 @@ def resolve_max_length(requested: Optional[int], model_dir: Path) -> int:
     return requested
 
 
+def check_model_dir(model_dir: Path, train: Split) -> None:
+    """Before any training: the weights are readable (a truncated `model.safetensors` is named, not
+    a safetensors traceback: `warm_start.read_weight_shapes`), and the directory's tokenizer can
+    represent the task's text (`pipeline.tokenizer_checks`: a directory without tokenizer files loads
+    as a 5-token placeholder that maps every word to [UNK], and the accuracy would be meaningless)."""
+    from transformers import AutoTokenizer
+
+    from pipeline.model.warm_start import read_weight_shapes
+    from pipeline.tokenizer_checks import SAMPLE_DOCUMENTS, coverage_problem, unknown_share
+
+    read_weight_shapes(model_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as err:  # transformers raises many types for an unusable directory
+        raise ValueError(f"--model {model_dir}: no tokenizer loadable ({type(err).__name__}: {err})") from err
+    texts = [text for row in train.texts[:SAMPLE_DOCUMENTS] for text in row if text]
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    share, tokens = unknown_share(ids, tokenizer.unk_token_id)
+    problem = coverage_problem(model_dir, len(tokenizer), share, tokens,
+                               f"the first {min(len(train.texts), SAMPLE_DOCUMENTS)} training examples")
+    if problem:
+        raise ValueError(f"--model {problem}; nothing was trained")
+
+
 def finetune(args: argparse.Namespace) -> dict:
     model_dir = Path(args.model)
     if not (model_dir / "config.json").is_file():
@@ -221,6 +245,7 @@ def finetune(args: argparse.Namespace) -> dict:
     spec, train, dev = resolve_task(
         args.task_dir, args.task, args.text_cols, args.label_col, args.train_file, args.dev_file
     )
+    check_model_dir(model_dir, train)
     n_available = len(train.texts)
     if args.train_subset is not None:
         train = subset_split(train, args.train_subset, args.subset_seed)

@@ -123,3 +123,29 @@ def fill_tied(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, tor
             if name not in out and present:
                 out[name] = out[present[0]]
     return out
+
+
+def weights_difference(reference: dict[str, torch.Tensor], state: dict[str, torch.Tensor]) -> str:
+    """'' when `state` (fp32 weights from `--weights`) is the checkpoint's own, else what differs.
+
+    `reference` is what the tag itself holds: DeepSpeed's module state (ZeRO 0-2: the full module in
+    the training precision, a copy of the fp32 master weights rounded to it) or the fp32 weights
+    consolidated from its partitions. Each `state` tensor is cast to the reference's dtype and must
+    then be equal bit for bit: round-to-nearest is how the training precision copy was made, so the
+    weights of this tag always pass, and another step's (one optimizer update apart changes nearly
+    every element by more than a rounding step) do not."""
+    common = sorted(k for k in reference if k in state)
+    if not common:
+        return f"no tensor name in common with the checkpoint (it has e.g. {sorted(reference)[:3]})"
+    differing = []
+    for key in common:
+        ref, value = reference[key].detach(), state[key].detach()
+        if tuple(ref.shape) != tuple(value.shape):
+            return f"{key} has shape {tuple(value.shape)}, the checkpoint's {tuple(ref.shape)}"
+        if not torch.equal(value.to(ref.dtype), ref):
+            differing.append((key, float((value.float() - ref.float()).abs().max())))
+    if not differing:
+        return ""
+    key, largest = max(differing, key=lambda item: item[1])
+    return (f"{len(differing)} of {len(common)} tensors differ from the checkpoint's own "
+            f"(largest: {key}, max |difference| {largest:.3g})")

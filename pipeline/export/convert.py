@@ -6,24 +6,33 @@ directory with a `latest` pointer, or a run's output directory (`<run>/checkpoin
 Steps, each failing with a message that names the file at fault and leaving OUT_DIR untouched:
 1. check the tag is complete and intact (`pipeline.train.checkpoint.verify_checkpoint`: every file
    at the size and sha256 recorded in `COMPLETE.json` when it was saved), read `pipeline_meta.json`
-   (encoder shape, objectives, special tokens, tokenizer dir) and the tokenizer before any heavy work;
+   (encoder shape, objectives, special tokens, tokenizer dir) and the tokenizer before any heavy work.
+   A `--tokenizer DIR` must be the run's: compared with the run's own tokenizer (`tokenizer_dir` of
+   the meta) as training compares `model.init_from`'s (`warm_start.tokenizer_difference`); a
+   directory without tokenizer files is refused (`pipeline.tokenizer_checks`);
 2. consolidate the fp32 master weights of every rank with DeepSpeed's own
    `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (ZeRO 1/2/3, any number of ranks,
    CPU only). A checkpoint without ZeRO partitions (stage 0) is read from its single model file;
    with `--weights DIR`, the weights `zero_to_fp32.py` already wrote are read instead (.bin,
-   sharded, safetensors: `pipeline.export.consolidated`);
+   sharded, safetensors: `pipeline.export.consolidated`), and must be the tag's own: equal to the
+   module state DeepSpeed saved in the tag (ZeRO 0-2; ZeRO-3: to its consolidated partitions) once
+   cast to its precision (`consolidated.weights_difference`), else refused by name (exit 2), so a
+   card never names one step while the weights are another's;
 3. check the weights against the model the meta describes, sort them into the HF main model,
    the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`); an MLM
    head trained only with sampled negatives (`mlm-nce`, `infoword`) gets its bias corrected by the
    checkpoint's log q (`hf_adapter.head_bias_correction`), stated in the card and in the export's
    `pipeline_meta.json` (`conversion.mlm_head_bias`);
 4. the health check (`pipeline.export.health_check`): a loud warning on stderr, and in the card,
-   when the encoder looks collapsed;
+   when the encoder looks collapsed; measured only on the shards the run trained on (their manifest's
+   identity equals the one recorded at training, else a note in the card says why it was not);
 5. write config, safetensors, tokenizer (config cleaned of load-time keys), objective heads with
    their rebuild recipe (`pipeline.export.objective_heads`), `pipeline_meta.json` and the model card
    (`pipeline.export.model_card`) into a temporary sibling directory (`.OUT_DIR.tmp-HOST-PID`) and
    rename it to OUT_DIR only when everything is written.
-A SIGTERM/SIGINT removes the temporary directory before exiting; what a killed (`kill -9`)
+An output that cannot be written (read-only or full filesystem, quota) ends with one line naming
+it and exit 4 (`EXIT_WRITE_FAILED`, as training's failed saves); a previous export in OUT_DIR is
+left as it was. A SIGTERM/SIGINT removes the temporary directory before exiting; what a killed (`kill -9`)
 conversion into the same OUT_DIR left behind on this host is removed (or, for a previous export
 set aside at the moment of the kill, restored) by the next one (`clean_stale_siblings`).
 """
@@ -44,6 +53,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
+from safetensors import SafetensorError
 
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES
 from pipeline.export.hf_adapter import (
@@ -54,7 +64,7 @@ from pipeline.export.hf_adapter import (
     contiguous_copies,
     split_for_hf,
 )
-from pipeline.export.consolidated import consolidated_files, fill_tied, load_consolidated
+from pipeline.export.consolidated import consolidated_files, fill_tied, load_consolidated, weights_difference
 from pipeline.export.health_check import HealthReport, announce, check_health
 from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
@@ -63,10 +73,18 @@ from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.model.build import model_from_meta
 from pipeline.model.encoder import fuse_qkv
 from pipeline.model.modernbert import is_modernbert
+from pipeline.model.warm_start import tokenizer_difference
+from pipeline.tokenizer_checks import no_tokenizer_message
 from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
 
 GENERATOR_SUBDIR = "generator"
+#: Exit code when OUT_DIR cannot be written (training's `EXIT_SAVE_FAILED`); 2 for every other refusal.
+EXIT_WRITE_FAILED = 4
+
+
+class ExportWriteError(OSError):
+    """OUT_DIR cannot be written (read-only, full, quota); the message says what survived."""
 #: The key the export's `pipeline_meta.json` (and the printed summary) adds: what conversion changed
 #: (`mlm_head_bias`: the NCE log-q correction of the MLM head, `hf_adapter.HeadBiasCorrection`).
 CONVERSION_KEY = "conversion"
@@ -144,8 +162,44 @@ def consolidate_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], st
     return {k: v.float() if v.is_floating_point() else v for k, v in module.items()}, source
 
 
+def tag_weights(tag_dir: Path) -> dict[str, torch.Tensor]:
+    """What the tag itself says its weights are: DeepSpeed's module state in the model file (ZeRO 0-2:
+    the whole module in the training precision), or, where that holds ZeRO-3's empty placeholders,
+    the fp32 weights consolidated from the tag's partitions."""
+    model_file = tag_dir / "mp_rank_00_model_states.pt"
+    if model_file.is_file():
+        try:
+            module = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True).get("module") or {}
+        except Exception as err:  # torch.load raises many types for a broken file
+            raise CheckpointError(f"{model_file}: unreadable: {type(err).__name__}: {err}") from err
+        tensors = {k: v for k, v in module.items() if isinstance(v, torch.Tensor)}
+        if tensors and all(v.numel() > 0 for v in tensors.values()):
+            return tensors
+    return consolidate_fp32_weights(tag_dir)[0]
+
+
+def check_weights_of_tag(tag_dir: Path, weights: Path, state: dict[str, torch.Tensor]) -> None:
+    """`--weights` must hold `tag_dir`'s own weights (`consolidated.weights_difference`)."""
+    difference = weights_difference(tag_weights(tag_dir), state)
+    if difference:
+        raise ExportError(
+            f"--weights {weights}: not the weights of {tag_dir.name} ({difference}); pass zero_to_fp32.py's output "
+            f"for this tag (python {tag_dir.parent / 'zero_to_fp32.py'} {tag_dir.parent} OUT --tag {tag_dir.name}), "
+            "or convert without --weights")
+
+
+def _run_tokenizer_reference(meta: RunMeta, given: Path) -> Optional[Path]:
+    """The run's own tokenizer (`tokenizer_dir` of the meta) to compare a `--tokenizer` with; None when
+    it is gone (then only the special-token ids can be checked) or is `given` itself."""
+    recorded = Path(meta.tokenizer_dir or "")
+    if not str(meta.tokenizer_dir or "") or not recorded.is_dir():
+        return None
+    return None if recorded.resolve() == given.resolve() else recorded
+
+
 def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], encoder: AnyEncoderConfig):
-    """The run's tokenizer, checked against the special-token ids the model was trained with."""
+    """The run's tokenizer, checked against the special-token ids the model was trained with; a
+    `--tokenizer DIR` also against the run's own tokenizer, as training checks `model.init_from`'s."""
     from transformers import AutoTokenizer
 
     path = Path(tokenizer_dir or meta.tokenizer_dir or "")
@@ -153,10 +207,23 @@ def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], en
         raise CheckpointError(
             f"pipeline_meta.json field tokenizer_dir={meta.tokenizer_dir!r} is not a directory; pass --tokenizer DIR"
         )
+    flag = "--tokenizer " if tokenizer_dir else "pipeline_meta.json tokenizer_dir="
+    missing = no_tokenizer_message(path)
+    if missing:
+        raise CheckpointError(f"{flag}{missing}; pass the run's tokenizer (the shards' tokenizer/ directory)")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as err:
         raise CheckpointError(f"{path}: not loadable with AutoTokenizer: {err}") from err
+    reference = _run_tokenizer_reference(meta, path) if tokenizer_dir else None
+    if reference is not None:
+        difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(str(reference), local_files_only=True))
+        if difference:
+            raise CheckpointError(f"--tokenizer {path} is not the tokenizer the run trained with (tokenizer_dir="
+                                  f"{reference}: {difference}); pass that one, or omit --tokenizer")
+    elif tokenizer_dir:
+        print(f"note: the run's tokenizer (tokenizer_dir={meta.tokenizer_dir}) is not there to compare --tokenizer "
+              f"{path} with; only its special-token ids are checked", file=sys.stderr)
     for name in SPECIAL_TOKEN_NAMES:
         if name not in meta.special_tokens:
             continue
@@ -337,6 +404,7 @@ def convert(
         if weights is not None:
             state, source = load_consolidated(Path(weights))
             state = fill_tied(model, state)
+            check_weights_of_tag(tag_dir, Path(weights), state)
         else:
             state, source = consolidate_fp32_weights(tag_dir)
         state = fuse_qkv(state)  # checkpoints written before Q, K and V were fused hold them separately
@@ -350,16 +418,31 @@ def convert(
     announce(health)
     card = CardInputs(tag_dir.name, source, health, license_id, base_model)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(out_dir, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    previous = out_dir.is_dir() and any(out_dir.iterdir())
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         write_export(tmp, export, meta, tokenizer, tag_dir, model, with_generator, card)
         _check_out_dir(out_dir, overwrite)  # someone may have written there meanwhile
         _publish(tmp, out_dir)
+    except (OSError, SafetensorError) as err:
+        if isinstance(err, FileExistsError):
+            raise
+        raise ExportWriteError(f"{out_dir}: cannot write the export ({_write_failure(err)}); "
+                               f"{'the previous export there is unchanged' if previous else 'nothing was written'}") from err
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+def _write_failure(err: BaseException) -> str:
+    """`reason: path` of a failed write, from an OSError or safetensors' error text (it wraps Rust's io::Error)."""
+    if isinstance(err, OSError):
+        reason = os.strerror(err.errno).lower() if err.errno else str(err)
+        return f"{reason}: {err.filename}" if err.filename else reason
+    code = re.search(r"code: (\d+)", str(err))
+    return os.strerror(int(code.group(1))).lower() if code else str(err).splitlines()[0]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -404,6 +487,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             base_model=args.base_model,
             weights=args.weights,
         )
+    except ExportWriteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     except (CheckpointError, ExportError, FileExistsError, FileNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

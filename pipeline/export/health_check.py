@@ -96,11 +96,34 @@ def check_health(model: PretrainModel, state: dict[str, torch.Tensor], meta: Run
     if not str(path) or not (path / "manifest.json").is_file():
         return HealthReport(None, positive_cosines=positives, signals=signals,
                             note=f"shards not found at {path.name or '(no data_dir)'}: pass --shards DIR to measure")
+    changed = data_changed(path, meta)
+    if changed:
+        return HealthReport(None, positive_cosines=positives, signals=signals, note=changed)
     model.bert.load_state_dict({k[len("bert."):]: v for k, v in state.items() if k.startswith("bert.")})
     batch = probe_batch(path)
     cosine = encoder_token_cosine(model.bert, batch["input_ids"], batch["attention_mask"], batch["special_mask"])
     tokens = int((batch["attention_mask"].bool() & ~batch["special_mask"].bool()).sum())
     return HealthReport(cosine, len(batch["input_ids"]), tokens, positives, signals=signals)
+
+
+def data_changed(path: Path, meta: RunMeta) -> str:
+    """'' when the shards at `path` are the data the run trained on (their manifest's identity, or for
+    older checkpoints the manifest file's sha256, equals the `manifest_hash` recorded at training), else
+    the note saying they are not, so the token cosine is not measured on other text. A mixture run
+    (`data.sources`) recorded the mixture's hash, which one directory cannot be compared with: not checked."""
+    from pipeline.data.shards import manifest_file_sha256, manifest_hash
+
+    if not meta.manifest_hash or (meta.config.get("data") or {}).get("sources"):
+        return ""
+    try:
+        current = manifest_hash(path)
+    except (OSError, ValueError) as err:
+        return f"shards at {path.name} unreadable ({err}): pass --shards DIR of the run's data to measure"
+    if meta.manifest_hash in (current, manifest_file_sha256(path)):
+        return ""
+    return (f"shards at {path.name} are not the data this checkpoint trained on (manifest {current[:12]}, recorded at "
+            f"training {meta.manifest_hash[:12]}: rebuilt or replaced since): pass --shards DIR of the run's data to "
+            "measure")
 
 
 def announce(report: HealthReport, stream: Optional[TextIO] = None) -> None:

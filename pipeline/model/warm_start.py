@@ -41,6 +41,7 @@ from pipeline.data.shards import SPECIAL_TOKEN_NAMES, TOKENIZER_SUBDIR, Manifest
 from pipeline.model.arch import AnyEncoderConfig, build_encoder_and_head
 from pipeline.model.encoder import EncoderConfig
 from pipeline.model.modernbert import ModernBertConfig, is_modernbert
+from pipeline.tokenizer_checks import no_tokenizer_message
 
 log = logging.getLogger(__name__)
 
@@ -192,6 +193,10 @@ def check_tokenizer(directory: str | os.PathLike, shards_dir: str | os.PathLike)
     if not data_tok.is_dir():
         raise ConfigError(f"data.shards_dir={shards_dir}: no {TOKENIZER_SUBDIR}/ to compare with model.init_from's "
                           f"tokenizer; {rebuild}")
+    missing = no_tokenizer_message(directory)
+    if missing:  # AutoTokenizer would build a 5-token placeholder, blamed on the shards as "vocabularies differ"
+        raise ConfigError(f"model.init_from={missing}; copy the base model's tokenizer files into it (shards built "
+                          "with the placeholder would be all [UNK])")
     base = _load_tokenizer(Path(directory), f"model.init_from={directory}")
     data = _load_tokenizer(data_tok, f"data.shards_dir={shards_dir}")
     difference = tokenizer_difference(base, data)
@@ -223,6 +228,15 @@ def weight_files(directory: str | os.PathLike) -> list[Path]:
         return shards
     raise ConfigError(f"model.init_from={directory}: no PyTorch weights (looked for {', '.join(WEIGHT_FILES)}); "
                       "save the model with save_pretrained")
+
+
+def read_weight_shapes(directory: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of every tensor of DIR's weights: a `ConfigError` naming a missing, truncated or
+    otherwise unreadable weight file before anything loads it (`model.init_from`, fine-tuning)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(directory):
+        shapes.update(_read(file, shapes_only=True))
+    return shapes
 
 
 def _read(file: Path, shapes_only: bool) -> dict[str, Any]:
@@ -262,9 +276,7 @@ _CLASSES = {False: "BertModel / BertForMaskedLM", True: "ModernBertModel / Moder
 def check_weights(directory: str | os.PathLike, encoder: AnyEncoderConfig) -> None:
     """Every encoder tensor is in DIR's weights with the shape config.json implies (MLM head: all or none)."""
     files = weight_files(directory)
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        shapes.update(_read(file, shapes_only=True))
+    shapes = read_weight_shapes(directory)
     ours, _ = _from_hf(encoder, {k: torch.empty(s, device="meta") for k, s in shapes.items()})
     expected, distinct = expected_shapes(encoder)
     where = ", ".join(str(f) for f in files)
