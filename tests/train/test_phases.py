@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,12 +19,17 @@ from pipeline.train.checkpoint import TRAIN_STATE_FILE
 from pipeline.train.phases import phase_seed
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.fixtures_data import TINY_SHARD_MB
+from tests.gloo_ranks import free_port
 from tests.train.runs import (
+    REPO,
+    _env,
     latest,
     metric_rows,
     module_state,
     output_of,
+    overrides,
     run_inprocess,
+    run_torchrun,
     send_signal,
     start_subprocess,
     tag_dir,
@@ -211,3 +218,42 @@ def test_two_phase_presets_plan_on_their_data(tiny_shards_dir, long_shards_dir, 
     assert all(p.optim is not None for p in plan.schedule.phases[1:])  # phase 2 on its own schedule segment
     if rope:
         assert [p.model["global_rope_theta"] for p in plan.schedule.phases] == rope
+
+
+def test_two_ranks_requeued_under_the_torchrun_wrapper_resume_into_phase_2(tiny_shards_dir, long_shards_dir, tmp_path):
+    """2 ranks under `pipeline.launch_requeue` (torchrun): the ranks get SIGUSR1 in phase 2 (as from the
+    scheduler), the wrapper exits 75; the same command again (the requeued job) resumes in phase 2 and
+    ends with the weights of the uninterrupted 2-rank run."""
+    length = ["train.total_steps=60", "train.checkpoint_every=1000"]
+    phases = two_phases(long_shards_dir, short_steps=2, long_steps=58)
+    reference = tmp_path / "reference"
+    run_torchrun("tiny-mlm", tiny_shards_dir, reference, *length, phases)
+
+    out = tmp_path / "run"
+
+    def launch() -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "pipeline.launch_requeue", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), "-m", "pipeline.train", "--config", "tiny-mlm",
+               *overrides(tiny_shards_dir, out, *length, phases)]
+        return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+
+    launcher = launch()
+    try:
+        wait_for_step(out, 3, launcher)
+        ranks = subprocess.run(["pgrep", "-f", "-P", str(launcher.pid), "pipeline.train"], capture_output=True,
+                               text=True).stdout.split()
+        assert len(ranks) == 2, ranks
+        for pid in ranks:
+            subprocess.run(["kill", "-USR1", pid], check=True)
+        assert wait_all([launcher]) == [REQUEUE_EXIT_CODE], output_of(launcher)[-3000:]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    state = train_state(latest(out))
+    assert state["phase"] == "long" and 3 <= state["step"] < 60, state
+    launcher = launch()
+    assert wait_all([launcher]) == [0], output_of(launcher)[-3000:]
+    assert metric_rows(out) == metric_rows(reference)
+    final, expected = module_state(tag_dir(out, 60)), module_state(tag_dir(reference, 60))
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
