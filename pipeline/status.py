@@ -299,6 +299,17 @@ def format_table(statuses: Sequence[RunStatus]) -> str:
     return "\n".join(lines + errors)
 
 
+def _finite(value: Any) -> Any:
+    """NaN / inf -> None, so `--json` is strict JSON (jq, JavaScript)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="cpt-status", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
@@ -312,7 +323,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     statuses = [collect(run) for run in runs]
     if args.json:
-        print(json.dumps([asdict(s) for s in statuses], indent=1, default=str))
+        print(json.dumps([_finite(asdict(s)) for s in statuses], indent=1, default=str))
     elif len(statuses) == 1:
         print(format_detail(statuses[0]))
     else:

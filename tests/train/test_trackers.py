@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.status import collect
 from pipeline.train.trackers import IDS_FILE, STEP_KEY
 from tests.train.runs import DEADLINE_S, REPO, _env, losses, output_of, run_inprocess, train_command, wait_for_step
 
@@ -144,6 +145,8 @@ def test_killed_and_resumed_run_is_one_tracker_run(offline, tiny_shards_dir):
     proc.kill()
     assert proc.wait(timeout=DEADLINE_S) == -signal.SIGKILL, "the run finished before it could be killed"
     ids = json.loads((out / IDS_FILE).read_text())
+    killed = collect(out)  # cpt-status: the record says running, its process is gone
+    assert killed.state == "died" and killed.detail.startswith(f"died: process {proc.pid} ")
 
     assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *args) == 0  # resume="auto" from the step-4 checkpoint
     assert json.loads((out / IDS_FILE).read_text()) == ids
