@@ -89,11 +89,13 @@ def build_text_shards(args, work: Path) -> tuple[Path, Path, Path]:
     return dirs["train"][0], dirs["select"][0], dirs["report"][0]
 
 
-def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: int, seed: int) -> tuple[
-        Optional[Path], Optional[Path], str]:
+def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: int, seed: int,
+                 task: str = "sst2", select: Optional[Path] = None) -> tuple[Optional[Path], Optional[Path], str]:
     """(SST-2 dir, selection file, note). The selection split is `n_select` examples of `train.tsv`
     outside the fine-tuning subset (`subset_split(train, n_train, seed)`), so no example the model
-    is fine-tuned on is ever scored for selection. (None, None, reason) when SST-2 is absent."""
+    is fine-tuned on is ever scored for selection. (None, None, reason) when SST-2 is absent.
+    `task`: any GLUE task of `pipeline.eval.glue.GLUE_TASKS` (the SLURM study's several tasks;
+    `select`: where its selection file goes, default `<work>/sst2/select.tsv`)."""
     from pipeline.eval.glue import GLUE_TASKS, load_split, read_tsv, subset_split
 
     if not sst2_dir:
@@ -102,24 +104,24 @@ def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: in
     missing = [f for f in SST2_FILES if not (root / f).is_file()]
     if missing:
         return None, None, f"SST-2 not found ({root}: missing {', '.join(missing)}): downstream evaluation skipped"
-    spec = GLUE_TASKS["sst2"]
-    table = read_tsv(root / "train.tsv", "sst2")
+    spec = GLUE_TASKS[task]
+    table = read_tsv(root / "train.tsv", task)
     train = load_split(table, spec)
     if n_train + n_select > len(train.texts):
         raise ValueError(f"--sst2-train {n_train} + --sst2-select {n_select} > {len(train.texts)} examples in "
                          f"{root / 'train.tsv'}")
-    test = load_split(read_tsv(root / "test.tsv", "sst2"), spec)
+    test = load_split(read_tsv(root / "test.tsv", task), spec)
     if test.labels is None:
         raise ValueError(f"{root / 'test.tsv'}: no labels; the study scores the test split once at the end")
     used = set(subset_split(train, n_train, seed).ids())
     rest = [i for i in range(len(train.texts)) if str(i) not in used]
     chosen = sorted(np.random.default_rng(seed + 1).choice(len(rest), size=n_select, replace=False).tolist())
-    select = work / "sst2" / "select.tsv"
+    select = select or work / "sst2" / "select.tsv"
     if not select.is_file():
-        column = table.columns.index(spec.text_cols[0])
-        label = table.columns.index(spec.label_col)
+        columns = [table.columns.index(c) for c in (*spec.text_cols, spec.label_col)]
         rows = [table.rows[rest[i]] for i in chosen]
-        _write_atomic(select, "sentence\tlabel\n" + "".join(f"{r[column]}\t{r[label]}\n" for r in rows))
+        _write_atomic(select, "\t".join((*spec.text_cols, spec.label_col)) + "\n"
+                      + "".join("\t".join(r[c] for c in columns) + "\n" for r in rows))
     return root, select, (f"SST-2 from {root}: fine-tuning on {n_train} train examples (subset seed {seed}), "
                           f"selection on {n_select} other train examples, dev reported, test scored once at the end")
 

@@ -128,7 +128,7 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
 
 
 def finetune_sst2(model_dir: Path, sst2_dir: Path, select_file: Path, args, output: Path, seeds: Sequence[int],
-                  with_test: bool = False, random_init: bool = False) -> dict:
+                  with_test: bool = False, random_init: bool = False, task: str = "sst2") -> dict:
     """`pipeline.eval.finetune` on SST-2 with the study's fine-tuning settings and fine-tuning `seeds`;
     returns, per model ("pretrained", and "random_init" when asked), every seed's accuracy on dev /
     select (/ test) and their means. The full finetune output (every seed, predictions) is kept at
@@ -136,7 +136,7 @@ def finetune_sst2(model_dir: Path, sst2_dir: Path, select_file: Path, args, outp
     from pipeline.eval.finetune import build_parser, finetune, write_atomic
 
     eval_files = [str(select_file)] + (["test.tsv"] if with_test else [])
-    argv = ["--model", str(model_dir), "--task-dir", str(sst2_dir), "--task", "sst2",
+    argv = ["--model", str(model_dir), "--task-dir", str(sst2_dir), "--task", task,
             "--train-subset", str(args.sst2_train), "--subset-seed", str(args.subset_seed),
             "--seeds", *map(str, seeds), "--lr", str(args.finetune_lr),
             "--epochs", str(args.finetune_epochs), "--batch-size", "32",

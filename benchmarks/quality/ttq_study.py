@@ -107,6 +107,32 @@ def cumulative_hours(records: list[dict], world_size: int) -> dict[int, float]:
     return hours
 
 
+def run_record(key: RunKey, records: list[dict], steps: list[int], world_size: int) -> dict:
+    """A finished run's `train.json`: its evaluation steps, the device-hours of the training steps up
+    to each (`cumulative_hours`; `gpu_seconds` the same in seconds), and its training health.
+    `pipeline.train` truncates `metrics.jsonl` to the checkpoint it resumes from, so a step redone after
+    a preemption is logged, and counted, once (`counted_steps`)."""
+    from pipeline.eval.signals import final_signals
+
+    hours = cumulative_hours(records, world_size)
+    last = records[-1] if records else {}
+    return {
+        "run": key.name, "status": "ok", "steps": steps,
+        "device_hours": {str(s): hours[s] for s in steps},
+        "gpu_seconds": {str(s): hours[s] * 3600.0 for s in steps},
+        "counted_steps": len({r["step"] for r in records}), "world_size": world_size,
+        "train_health": {
+            "token_cosine": last.get("health/token_cosine"),
+            "positive_cosines": {k: v for k, v in last.items() if k.endswith("positive_cosine")},
+            "collapsed_steps": sum(1 for r in records if r.get("health/collapsed")),
+            "logged_steps": len(records),
+            # each learning signal against its chance level over the last 20% of the logged steps
+            "signals": [s.to_dict() for s in final_signals(records)],
+        },
+        "final_train_loss": last.get("loss"),
+    }
+
+
 def run_child(cmd: list[str], log) -> int:
     """Run `cmd` to completion; if this process is stopped (SIGTERM, turned into an exception by
     `time_to_quality.main`, or Ctrl-C), pass SIGTERM on, so `pipeline.train` writes a checkpoint
@@ -125,7 +151,6 @@ def run_child(cmd: list[str], log) -> int:
 
 def train_run(key: RunKey, data: StudyData, args, work: Path) -> dict:
     """Train (or resume) one run, convert every checkpoint, and record it in `train.json`."""
-    from pipeline.eval.signals import final_signals
     from pipeline.train.checkpoint import is_complete, list_tags
     from pipeline.train.metrics import read_jsonl
 
@@ -156,25 +181,11 @@ def train_run(key: RunKey, data: StudyData, args, work: Path) -> dict:
                                f"(log: {run_dir / 'train.log'})")
         tags = complete_tags()
     records = read_jsonl(run_dir / "metrics.jsonl")
-    hours = cumulative_hours(records, args.world_size)
     # evaluation points only: a checkpoint written on a stop signal (any step) is a resume point
     tags = [(step, tag) for step, tag in tags if step % args.eval_every == 0 or step == args.steps]
     for step, tag in tags:
         convert_once(tag, run_dir / "hf" / f"step_{step}")
-    last = records[-1] if records else {}
-    record = {
-        "run": key.name, "status": "ok", "steps": [s for s, _ in tags],
-        "device_hours": {str(s): hours[s] for s, _ in tags},
-        "train_health": {
-            "token_cosine": last.get("health/token_cosine"),
-            "positive_cosines": {k: v for k, v in last.items() if k.endswith("positive_cosine")},
-            "collapsed_steps": sum(1 for r in records if r.get("health/collapsed")),
-            "logged_steps": len(records),
-            # each learning signal against its chance level over the last 20% of the logged steps
-            "signals": [s.to_dict() for s in final_signals(records)],
-        },
-        "final_train_loss": last.get("loss"),
-    }
+    record = run_record(key, records, [s for s, _ in tags], args.world_size)
     write_json(done, record)
     if not args.keep_checkpoints:  # every checkpoint is converted; the optimizer states are not needed again
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
@@ -189,19 +200,21 @@ def heldout_at(key: RunKey, step: int, data: StudyData, top_token: int, args, wo
 
 
 def downstream_at(key: RunKey, step: int, data: StudyData, args, work: Path, final_test: bool = False,
-                  random_init: bool = False) -> Optional[dict]:
+                  random_init: bool = False, task: Optional[str] = None) -> Optional[dict]:
     """SST-2 at one checkpoint (dev + selection split; `final_test`: test as well, in its own files),
     one cached fine-tuning per `--finetune-seeds` seed (`downstream/<point>/seed_<s>.json`), merged
-    in the order given: adding fine-tuning seeds to a study fine-tunes only the new ones."""
+    in the order given: adding fine-tuning seeds to a study fine-tunes only the new ones.
+    `task`: another GLUE task in `data.sst2_dir` (the SLURM study's), under `downstream/<task>/`."""
     if data.sst2_dir is None:
         return None
     run_dir = key.directory(work)
-    point = run_dir / "downstream" / ("final_test" if final_test else f"step_{step}")
+    point = run_dir / "downstream" / (task or "") / ("final_test" if final_test else f"step_{step}")
 
     def one_seed(seed: int) -> dict:
         return cached(point / f"seed_{seed}.json", lambda: finetune_sst2(
             run_dir / "hf" / f"step_{step}", data.sst2_dir, data.select_file, args,
-            point / f"seed_{seed}.finetune.json", [seed], with_test=final_test, random_init=random_init))
+            point / f"seed_{seed}.finetune.json", [seed], with_test=final_test, random_init=random_init,
+            task=task or "sst2"))
 
     return merge_finetune_summaries([one_seed(seed) for seed in args.finetune_seeds])
 

@@ -1,0 +1,72 @@
+"""`cpt-study plan|submit|status|collect STUDY.yaml`: the time-to-quality study on a SLURM cluster.
+
+    cpt-study plan    studies/bert-base.yaml   # jobs and estimated GPU-hours; submits nothing
+    cpt-study submit  studies/bert-base.yaml   # the units whose result files are missing (again after a failure)
+    cpt-study status  studies/bert-base.yaml   # units done per phase, the study's jobs in the queue
+    cpt-study collect studies/bert-base.yaml --out REPORT_DIR   # the CPU study's report, from the files alone
+
+The study file format: `benchmarks/study/spec.py`; the jobs: `benchmarks/study/jobs.py`;
+docs/slurm.md#the-time-to-quality-study-on-slurm walks through a run on a cluster.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from benchmarks.study.spec import StudyError, load_study  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpt-study", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("command", choices=("plan", "submit", "status", "collect"))
+    p.add_argument("study", help="the study file (YAML)")
+    p.add_argument("--out", default="", help="collect: report directory (default: <work_dir>/report); "
+                   "plan: also write the plan as JSON here")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        # plan needs no data yet (a study is planned before its shards exist); the others do
+        study = load_study(args.study, check_data=args.command != "plan")
+        if args.command == "plan":
+            from benchmarks.study.plan import format_plan, plan, write_plan
+
+            p = plan(study)
+            print(format_plan(p))
+            if args.out:
+                write_plan(p, Path(args.out) / "plan.json")
+        elif args.command == "submit":
+            from benchmarks.study.jobs import submit_study
+
+            jobs = submit_study(study)
+            print(f"submitted {len(jobs)} job(s); the driver job submits the seed phase when the sweep ends "
+                  f"(`cpt-study status {args.study}`)")
+        elif args.command == "status":
+            from benchmarks.study.jobs import status_lines
+
+            print("\n".join(status_lines(study)))
+        else:
+            from benchmarks.study.results import collect
+
+            out = Path(args.out) if args.out else study.work / "report"
+            for result in collect(study, out):
+                print(f"[{result['task'] or 'held-out only'}] {result['verdict']}")
+                print(f"wrote {result['paths']['json']} and {result['paths']['md']}")
+    except StudyError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

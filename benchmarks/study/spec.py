@@ -1,0 +1,242 @@
+"""The study file of `cpt-study`: what a time-to-quality study on SLURM trains, evaluates and costs.
+
+A YAML file (see `studies/tiny.yaml`, `studies/bert-base.yaml` and docs/slurm.md#the-time-to-quality-study-on-slurm)::
+
+    name: tiny
+    work_dir: ../runs/study-tiny          # relative to this file; every result file lives here
+    objectives:                           # each a preset and overrides; `mlm` is the baseline
+      mlm:  {preset: tiny-mlm}
+      taco: {preset: tiny-taco, overrides: [objective_options.taco.temperature=0.07]}
+    seeds: [1, 2]                         # pretraining seeds; the first runs the learning-rate sweep
+    lrs: [1.0e-3]
+    warmup_ratio: 0.06
+    budget: {steps: 8}                    # or {tokens: N}: steps = ceil(N / (global batch x seq_len))
+    eval_every: 4                         # evaluation points: every eval_every steps and the last
+    shards: {train: DIR, heldout_select: DIR, heldout_report: DIR}
+    tasks:                                # GLUE-format dirs with a labelled test.tsv, several at once
+      - {name: sst2, dir: DIR, train_examples: 4000, select_examples: 2000}
+    finetune: {seeds: [1, 2, 3], lr: 1.0e-4, epochs: 3}
+    eval_sequences: 512
+    plateau_margin: 0.05
+    resources:                            # sbatch flags of each kind of job
+      pretrain: {nodes: 1, ntasks_per_node: 8, gpus_per_node: 8, time: "24:00:00"}
+      eval: {gpus_per_node: 1, time: "04:00:00"}
+      sbatch: [--partition=gpu, --account=me]   # every job
+    cost: {mfu: 0.4, device: H100, precision: bf16, tokens_per_s: {mlm: 250000}, flops_factor: {cocolm: 1.33}}
+
+`${VAR}` in a path is expanded from the environment (the tiny study names its data that way).
+Every error names the file and the field, before anything is submitted.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+#: pipeline.train keys the study sets per run (an objective override of one would defeat the sweep).
+STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_steps", "train.checkpoint_every",
+               "train.output_dir", "train.resume", "data.shards_dir", "train.log_every", "train.keep_last")
+TOP_KEYS = {"name", "work_dir", "objectives", "seeds", "lrs", "warmup_ratio", "budget", "eval_every", "shards",
+            "tasks", "finetune", "eval_sequences", "plateau_margin", "resources", "cost", "subset_seed",
+            "keep_checkpoints"}
+
+
+class StudyError(ValueError):
+    """A study file that cannot run: the message names the file and the field."""
+
+
+@dataclass(frozen=True)
+class Objective:
+    name: str
+    preset: str
+    overrides: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str  # a GLUE task of pipeline.eval.glue.GLUE_TASKS with an accuracy metric
+    dir: Path
+    train_examples: int
+    select_examples: int
+
+
+@dataclass
+class Study:
+    path: Path
+    name: str
+    work: Path
+    objectives: dict[str, Objective]
+    seeds: list[int]
+    lrs: list[float]
+    warmup_ratio: float
+    budget: dict[str, int]
+    eval_every: int
+    shards: dict[str, Path]
+    tasks: list[Task]
+    finetune: dict[str, Any]
+    eval_sequences: int
+    plateau_margin: float
+    resources: dict[str, Any]
+    cost: dict[str, Any]
+    subset_seed: int = 0
+    keep_checkpoints: bool = True
+    steps: int = 0  # resolved by `resolve_steps` (a token budget needs the preset's batch and seq_len)
+    steps_of: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        pre = self.resources.get("pretrain", {})
+        return int(pre.get("nodes", 1)) * int(pre.get("ntasks_per_node", 1))
+
+    def eval_steps(self, objective: str) -> list[int]:
+        """The evaluation points of one run: every `eval_every` steps and the last step."""
+        steps = self.steps_of[objective]
+        return sorted({*range(self.eval_every, steps + 1, self.eval_every), steps})
+
+    def args(self, objective: str, task: Optional[Task] = None) -> argparse.Namespace:
+        """The settings in the form `benchmarks.quality` (the CPU study's units) reads them."""
+        ft = self.finetune
+        return argparse.Namespace(
+            steps=self.steps_of[objective], eval_every=self.eval_every, warmup_ratio=self.warmup_ratio,
+            eval_sequences=self.eval_sequences, finetune_seeds=list(ft["seeds"]), finetune_lr=float(ft["lr"]),
+            finetune_epochs=int(ft["epochs"]), device=str(ft.get("device", "")), subset_seed=self.subset_seed,
+            sst2_train=task.train_examples if task else 0, sst2_select=task.select_examples if task else 0,
+            plateau_margin=self.plateau_margin, lrs=self.lrs, seeds=self.seeds, objectives=list(self.objectives),
+            finetune_seeds_str=",".join(map(str, ft["seeds"])), world_size=self.world_size,
+            keep_checkpoints=self.keep_checkpoints)
+
+
+def _need(raw: dict, key: str, where: str, kind: type | tuple[type, ...]) -> Any:
+    if key not in raw:
+        raise StudyError(f"{where}: missing field '{key}'")
+    value = raw[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise StudyError(f"{where}.{key}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+    return value
+
+
+def _path(value: Any, base: Path, where: str) -> Path:
+    text = os.path.expandvars(str(value))
+    if "$" in text:
+        raise StudyError(f"{where}: {value!r} names an environment variable that is not set")
+    p = Path(text).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def load_study(path: str | Path, check_data: bool = True) -> Study:
+    """Read and check a study file (`check_data`: the shard and task directories must exist)."""
+    path = Path(path)
+    if not path.is_file():
+        raise StudyError(f"{path}: no such study file")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise StudyError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise StudyError(f"{path}: expected a mapping of fields")
+    where, base = str(path), path.resolve().parent
+    unknown = sorted(set(raw) - TOP_KEYS)
+    if unknown:
+        raise StudyError(f"{where}: unknown field(s) {unknown} (known: {sorted(TOP_KEYS)})")
+    from pipeline.config.loader import available_presets, resolve_preset
+
+    objectives: dict[str, Objective] = {}
+    for name, spec in _need(raw, "objectives", where, dict).items():
+        w = f"{where}: objectives.{name}"
+        if not isinstance(spec, dict) or "preset" not in spec:
+            raise StudyError(f"{w}: expected {{preset: NAME, overrides: [KEY=VALUE, ...]}}")
+        overrides = spec.get("overrides") or []
+        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
+            raise StudyError(f"{w}.overrides: expected a list of KEY=VALUE strings")
+        owned = [o for o in overrides if o.split("=", 1)[0] in STUDY_OWNED]
+        if owned:
+            raise StudyError(f"{w}.overrides: {owned}: the study sets these itself (lrs, seeds, budget, eval_every)")
+        try:
+            resolve_preset(str(spec["preset"]))
+        except Exception:  # noqa: BLE001 - any failure to find it is the same user error
+            raise StudyError(f"{w}.preset: {spec['preset']!r} is neither a preset ({', '.join(available_presets())}) "
+                             "nor a YAML file") from None
+        objectives[str(name)] = Objective(str(name), str(spec["preset"]), tuple(overrides))
+    if "mlm" not in objectives:
+        raise StudyError(f"{where}: objectives: needs 'mlm', the baseline every objective is measured against")
+    seeds = [int(s) for s in _need(raw, "seeds", where, list)]
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise StudyError(f"{where}: seeds: give distinct pretraining seeds")
+    lrs = sorted({float(x) for x in _need(raw, "lrs", where, list)})
+    if not lrs or any(lr <= 0 for lr in lrs):
+        raise StudyError(f"{where}: lrs: give positive learning rates")
+    budget = _need(raw, "budget", where, dict)
+    if len(budget) != 1 or next(iter(budget)) not in ("steps", "tokens") or int(next(iter(budget.values()))) < 1:
+        raise StudyError(f"{where}: budget: give exactly one of {{steps: N}} or {{tokens: N}}, N >= 1")
+    eval_every = int(_need(raw, "eval_every", where, int))
+    warmup = float(raw.get("warmup_ratio", 0.06))
+    if not 0.0 <= warmup < 1.0:
+        raise StudyError(f"{where}: warmup_ratio: must be in [0, 1)")
+    shards_raw = _need(raw, "shards", where, dict)
+    shards = {}
+    for key in ("train", "heldout_select", "heldout_report"):
+        shards[key] = _path(_need(shards_raw, key, f"{where}: shards", (str, Path)), base, f"{where}: shards.{key}")
+    tasks = []
+    from pipeline.eval.glue import GLUE_TASKS
+
+    for i, t in enumerate(raw.get("tasks") or []):
+        w = f"{where}: tasks[{i}]"
+        name = str(_need(t, "name", w, str))
+        if name not in GLUE_TASKS or "accuracy" not in GLUE_TASKS[name].metrics:
+            raise StudyError(f"{w}.name: {name!r}: give a GLUE classification task "
+                             f"({', '.join(k for k, s in GLUE_TASKS.items() if 'accuracy' in s.metrics)})")
+        tasks.append(Task(name, _path(_need(t, "dir", w, str), base, f"{w}.dir"), int(t.get("train_examples", 4000)),
+                          int(t.get("select_examples", 2000))))
+    if len({t.name for t in tasks}) != len(tasks):
+        raise StudyError(f"{where}: tasks: each task once")
+    finetune = {"seeds": [1, 2, 3], "lr": 1e-4, "epochs": 3, **(raw.get("finetune") or {})}
+    study = Study(path=path.resolve(), name=str(raw.get("name", path.stem)),
+                  work=_path(raw.get("work_dir", f"study-{path.stem}"), base, f"{where}: work_dir"),
+                  objectives=objectives, seeds=seeds, lrs=lrs, warmup_ratio=warmup,
+                  budget={k: int(v) for k, v in budget.items()}, eval_every=eval_every, shards=shards, tasks=tasks,
+                  finetune=finetune, eval_sequences=int(raw.get("eval_sequences", 512)),
+                  plateau_margin=float(raw.get("plateau_margin", 0.05)), resources=raw.get("resources") or {},
+                  cost=raw.get("cost") or {}, subset_seed=int(raw.get("subset_seed", 0)),
+                  keep_checkpoints=bool(raw.get("keep_checkpoints", True)))
+    resolve_steps(study)
+    if check_data:
+        for key, p in shards.items():
+            if not (p / "manifest.json").is_file():
+                raise StudyError(f"{where}: shards.{key}: {p} has no manifest.json (build it with cpt-build-shards)")
+        for i, t in enumerate(tasks):
+            missing = [f for f in ("train.tsv", "dev.tsv", "test.tsv") if not (t.dir / f).is_file()]
+            if missing:
+                raise StudyError(f"{where}: tasks[{i}].dir: {t.dir} lacks {', '.join(missing)} (test.tsv labelled)")
+    return study
+
+
+def run_config(study: Study, objective: str, extra: tuple[str, ...] = ()):
+    """The objective's `RunConfig` (its preset and overrides; `data.shards_dir` from the study)."""
+    from pipeline.config.run import load_config
+
+    obj = study.objectives[objective]
+    try:
+        return load_config(obj.preset, [f"data.shards_dir={study.shards['train']}", *obj.overrides, *extra])
+    except ValueError as err:
+        raise StudyError(f"{study.path}: objectives.{objective}: {err}") from None
+
+
+def resolve_steps(study: Study) -> None:
+    """Training steps of each objective: the step budget, or the token budget over the preset's
+    tokens per step (global batch x seq_len), rounded up; `eval_every` checked against it."""
+    for name in study.objectives:
+        if "steps" in study.budget:
+            steps = study.budget["steps"]
+        else:
+            cfg = run_config(study, name)
+            steps = math.ceil(study.budget["tokens"] / (cfg.data.global_batch_size * cfg.data.seq_len))
+        if not 1 <= study.eval_every <= steps:
+            raise StudyError(f"{study.path}: eval_every: {study.eval_every} must be in [1, {steps}] "
+                             f"(the budget of {name} in steps)")
+        study.steps_of[name] = steps
+    study.steps = max(study.steps_of.values())
