@@ -133,7 +133,9 @@ def weights_difference(reference: dict[str, torch.Tensor], state: dict[str, torc
     consolidated from its partitions. Each `state` tensor is cast to the reference's dtype and must
     then be equal bit for bit: round-to-nearest is how the training precision copy was made, so the
     weights of this tag always pass, and another step's (one optimizer update apart changes nearly
-    every element by more than a rounding step) do not."""
+    every element by more than a rounding step) do not. A 16-bit copy of the tag's weights
+    (`zero_to_torch.py --dtype bfloat16 / float16`) passes too: it equals the reference rounded to
+    that precision."""
     common = sorted(k for k in reference if k in state)
     if not common:
         return f"no tensor name in common with the checkpoint (it has e.g. {sorted(reference)[:3]})"
@@ -142,10 +144,19 @@ def weights_difference(reference: dict[str, torch.Tensor], state: dict[str, torc
         ref, value = reference[key].detach(), state[key].detach()
         if tuple(ref.shape) != tuple(value.shape):
             return f"{key} has shape {tuple(value.shape)}, the checkpoint's {tuple(ref.shape)}"
-        if not torch.equal(value.to(ref.dtype), ref):
+        if not _same_weights(value, ref):
             differing.append((key, float((value.float() - ref.float()).abs().max())))
     if not differing:
         return ""
     key, largest = max(differing, key=lambda item: item[1])
     return (f"{len(differing)} of {len(common)} tensors differ from the checkpoint's own "
             f"(largest: {key}, max |difference| {largest:.3g})")
+
+
+def _same_weights(value: torch.Tensor, ref: torch.Tensor) -> bool:
+    """`value` is `ref`, in `ref`'s precision, or `ref` rounded to 16 bits (bfloat16 or float16)."""
+    if torch.equal(value.to(ref.dtype), ref):
+        return True
+    if not (value.is_floating_point() and ref.is_floating_point()):
+        return False
+    return any(torch.equal(ref.to(half).to(value.dtype), value) for half in (torch.bfloat16, torch.float16))

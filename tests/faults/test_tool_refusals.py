@@ -37,22 +37,14 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "tokenizer_config.json", "spec
 OTHER_MODULES = ("json", "csv", "pathlib", "argparse", "logging", "subprocess", "collections", "functools")
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_shards_dir):
-    """A 4-step tiny MLM run (ZeRO-1, checkpoints at steps 2 and 4) on its own copy of the shards."""
-    base = tmp_path_factory.mktemp("tool_refusals")
-    shards = copy_shards(tiny_shards_dir, base / "shards")
-    out = base / "run"
-    assert run_inprocess("tiny-mlm", shards, out, "train.total_steps=4", "train.checkpoint_every=2",
-                         "train.keep_last=5") == 0
-    return out
+@pytest.fixture()
+def run(small_run):
+    return small_run
 
 
-@pytest.fixture(scope="module")
-def exported(run, tmp_path_factory):
-    out = tmp_path_factory.mktemp("exported") / "hf"
-    assert convert_main([str(run), str(out)]) == 0
-    return out
+@pytest.fixture()
+def exported(small_export):
+    return small_export
 
 
 def _zero_to_fp32(run: Path, step: int, out: Path) -> Path:
