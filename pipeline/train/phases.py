@@ -395,6 +395,9 @@ def set_engine_batch(engine: Any, batch: BatchPlan) -> None:
         engine.set_train_micro_batch_size(batch.micro_batch_size)
     if engine.train_batch_size() != batch.global_batch_size:
         engine.set_train_batch_size(batch.global_batch_size)
+    zero = getattr(engine, "optimizer", None)  # ZeRO's optimizer keeps its own copy (read by the offload path)
+    if hasattr(zero, "gradient_accumulation_steps"):
+        zero.gradient_accumulation_steps = batch.grad_accum
 
 
 def before_step(run: Any, step: int, open_batches: Callable[..., Any]) -> None:

@@ -123,3 +123,20 @@ def test_refusals_name_the_field(tiny_shards_dir):
     assert "must be below data.global_batch_size=8" in refused({"start_global_batch_size": 8, "tokens": 10})
     assert "data.batch_warmup.start_global_batch_size=3 is not a multiple of data.micro_batch_size=2" in refused(
         {"start_global_batch_size": 3, "tokens": 10}, stage=2)
+
+
+def test_a_ramped_step_is_the_step_of_a_run_at_that_batch(reference, tiny_shards_dir, tmp_path):
+    """Step 7 of the warm-up run (global 6: three micro-batches, after DeepSpeed's accumulation count
+    changed from 1 to 2 to 3) equals step 7 of a run at global batch 6 from the same checkpoint: one
+    update at the right boundary, the gradient averaged over the step's 6 samples (same loss and
+    gradient norm, bit for bit)."""
+    run = shutil.copytree(reference, tmp_path / "run")
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, run, *STEPS, "data.micro_batch_size=2",
+                         "data.global_batch_size=6", f"train.resume={tag_dir(run, 6)}",
+                         "train.allow_config_change=true") == 0
+    ramped, plain = metric_rows(reference)[7], metric_rows(run)[7]
+    assert ramped["consumed_samples"] == plain["consumed_samples"] == 22
+    for key in ("loss", "grad_norm", "lr", "tokens_seen"):
+        assert ramped[key] == plain[key], key
+    states = torch.load(tag_dir(reference, 10) / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert states["global_steps"] == 10 and states["global_samples"] == sum(GLOBAL)  # one update per step

@@ -81,6 +81,8 @@ def test_one_run_walks_both_phases(reference):
     # phase 2 reads the 128-token shards: a step of 4 sequences holds more than 4 x 64 tokens
     assert rows[5]["tokens_seen"] - rows[4]["tokens_seen"] > 4 * 64
     assert rows[4]["tokens_seen"] - rows[3]["tokens_seen"] <= 8 * 64
+    states = torch.load(tag_dir(reference, 8) / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    assert states["global_steps"] == 8 and states["global_samples"] == 48  # DeepSpeed: one update per step
     for step, phase, start in ((2, "short", 0), (4, "short", 0), (6, "long", 32), (8, "long", 32)):
         state = train_state(tag_dir(reference, step))
         assert (state["phase"], state["phase_start_samples"]) == (phase, start), step
@@ -257,3 +259,35 @@ def test_two_ranks_requeued_under_the_torchrun_wrapper_resume_into_phase_2(tiny_
     assert metric_rows(out) == metric_rows(reference)
     final, expected = module_state(tag_dir(out, 60)), module_state(tag_dir(reference, 60))
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_a_phase_may_train_on_a_mixture(tiny_shards_dir, long_shards_dir):
+    """`data.sources` (mixtures) exists: a phase may name its data with `sources` instead of `shards_dir`."""
+    phases = [{"name": "short", "steps": 4},
+              {"name": "mix", "steps": 4, "sources": [{"path": str(long_shards_dir), "weight": 1.0}],
+               "micro_batch_size": 2, "global_batch_size": 4}]
+    cfg = load_config("tiny-mlm", [f"data.shards_dir={tiny_shards_dir}", "train.total_steps=8",
+                                   "phases=" + json.dumps(phases)])
+    plan = check_run(cfg, 1, False)
+    mix = plan.schedule.phases[1]
+    assert mix.data.shards_dir == "" and mix.data.sources and mix.manifest.seq_len == 128
+    both = [phases[0], {**phases[1], "shards_dir": str(long_shards_dir)}]
+    with pytest.raises(ConfigError, match=r"phases\[1\] \(mix\): data.sources and data.shards_dir"):
+        load_config("tiny-mlm", [f"data.shards_dir={tiny_shards_dir}", "train.total_steps=8",
+                                 "phases=" + json.dumps(both)])
+
+
+def test_zero3_phases_with_batch_warmup_resume_bitwise(tiny_shards_dir, long_shards_dir, tmp_path):
+    """ZeRO-3, a batch warm-up inside phase 1 (2, 2, 4, 8), then phase 2: the split changes three times
+    (DeepSpeed's accumulation count and its ZeRO optimizer's follow); a resume at the boundary is bitwise."""
+    extra = ["deepspeed.config=zero3", "data.micro_batch_size=2", "data.global_batch_size=8",
+             "data.batch_warmup=" + json.dumps({"start_global_batch_size": 2, "tokens": 8 * 64}),
+             *STEPS, two_phases(long_shards_dir)]
+    reference = tmp_path / "reference"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, reference, *extra) == 0
+    rows = metric_rows(reference)
+    assert [rows[s]["global_batch_size"] for s in range(1, 9)] == [2, 2, 4, 8, 4, 4, 4, 4]
+    assert [rows[s]["consumed_samples"] for s in range(1, 9)] == [2, 4, 8, 16, 20, 24, 28, 32]
+    run = shutil.copytree(reference, tmp_path / "run")
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, run, *extra, f"train.resume={tag_dir(run, 4)}") == 0
+    assert metric_rows(run) == metric_rows(reference)
