@@ -193,7 +193,7 @@ def train_row(ctx, row) -> dict[str, Any]:
     if objective == "mlm" and arch == "bert":
         ctx.cache[("mlm_optim", length)] = out["optim"]
     if objective == "capt" and arch == "bert":
-        ctx.cache["capt"] = out
+        ctx.cache["capt"] = {**out, "length": length}
     return out
 
 
@@ -238,7 +238,7 @@ def queue_row(ctx, row) -> dict[str, Any]:
     ms, _ = measure(implementation("sequence_contrastive_loss", "triton"), args, grads, kwargs, ctx.device,
                     *((3, 20) if cuda else (1, 1)))
     step_ms = capt["step_time_s"] * 1e3 / capt["grad_accum"]
-    return {"seq_len": capt["seq_len"], "micro_batch": capt["micro_batch"], "queue_ms": ms,
+    return {"length": capt["length"], "seq_len": capt["seq_len"], "micro_batch": capt["micro_batch"], "queue_ms": ms,
             "capt_ms_per_micro_batch": step_ms, "share": ms / step_ms}
 
 

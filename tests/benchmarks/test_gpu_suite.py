@@ -170,8 +170,13 @@ def test_dry_run_more_rows(rehearsal):
     assert queue["capt_ms_per_micro_batch"] == pytest.approx(capt["step_time_s"] * 1e3 / capt["grad_accum"])
     assert queue["share"] == pytest.approx(queue["queue_ms"] / queue["capt_ms_per_micro_batch"])
     assert rows["pytest -m gpu"]["exit"] == 0  # on the CPU every gpu test is collected and skipped
-    other = rows["kernel other cases 16k"]
-    assert {x["case"] for x in other["results"]} == set(plan.OTHER_CASES)
+    mlm = rows["mlm L=512"]
+    for objective in ("taco", "capt", "cocolm", "infoword"):  # judged against the MLM row of the same process
+        assert rows[f"{objective} L=512"]["mfu_vs_mlm"] is None  # no MFU on the CPU
+        assert rows[f"{objective} L=512"]["tokens_vs_mlm"] == pytest.approx(
+            rows[f"{objective} L=512"]["tokens_per_s"] / mlm["tokens_per_s"])
+    assert {t["name"] for t in data["targets"]} >= {"L=512 cocolm MFU / MLM's", "64k fused linear CE time / Liger's",
+                                                    "L=512 queue InfoNCE share of a CAPT step", "pytest -m gpu passes"}
 
 
 def test_dry_run_modernbert_pairs_every_objective_with_its_bert_row(rehearsal):
@@ -233,6 +238,18 @@ def test_no_row_starts_past_the_deadline(tmp_path):
     assert data["rows"] == [] and data["complete"] is True and data["deadline_s"] == 0
     assert [s["row"] for s in data["skipped"]] == [r.name for r in plan.stage_named("more").rows]
     assert all(s["reason"].startswith("deadline: 0 s left") for s in data["skipped"])
+
+
+def test_local_runs_every_command_of_a_plan_from_a_plain_clone_and_says_why_it_cannot_here(tmp_path):
+    """`--local` needs no ../shared, wheels or carried folders: each command runs in its own process
+    and writes `DIR/<stage>.json`; without a GPU each stops before any compute, saying so (exit 1)."""
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_suite", "--local", "modernbert", "--out",
+                           str(tmp_path)], cwd=ROOT, env=suite_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "local run: FAILED" in proc.stdout, proc.stdout[-2000:]
+    for stage in plan.PLANS["modernbert"]:
+        data = json.loads((tmp_path / f"{stage.name}.json").read_text())
+        assert data["rows"] == [] and data["dry_run"] is False and "--deadline-s inf" in data["command"]
+        assert any("no CUDA device visible to torch" in n for n in data["notes"]), data["notes"]
 
 
 def test_a_throughput_row_writes_no_checkpoint_and_times_only_unlogged_steps(tmp_path, monkeypatch):
