@@ -1,0 +1,87 @@
+"""`cpt-study plan` and the study file: job counts and GPU-hours (FLOPs at a stated MFU, or a measured
+rate) computed by hand here, the BERT-base study's number as docs/slurm.md gives it, and every
+study-file error naming the file and the field before anything is submitted."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks.study.plan import plan
+from benchmarks.study.spec import StudyError, load_study
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _bert_base_output() -> str:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.study.cli", "plan", str(REPO / "studies" / "bert-base.yaml")],
+                         env={"CPT_STUDY_DATA": "/nonexistent/study", "PATH": "/usr/bin:/bin"}, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_plan_of_the_bert_base_study_prints_its_jobs_and_gpu_hours_and_the_docs_quote_them() -> None:
+    text = _bert_base_output()
+    # 3 objectives x (3 learning rates + 2 more seeds) pretraining jobs, one evaluation array per run
+    # (the sweep seed's selected run twice: sweep, then its curves), the driver and the final job
+    assert "jobs: 35 (15 pretraining, 18 evaluation arrays with 357 tasks, 1 driver, 1 final)" in text
+    # BERT-base, 100k steps x 1024 x 128 tokens, Megatron's formula at MFU 0.4 of an H100 (bf16 989.4 TFLOP/s)
+    L, h, f, V, B, s = 12, 768, 3072, 30522, 1024, 128
+    n = round(0.15 * B * s)
+    step = 3 * (L * (2 * B * s * (4 * h * h + 2 * h * f) + 4 * B * s * s * h) + 2 * n * h * h + 2 * n * h * V)
+    per_run = 100_000 * step / (989.4e12 * 0.4) / 3600
+    assert f"{per_run:.4g} GPU-h per run" in text and f"{per_run * 1.33:.4g} GPU-h per run" in text  # cocolm x 1.33
+    total = re.search(r"estimated GPU-hours: ([0-9.]+) \(pretraining ([0-9.]+)", text)
+    assert float(total[2]) == pytest.approx(5 * per_run * (2 + 1.33), rel=1e-3)
+    assert f"estimated GPU-hours: {total[1]}" in (REPO / "docs" / "slurm.md").read_text()  # the docs' number is plan's
+
+
+def _study(tmp_path: Path, **changes) -> Path:
+    raw = {"name": "t", "work_dir": "work", "objectives": {"mlm": {"preset": "tiny-mlm"}}, "seeds": [1, 2],
+           "lrs": [1e-3], "budget": {"steps": 10}, "eval_every": 5,
+           "shards": {"train": "s", "heldout_select": "s", "heldout_report": "s"},
+           "cost": {"tokens_per_s": {"mlm": 1000.0}, "seq_len": 128}}
+    raw.update(changes)
+    path = tmp_path / "study.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_measured_rate_replaces_the_flops_estimate(tmp_path: Path) -> None:
+    p = plan(load_study(_study(tmp_path), check_data=False))
+    row = p["rows"][0]
+    # tiny-mlm: 8 sequences x 128 tokens per step (no shards yet: cost.seq_len), 10 steps, 1000 tokens/s
+    assert row["estimate"] == "measured 1,000 tokens/s per GPU" and row["runs"] == 2
+    assert row["gpu_hours_per_run"] == pytest.approx(10 * 8 * 128 / 1000 / 3600)
+    assert p["jobs"] == {"pretrain": 2, "eval_arrays": 3, "eval_array_tasks": 5, "driver": 1, "final": 1}
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"objectives": {"taco": {"preset": "tiny-taco"}}}, "objectives: needs 'mlm'"),
+    ({"objectives": {"mlm": {"preset": "nope"}}}, "objectives.mlm.preset: 'nope' is neither a preset"),
+    ({"objectives": {"mlm": {"preset": "tiny-mlm", "overrides": ["optim.lr=1"]}}}, "the study sets these itself"),
+    ({"budget": {"steps": 10, "tokens": 5}}, "budget: give exactly one of"),
+    ({"eval_every": 11}, "eval_every: 11 must be in [1, 10]"),
+    ({"seeds": [1, 1]}, "seeds: give distinct"),
+    ({"lrs": [0]}, "lrs: give positive"),
+    ({"tasks": [{"name": "stsb", "dir": "x"}]}, "tasks[0].name: 'stsb': give a GLUE classification task"),
+    ({"shards": {"train": "${CPT_NO_SUCH_VARIABLE}", "heldout_select": "s", "heldout_report": "s"}},
+     "shards.train: '${CPT_NO_SUCH_VARIABLE}' names an environment variable that is not set"),
+    ({"epochs": 3}, "unknown field(s) ['epochs']"),
+])
+def test_study_file_errors_name_the_file_and_field(tmp_path: Path, changes: dict, message: str) -> None:
+    with pytest.raises(StudyError) as err:
+        load_study(_study(tmp_path, **changes), check_data=False)
+    assert message in str(err.value) and str(tmp_path / "study.yaml") in str(err.value)
+
+
+def test_submit_checks_the_data_before_anything_is_queued(tmp_path: Path) -> None:
+    out = subprocess.run([sys.executable, "-m", "benchmarks.study.cli", "submit", str(_study(tmp_path))], cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "shards.train:" in out.stderr and "has no manifest.json" in out.stderr
+    assert not (tmp_path / "work").exists()
