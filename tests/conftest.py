@@ -92,26 +92,37 @@ _FLAG_SETTERS: dict[str, Callable[[Any], None]] = {
 }
 
 
+def snapshot_process_state() -> dict[str, Any]:
+    """What `restore_process_state` puts back: torch's flags, the guarded signals' handlers, torch's config."""
+    return {"flags": _torch_flags(), "configs": _config_snapshot(),
+            "handlers": {sig: signal.getsignal(sig) for sig in GUARDED_SIGNALS}}
+
+
+def restore_process_state(saved: dict[str, Any]) -> list[str]:
+    """Undo every change since `snapshot_process_state`; returns what had changed (empty: nothing)."""
+    leaked = []
+    for name, value in _torch_flags().items():
+        if value != saved["flags"][name]:
+            _FLAG_SETTERS[name](saved["flags"][name])
+            leaked.append(f"{name} {value} (was {saved['flags'][name]})")
+    for sig, handler in saved["handlers"].items():
+        if handler is not None and signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+            leaked.append(f"handler of {signal.Signals(sig).name}")
+    for name, config in saved["configs"].items():
+        leaked += _restore_config(name, config)
+    return leaked
+
+
 @pytest.fixture(autouse=True)
 def _restore_process_state(request: pytest.FixtureRequest):
     """Whatever a test does, the next one starts from the same process-wide state: torch's default dtype,
     deterministic-algorithm flags and thread count, the handlers of `GUARDED_SIGNALS`, and the keys of
     torch's dynamo / inductor / functorch config. A change found after the test is undone and reported as a
     `GlobalStateLeak` warning naming the test, so an order-dependent outcome (issue 42) cannot arise from it."""
-    flags, configs = _torch_flags(), _config_snapshot()
-    handlers = {sig: signal.getsignal(sig) for sig in GUARDED_SIGNALS}
+    saved = snapshot_process_state()
     yield
-    leaked = []
-    for name, value in _torch_flags().items():
-        if value != flags[name]:
-            _FLAG_SETTERS[name](flags[name])
-            leaked.append(f"{name} {value} (was {flags[name]})")
-    for sig, handler in handlers.items():
-        if handler is not None and signal.getsignal(sig) is not handler:
-            signal.signal(sig, handler)
-            leaked.append(f"handler of {signal.Signals(sig).name}")
-    for name, saved in configs.items():
-        leaked += _restore_config(name, saved)
+    leaked = restore_process_state(saved)
     if leaked:
         warnings.warn(GlobalStateLeak(f"{request.node.nodeid} left changed (restored): {', '.join(leaked)}"))
 
