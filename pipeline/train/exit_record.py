@@ -103,3 +103,6 @@ class ErrorLineTap(io.TextIOBase):
 
     def writable(self) -> bool:
         return True
+
+    def __getattr__(self, name: str) -> Any:  # anything else (`buffer`, `errors`, ...) is the stream's
+        return getattr(self.stream, name)
