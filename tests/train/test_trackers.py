@@ -176,6 +176,23 @@ def test_tensorboard_switch_still_drops_tensorboard():
     assert load_config("tiny-mlm", ["train.tensorboard=false"]).train.active_trackers() == ["jsonl"]
     cfg = load_config("tiny-mlm", ["train.trackers=[mlflow,jsonl,tensorboard]", "train.tensorboard=false"])
     assert cfg.train.active_trackers() == ["mlflow", "jsonl"]
+    assert load_config("tiny-mlm", ["train.trackers=jsonl"]).train.trackers == ["jsonl"]  # one name: a list of one
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.trackers=[jsonl,neptune]", "train.trackers: unknown tracker 'neptune'; choose from tensorboard, wandb, "
+                                       "mlflow, jsonl"),
+    ("train.trackers=[jsonl,jsonl]", "train.trackers: jsonl listed more than once"),
+    ("train.trackers=5", "train.trackers: expected a list, got 5"),
+    ("train.tracker_tags=[a,{b: 1}]", "train.tracker_tags[1]: expected str"),
+])
+def test_bad_tracker_fields_are_one_line_errors(override, message):
+    from pipeline.config.checks import ConfigError
+    from pipeline.config.run import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny-mlm", [override])
+    assert str(err.value).startswith(message)
 
 
 def test_a_tracker_failing_mid_run_costs_one_warning(offline, tiny_shards_dir):
