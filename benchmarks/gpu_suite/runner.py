@@ -112,9 +112,12 @@ class Writer:
         _atomic_write(self.ctx.out / f"{self.ctx.stage.name}.md", render_markdown(p).encode())
 
 
-def run_stage(stage: Stage, out: Path, dry_run: bool, deadline_s: Optional[float], command: str) -> int:
-    """Run every row of `stage` in this process (see the module docstring); 0 done, 1 could not measure."""
-    ctx = StageContext(stage, out, dry_run, deadline_s, Path(tempfile.mkdtemp(prefix=f"gpu_suite_{stage.name}_")))
+def run_stage(stage: Stage, out: Path, dry_run: bool, deadline_s: Optional[float], command: str,
+              started: Optional[float] = None) -> int:
+    """Run every row of `stage` in this process (see the module docstring); 0 done, 1 could not measure.
+    `started`: the process's start (`time.monotonic()`), from which the deadline counts."""
+    ctx = StageContext(stage, out, dry_run, deadline_s, Path(tempfile.mkdtemp(prefix=f"gpu_suite_{stage.name}_")),
+                       started=time.monotonic() if started is None else started)
     writer = Writer(ctx, command)
     notes = writer.payload["notes"]
     print(f"stage {stage.name}: {len(stage.rows)} rows, deadline "
