@@ -41,6 +41,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -190,7 +191,8 @@ def check_step_sum(cfg: RunConfig, steps: list[int]) -> None:
     if sum(steps) != cfg.train.total_steps:
         parts = " + ".join(f"{n} ({_where(i, cfg.phases[i])})" for i, n in enumerate(steps))
         raise ConfigError(f"phases: the phases' steps sum to {parts} = {sum(steps)}, but train.total_steps="
-                          f"{cfg.train.total_steps}; they must agree (one run walks the phases once)")
+                          f"{cfg.train.total_steps}; they must agree (one run walks the phases once; to extend a run, lengthen "
+                          f"its last phase with it: phases.{len(steps) - 1}.steps=N)")
 
 
 @dataclass
@@ -288,6 +290,21 @@ class Schedule:
         self.enter(state, state.step + 1)
         apply_model_overrides(model, self.phase_at(state.step + 1))
 
+    def corpus(self) -> dict[str, Any]:
+        """The model card's corpus of a phased run (`RunMeta.corpus`): every phase's source files (once
+        each), the last phase's seq_len, the shards' totals summed, and per phase its name, steps,
+        seq_len and `corpus_summary`."""
+        from pipeline.train.run_meta import corpus_summary
+
+        if getattr(self, "_corpus", None) is None:
+            summaries = [corpus_summary(p.manifest) for p in self.phases]
+            files = {json_key(f): f for summary in summaries for f in summary["files"]}
+            self._corpus = {**summaries[-1], "files": list(files.values()),
+                            "sequences": sum(s["sequences"] for s in summaries),
+                            "tokens": sum(s["tokens"] for s in summaries),
+                            "phases": [{"name": p.name, "steps": p.steps, **s} for p, s in zip(self.phases, summaries)]}
+        return self._corpus
+
     def metrics(self, step: int, batch: BatchPlan) -> dict[str, int]:
         """Logged with every step: the phase index (phased runs) and the step's global batch."""
         out = {"global_batch_size": batch.global_batch_size}
@@ -363,6 +380,10 @@ def plan_schedule(cfg: RunConfig, world_size: int) -> Optional[Schedule]:
     return Schedule(phases, cfg.train.total_steps, cfg)
 
 
+def json_key(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
 def tokens_to_steps(tokens: int, seq_len: int, batch: BatchPlan, ramp: Optional[BatchRamp]) -> int:
     """Steps that consume `tokens` token positions (sequences x seq_len), the last one completing it."""
     if ramp is None:
@@ -419,6 +440,8 @@ def before_step(run: Any, step: int, open_batches: Callable[..., Any]) -> None:
         dataset = None  # the phase's own data, opened (and checked) by open_batches
         run.meta.encoder_config = run.model.config.to_dict()
         run.meta.manifest_hash = phase.manifest_hash
+    if schedule.phased:
+        run.meta.corpus = schedule.corpus()
     batch = schedule.batch_at(phase, state.consumed_samples - state.phase_start_samples)
     if entered is None and batch == run.plan.batch:
         return

@@ -110,6 +110,8 @@ def check_same_data(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) -> 
 
     if any(o.split("=", 1)[0].strip() == "data.shards_dir" for o in overrides):
         return
+    if cfg.phases:  # the checkpoint's data is its phase's: `plan_resume` compares it (pipeline.train.phases)
+        return
     if cfg.data.sources:  # a mixture (pipeline.data.sources): its sources' manifests and shares
         check_same_mixture(cfg, meta, overrides)
         return

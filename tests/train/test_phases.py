@@ -81,6 +81,11 @@ def test_one_run_walks_both_phases(reference):
     # phase 2 reads the 128-token shards: a step of 4 sequences holds more than 4 x 64 tokens
     assert rows[5]["tokens_seen"] - rows[4]["tokens_seen"] > 4 * 64
     assert rows[4]["tokens_seen"] - rows[3]["tokens_seen"] <= 8 * 64
+    from pipeline.train.run_meta import RunMeta
+
+    corpus = RunMeta.read(tag_dir(reference, 8)).corpus  # the model card's: both phases' data
+    assert [(p["name"], p["steps"], p["seq_len"]) for p in corpus["phases"]] == [("short", 4, 64), ("long", 4, 128)]
+    assert corpus["seq_len"] == 128 and corpus["sequences"] == sum(p["sequences"] for p in corpus["phases"])
     states = torch.load(tag_dir(reference, 8) / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
     assert states["global_steps"] == 8 and states["global_samples"] == 48  # DeepSpeed: one update per step
     for step, phase, start in ((2, "short", 0), (4, "short", 0), (6, "long", 32), (8, "long", 32)):
@@ -291,3 +296,17 @@ def test_zero3_phases_with_batch_warmup_resume_bitwise(tiny_shards_dir, long_sha
     run = shutil.copytree(reference, tmp_path / "run")
     assert run_inprocess("tiny-mlm", tiny_shards_dir, run, *extra, f"train.resume={tag_dir(run, 4)}") == 0
     assert metric_rows(run) == metric_rows(reference)
+
+
+def test_extending_a_phased_run_lengthens_its_last_phase(reference, tmp_path, capsys):
+    """`--resume DIR train.total_steps=N` must lengthen a phase too (the steps must sum: said so),
+    and with `phases.1.steps=M` the run goes on in its last phase from its checkpoint."""
+    from pipeline.train.loop import main
+
+    run = shutil.copytree(reference, tmp_path / "run")
+    assert main(["--resume", str(run), "train.total_steps=10"]) == 2
+    assert "to extend a run, lengthen its last phase with it: phases.1.steps=N" in capsys.readouterr().err
+    assert main(["--resume", str(run), "train.total_steps=10", "phases.1.steps=6"]) == 0
+    rows = metric_rows(run)
+    assert sorted(rows) == list(range(1, 11)) and [rows[s]["phase"] for s in (9, 10)] == [1, 1]
+    assert rows[10]["consumed_samples"] == 56 and train_state(tag_dir(run, 10))["phase"] == "long"
