@@ -92,6 +92,15 @@ def wandb_runs(out: Path) -> dict[str, dict]:
     return runs
 
 
+def subprocess_env() -> dict:
+    """The training subprocess's environment: offline, and without this process's W&B service
+    (`WANDB_SERVICE`, exported by an in-process run before): a child attached to it would leave its
+    run registered there when killed, and the resume here would find the run id "in use"."""
+    env = _env(OFFLINE)
+    env.pop("WANDB_SERVICE", None)
+    return env
+
+
 def jsonl_scalars(out: Path) -> dict[int, dict]:
     rows = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
@@ -139,7 +148,7 @@ def test_killed_and_resumed_run_is_one_tracker_run(offline, tiny_shards_dir):
     out, uri = offline / "run", (offline / "mlruns").as_uri()
     args = ["train.total_steps=40", "train.checkpoint_every=4", "train.trackers=[jsonl,wandb,mlflow]",
             f"train.mlflow_tracking_uri={uri}"]
-    proc = subprocess.Popen(train_command("tiny-mlm", tiny_shards_dir, out, *args), cwd=REPO, env=_env(OFFLINE),
+    proc = subprocess.Popen(train_command("tiny-mlm", tiny_shards_dir, out, *args), cwd=REPO, env=subprocess_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for_step(out, 6, proc)
     proc.kill()
@@ -204,7 +213,7 @@ def test_a_tracker_failing_mid_run_costs_one_warning(offline, tiny_shards_dir):
     proc = subprocess.Popen(
         train_command("tiny-mlm", tiny_shards_dir, out, f"train.total_steps={total}", "train.checkpoint_every=1000",
                       "train.trackers=[jsonl,mlflow]", f"train.mlflow_tracking_uri={store.as_uri()}"),
-        cwd=REPO, env=_env(OFFLINE), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_for_step(out, 2, proc)
     os.kill(proc.pid, signal.SIGSTOP)
     try:
