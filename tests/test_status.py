@@ -122,3 +122,16 @@ def test_not_a_run_directory(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pipeline.status", str(tmp_path)], cwd=REPO, env=_env(),
                           capture_output=True, text=True, timeout=DEADLINE_S)
     assert proc.returncode == 2 and f"error: {tmp_path}: not a run directory" in proc.stderr
+
+
+def test_every_exit_code_reads_as_its_state():
+    """The mapping of `run_state.json` records to states (the runs above cover 0, 75 and 3 end to end)."""
+    from pipeline.status import state_of
+
+    exited = {"state": "exited", "host": "n1", "pid": 1}
+    assert state_of({**exited, "exit_code": 4, "error": "no space left on device: /x"}, 5, 10, 4)[:3] == (
+        "failed", "failed (exit 4, output not writable): no space left on device: /x", 4)
+    assert state_of({**exited, "exit_code": 1, "error": "RuntimeError: boom"}, 5, 10, 4)[0:2] == (
+        "failed", "failed (exit 1, error): RuntimeError: boom")
+    assert state_of({"state": "running", "host": "elsewhere", "pid": 1}, 5, 10, None)[0] == "running"
+    assert state_of(None, 10, 10, 10)[0] == "finished" and state_of(None, 5, 10, 4)[0] == "unknown"
