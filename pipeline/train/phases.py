@@ -178,12 +178,14 @@ def phase_steps_without_data(cfg: RunConfig) -> list[int]:
     steps = [raw["steps"] if raw.get("steps") is not None else int(math.floor(raw["fraction"] * total))
              for raw in cfg.phases]
     fractions = [i for i, raw in enumerate(cfg.phases) if raw.get("fraction") is not None]
-    if fractions and len(fractions) == len(cfg.phases) and abs(sum(cfg.phases[i]["fraction"] for i in fractions) - 1) < 1e-9:
+    whole = abs(sum(cfg.phases[i]["fraction"] for i in fractions) - 1) < 1e-9
+    if fractions and len(fractions) == len(cfg.phases) and whole:
         steps[fractions[-1]] = total - sum(steps[i] for i in fractions[:-1])
     return steps
 
 
 def check_step_sum(cfg: RunConfig, steps: list[int]) -> None:
+    """Every phase at least one step, and the phases' steps summing to `train.total_steps`."""
     for i, n in enumerate(steps):
         if n < 1:
             raise ConfigError(f"{_where(i, cfg.phases[i])}: {n} steps (its fraction of train.total_steps="
@@ -191,8 +193,8 @@ def check_step_sum(cfg: RunConfig, steps: list[int]) -> None:
     if sum(steps) != cfg.train.total_steps:
         parts = " + ".join(f"{n} ({_where(i, cfg.phases[i])})" for i, n in enumerate(steps))
         raise ConfigError(f"phases: the phases' steps sum to {parts} = {sum(steps)}, but train.total_steps="
-                          f"{cfg.train.total_steps}; they must agree (one run walks the phases once; to extend a run, lengthen "
-                          f"its last phase with it: phases.{len(steps) - 1}.steps=N)")
+                          f"{cfg.train.total_steps}; they must agree (one run walks the phases once; to extend a run, "
+                          f"lengthen its last phase with it: phases.{len(steps) - 1}.steps=N)")
 
 
 @dataclass
@@ -224,6 +226,7 @@ class Schedule:
     def __init__(self, phases: list[Phase], total_steps: int, root: RunConfig) -> None:
         self.phases, self.total_steps = phases, total_steps
         self.root = root  # the run's config as loaded (a phase's view: `run_config`)
+        self._corpus: Optional[dict[str, Any]] = None
 
     @property
     def phased(self) -> bool:
@@ -296,7 +299,7 @@ class Schedule:
         seq_len and `corpus_summary`."""
         from pipeline.train.run_meta import corpus_summary
 
-        if getattr(self, "_corpus", None) is None:
+        if self._corpus is None:
             summaries = [corpus_summary(p.manifest) for p in self.phases]
             files = {json_key(f): f for summary in summaries for f in summary["files"]}
             self._corpus = {**summaries[-1], "files": list(files.values()),
@@ -362,13 +365,14 @@ def plan_schedule(cfg: RunConfig, world_size: int) -> Optional[Schedule]:
                                                                          dict(first.special_tokens)):
             raise ConfigError(f"{where}.shards_dir={phase.data.shards_dir or phase.data.sources}: built with another "
                               f"tokenizer than the model's (phase 0's {phases[0].data.shards_dir or 'data'}: tokenizer "
-                              f"hash {m.tokenizer_hash[:12]} vs {first.tokenizer_hash[:12]}, vocabulary {m.vocab_size} vs "
-                              f"{first.vocab_size}); build every phase's shards with one tokenizer")
+                              f"hash {m.tokenizer_hash[:12]} vs {first.tokenizer_hash[:12]}, vocabulary {m.vocab_size} "
+                              f"vs {first.vocab_size}); build every phase's shards with one tokenizer")
     longest = max(p.manifest.seq_len for p in phases)
     limit = cfg.model.max_position
     for phase in phases:
         if limit is not None and phase.manifest.seq_len > limit:
-            raise ConfigError(f"{_where(phase.index, cfg.phases[phase.index])}.seq_len={phase.manifest.seq_len} exceeds "
+            where = _where(phase.index, cfg.phases[phase.index])
+            raise ConfigError(f"{where}.seq_len={phase.manifest.seq_len} exceeds "
                               f"model.max_position={limit}: the model has no positions beyond {limit}; raise "
                               "model.max_position or leave it unset (the longest phase's seq_len)")
     first_phase = phases[0]

@@ -27,8 +27,8 @@ def test_a_requeued_job_resumes_into_the_right_phase(slurm_cluster: SlurmCluster
                "micro_batch_size": 2, "global_batch_size": 4}]
     config.write_text("inherit: tiny-mlm\nphases: " + json.dumps(phases) + "\n")
     run_dir = tmp_path / "preempted"
-    job = submit(slurm_cluster, "pretrain", pretrain_env(run_dir, tiny_shards_dir, "train.keep_last=10", CONFIG=str(config)),
-                 "--nodes=2", "--ntasks-per-node=1")["pretrain"]
+    env = pretrain_env(run_dir, tiny_shards_dir, "train.keep_last=10", CONFIG=str(config))
+    job = submit(slurm_cluster, "pretrain", env, "--nodes=2", "--ntasks-per-node=1")["pretrain"]
     wait_for("step 3 (phase 2) of the run", lambda: len(metrics(run_dir)) >= 3, lambda: job_log(run_dir, job))
     signalled = slurm_cluster.run(["scancel", "--batch", "--signal=USR1", job], check=False)
     assert signalled.returncode == 0, signalled.stderr

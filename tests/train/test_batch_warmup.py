@@ -88,7 +88,7 @@ def test_a_run_follows_the_ramp(reference, tiny_shards_dir):
     rows = metric_rows(reference)
     assert [rows[s]["global_batch_size"] for s in range(1, 11)] == GLOBAL
     assert [rows[s]["consumed_samples"] for s in range(1, 11)] == list(np.cumsum(GLOBAL))
-    from pipeline.data.reader import ShardDataset, PretrainBatches  # noqa: F401  (the tokens of those samples)
+    from pipeline.data.reader import ShardDataset
     from pipeline.seeding import epoch_permutation
 
     dataset = ShardDataset(tiny_shards_dir, verify=False)
