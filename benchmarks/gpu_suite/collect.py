@@ -145,7 +145,8 @@ def render_table(payloads: list[tuple[str, dict[str, Any]]]) -> str:
         lines += [f"**{first['device']['name']}** ({', '.join(f'[{f}]({f})' for f in folders)}), commit "
                   f"{', '.join(commits)}, torch {first['versions'].get('torch')}, triton {first['versions'].get('triton')}:",
                   ""]
-        throughput = [throughput_cells(r) for _, d in run for r in d["rows"] if r["kind"] in ("train", "hf")]
+        throughput = [{**throughput_cells(r), "command": d["stage"]} for _, d in run for r in d["rows"]
+                      if r["kind"] in ("train", "hf")]
         if throughput:
             from benchmarks.throughput.bench_throughput import MFU_FORMULA
 

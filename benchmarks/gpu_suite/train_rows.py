@@ -116,14 +116,15 @@ def shape(s: dict[str, Any], arch: str) -> dict[str, Any]:
             "micro_batch": s["micro_batch"]}
 
 
-def summarize(times: list[float], tokens: list[int], flops: list[float], peak: float | None) -> dict[str, Any]:
-    """Rates over the timed steps: median step time, spread, tokens/s, TFLOP/s and MFU over their sum."""
+def summarize(times: list[float], tokens: list[int], flops: list[float], peak: float | None,
+              samples_per_step: int) -> dict[str, Any]:
+    """Rates over the timed steps: median step time, spread, tokens/s, sequences/s, TFLOP/s and MFU over their sum."""
     import torch
 
     total = sum(times)
     median = statistics.median(times)
     out = {"measured_steps": len(times), "step_time_s": median, "spread": (max(times) - min(times)) / median,
-           "tokens_per_s": sum(tokens) / total, "tflops_per_device": sum(flops) / total / 1e12,
+           "tokens_per_s": sum(tokens) / total, "samples_per_s": samples_per_step * len(times) / total, "tflops_per_device": sum(flops) / total / 1e12,
            "mfu": sum(flops) / total / peak if peak else None}
     if torch.cuda.is_available():
         out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -167,7 +168,7 @@ def timed_steps(cfg, s: dict[str, Any]) -> dict[str, Any]:
             run.writer.close()
             run.flop_counter.remove()
             run.engine.destroy()
-    return summarize(times, tokens, flops, device_peak_flops(cfg.deepspeed.precision))
+    return summarize(times, tokens, flops, device_peak_flops(cfg.deepspeed.precision), plan.batch.global_batch_size)
 
 
 def train_row(ctx, row) -> dict[str, Any]:
@@ -216,7 +217,7 @@ def hf_row(ctx, row) -> dict[str, Any]:
     records = [r for r in hf_baseline.run(args) if r["step"] > s["warmup"]]
     out.update(summarize([r["step_time_s"] for r in records], [r["tokens_per_s"] * r["step_time_s"] for r in records],
                          [r["tflops_per_device"] * 1e12 * r["step_time_s"] for r in records],
-                         device_peak_flops(s["precision"])))
+                         device_peak_flops(s["precision"]), s["micro_batch"] * s["accum"]))
     shutil.rmtree(ctx.work / "hf-bert", ignore_errors=True)
     return out
 
