@@ -217,7 +217,12 @@ def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], en
         raise CheckpointError(f"{path}: not loadable with AutoTokenizer: {err}") from err
     reference = _run_tokenizer_reference(meta, path) if tokenizer_dir else None
     if reference is not None:
-        difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(str(reference), local_files_only=True))
+        try:
+            difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(str(reference),
+                                                                                       local_files_only=True))
+        except Exception as err:  # transformers raises many types for an unusable directory
+            raise CheckpointError(f"tokenizer_dir={reference} (the run's tokenizer, to compare --tokenizer {path} "
+                                  f"with): not loadable with AutoTokenizer: {err}") from err
         if difference:
             raise CheckpointError(f"--tokenizer {path} is not the tokenizer the run trained with (tokenizer_dir="
                                   f"{reference}: {difference}); pass that one, or omit --tokenizer")
