@@ -281,8 +281,10 @@ class TrackerSet:
             try:
                 trackers.append(_OPENERS[name](identity, resume_step))
             except Exception as err:  # noqa: BLE001 - tracking never stops training
-                log.warning("tracker %s could not start (%s: %s); the run goes on without it",
-                            name, type(err).__name__, err)
+                hint = ("; on a node without internet or W&B login: WANDB_MODE=offline, then `wandb sync "
+                        f"{identity.output_dir}/wandb/offline-run-*` from a node with one") if name == "wandb" else ""
+                log.warning("tracker %s could not start (%s: %s); the run goes on without it%s",
+                            name, type(err).__name__, err, hint)
         return cls(trackers)
 
     def _drop(self, tracker: Tracker, what: str, err: BaseException) -> None:
