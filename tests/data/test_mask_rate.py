@@ -74,8 +74,10 @@ def test_bad_rates_are_refused_naming_the_option():
 
 
 @pytest.mark.parametrize("preset", ["modernbert-tiny", "modernbert-small", "modernbert-base", "modernbert-large",
-                                    "modernbert-large-24", "modernbert-long"])
-def test_modernbert_presets_mask_30_percent(preset):
+                                    "modernbert-large-24", "modernbert-long", "modernbert-long-2phase"])
+def test_modernbert_presets_on_their_recipe(preset):
+    """30% masking, StableAdamW and warmup-stable-decay with a 1-sqrt decay (issue 38)."""
     cfg = load_config(preset, ["data.shards_dir=/nowhere"])
+    assert (cfg.optim.name, cfg.optim.schedule, cfg.optim.decay_shape) == ("stable_adamw", "wsd", "1-sqrt")
     assert cfg.data.corruption.get("mask_rate") == 0.3
     assert "mlm_probability" not in cfg.data.corruption and "span_budget" not in cfg.data.corruption
