@@ -56,7 +56,7 @@ class DataConfig:
 
     def check(self) -> None:
         """Stage-1 checks (the config alone)."""
-        from pipeline.data.corruption import CorruptionCollator
+        from pipeline.data.corruption import CorruptionCollator, check_options
 
         check_positive(self.global_batch_size, "data.global_batch_size")
         check_positive(self.micro_batch_size, "data.micro_batch_size")
@@ -64,6 +64,10 @@ class DataConfig:
             check_positive(self.grad_accum, "data.grad_accum")
         check_positive(self.num_workers, "data.num_workers", allow_zero=True)
         check_keywords(CorruptionCollator, self.corruption, "data.corruption", skip=4)  # views, specials, vocab, seed
+        try:
+            check_options(self.corruption)  # the values too (mask_rate in (0, 1], ...), before any compute
+        except ValueError as err:
+            raise ConfigError(str(err)) from err
         check_batch_warmup(self)
         if self.sources:
             if self.shards_dir:

@@ -223,6 +223,15 @@ def shuffle_within_window(input_ids: np.ndarray, candidates: np.ndarray, u: np.n
     return np.take_along_axis(input_ids, order, axis=1)
 
 
+def check_options(options: Mapping[str, Any], where: str = "data.corruption") -> None:
+    """The values of `CorruptionCollator`'s keyword options (rates in range, ...), checked before any
+    compute by building a collator on placeholder special tokens: a ValueError naming `where`."""
+    try:
+        CorruptionCollator(("original",), {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}, 8, 0, **options)
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: {err}") from err
+
+
 class CorruptionCollator:
     """Builds the batch contract's tensors for the requested views (`pipeline.batch`).
 

@@ -71,6 +71,11 @@ def test_bad_rates_are_refused_naming_the_option():
         CorruptionCollator(("span_masked",), SPECIALS, VOCAB, 0, mask_rate=0.3, span_budget=1.5)
     with pytest.raises(ConfigError, match="data.corruption.mask_rat.*mask_rate"):
         load_config("tiny-mlm", ["data.shards_dir=/nowhere", "data.corruption={mask_rat: 0.3}"])
+    # the values are checked with the config, before any compute (not at the collator's construction)
+    with pytest.raises(ConfigError, match=r"^data.corruption: mask_rate 1.5: must be in \(0, 1\]$"):
+        load_config("tiny-mlm", ["data.shards_dir=/nowhere", "data.corruption={mask_rate: 1.5}"])
+    with pytest.raises(ConfigError, match=r"^data.corruption: span_budget 0.0: must be in \(0, 1\]$"):
+        load_config("modernbert-tiny", ["data.shards_dir=/nowhere", "data.corruption={span_budget: 0.0}"])
 
 
 @pytest.mark.parametrize("preset", ["modernbert-tiny", "modernbert-small", "modernbert-base", "modernbert-large",
