@@ -22,7 +22,8 @@ A YAML file (see `studies/tiny.yaml`, `studies/bert-base.yaml` and docs/slurm.md
       pretrain: {nodes: 1, ntasks_per_node: 8, gpus_per_node: 8, time: "24:00:00"}
       eval: {gpus_per_node: 1, time: "04:00:00"}
       sbatch: [--partition=gpu, --account=me]   # every job
-    cost: {mfu: 0.4, device: H100, precision: bf16, tokens_per_s: {mlm: 250000}, flops_factor: {cocolm: 1.33}}
+    cost: {mfu: 0.4, device: H100, tokens_per_s: {mlm: 250000}, flops_factor: {cocolm: 1.33}}
+    keep_checkpoints: true                # false: the final job deletes converted runs' DeepSpeed checkpoints
 
 `${VAR}` in a path is expanded from the environment (the tiny study names its data that way).
 Every error names the file and the field, before anything is submitted.
@@ -107,7 +108,7 @@ class Study:
             finetune_epochs=int(ft["epochs"]), device=str(ft.get("device", "")), subset_seed=self.subset_seed,
             sst2_train=task.train_examples if task else 0, sst2_select=task.select_examples if task else 0,
             plateau_margin=self.plateau_margin, lrs=self.lrs, seeds=self.seeds, objectives=list(self.objectives),
-            finetune_seeds_str=",".join(map(str, ft["seeds"])), world_size=self.world_size,
+            world_size=self.world_size,
             keep_checkpoints=self.keep_checkpoints)
 
 
@@ -151,8 +152,10 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
         if not isinstance(spec, dict) or "preset" not in spec:
             raise StudyError(f"{w}: expected {{preset: NAME, overrides: [KEY=VALUE, ...]}}")
         overrides = spec.get("overrides") or []
-        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o for o in overrides):
-            raise StudyError(f"{w}.overrides: expected a list of KEY=VALUE strings")
+        if not isinstance(overrides, list) or not all(isinstance(o, str) and "=" in o and not any(c.isspace() for c in o)
+                                                      for o in overrides):
+            # slurm/pretrain.sbatch splits OVERRIDES at whitespace
+            raise StudyError(f"{w}.overrides: expected a list of KEY=VALUE strings without spaces")
         owned = [o for o in overrides if o.split("=", 1)[0] in STUDY_OWNED]
         if owned:
             raise StudyError(f"{w}.overrides: {owned}: the study sets these itself (lrs, seeds, budget, eval_every)")

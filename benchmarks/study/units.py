@@ -171,6 +171,9 @@ def final_test(study: Study, selected: list[RunKey]) -> None:
             downstream_at(key, study.steps_of[key.objective], study_data(study, task),
                           study.args(key.objective, task), study.work, final_test=True,
                           random_init=with_floor(study, key), task=task.name)
-    if not study.keep_checkpoints:  # every evaluation point is converted by now
-        for key in selected:
-            shutil.rmtree(key.directory(study.work) / "checkpoints", ignore_errors=True)
+    if not study.keep_checkpoints:  # the DeepSpeed checkpoints of every run whose points are all converted
+        for record in study.work.glob("runs/*/lr_*/seed_*/train.json"):
+            run_dir = record.parent
+            steps = json.loads(record.read_text()).get("steps") or []
+            if steps and all((run_dir / "hf" / f"step_{s}" / "config.json").is_file() for s in steps):
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)

@@ -65,6 +65,7 @@ def test_a_measured_rate_replaces_the_flops_estimate(tmp_path: Path) -> None:
     ({"objectives": {"taco": {"preset": "tiny-taco"}}}, "objectives: needs 'mlm'"),
     ({"objectives": {"mlm": {"preset": "nope"}}}, "objectives.mlm.preset: 'nope' is neither a preset"),
     ({"objectives": {"mlm": {"preset": "tiny-mlm", "overrides": ["optim.lr=1"]}}}, "the study sets these itself"),
+    ({"objectives": {"mlm": {"preset": "tiny-mlm", "overrides": ["train.run_name=a b"]}}}, "without spaces"),
     ({"budget": {"steps": 10, "tokens": 5}}, "budget: give exactly one of"),
     ({"eval_every": 11}, "eval_every: 11 must be in [1, 10]"),
     ({"seeds": [1, 1]}, "seeds: give distinct"),

@@ -99,6 +99,8 @@ def test_a_study_cancelled_mid_run_and_resubmitted_reports_what_an_uninterrupted
     for work in (ref, cut):
         wait_for(f"{work.name}'s jobs to end", lambda: not _queued(slurm_cluster, work), lambda: _logs(work))
 
+    # the plan's job count is what an uninterrupted submission sends
+    assert len((ref / "jobs.jsonl").read_text().splitlines()) == 12
     reports = {}
     for work in (ref, cut):
         out = _cli(slurm_cluster, "collect", {**data, "CPT_STUDY_WORK": str(work)}).stdout
@@ -116,6 +118,7 @@ def test_a_study_cancelled_mid_run_and_resubmitted_reports_what_an_uninterrupted
     assert record["world_size"] == 1
     assert record["gpu_seconds"]["8"] == pytest.approx(sum(m["step_time_s"] for m in steps))
     assert len(list((victim / "logs").glob("cpt-study-pretrain-*.out"))) == 2  # cancelled + resubmitted
+    assert not (victim / "checkpoints").exists() and (victim / "hf" / "step_4" / "config.json").is_file()  # keep_checkpoints: false
     cost = json.loads((cut / "report" / "sst2" / "time_to_quality.json").read_text())["gpu_seconds"]
     assert sorted(r["run"] for r in cost) == ["mlm/lr0.001/seed1", "mlm/lr0.001/seed2", "taco/lr0.001/seed1",
                                               "taco/lr0.001/seed2"]
