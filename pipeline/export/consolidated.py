@@ -50,6 +50,10 @@ it writes the training model's names, which `{hf_class}` does not load (and its
 
     cpt-convert {run_dir}/checkpoints/step_XXXXXXXX hf_model/ --weights ZERO_TO_FP32_OUTPUT_DIR
 
+`zero_to_torch.py` (DeepSpeed's second helper) does the same consolidation; its output converts the
+same way when written with `--dtype float32` (a 16-bit output passes --weights' check, being the
+tag's weights rounded, but the export then holds the rounded values).
+
 To continue or extend the run: `cpt-train --resume {run_dir} train.total_steps=N`.
 Details: docs/conversion.md and docs/training.md of the contrastive-pretrain repository.
 """
