@@ -127,6 +127,7 @@ def run_stage(stage: Stage, out: Path, dry_run: bool, deadline_s: Optional[float
     except kernel_rows.EnvironmentError_ as err:
         notes.append(f"stopped before any compute: {err}")
         writer.write()
+        shutil.rmtree(ctx.work, ignore_errors=True)  # the work dir is removed on every return (finally below)
         print(f"error: {err}", file=sys.stderr)
         return 1
     pair_lines: list[str] = []

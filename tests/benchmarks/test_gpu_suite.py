@@ -243,9 +243,13 @@ def test_no_row_starts_past_the_deadline(tmp_path):
 def test_local_runs_every_command_of_a_plan_from_a_plain_clone_and_says_why_it_cannot_here(tmp_path):
     """`--local` needs no ../shared, wheels or carried folders: each command runs in its own process
     and writes `DIR/<stage>.json`; without a GPU each stops before any compute, saying so (exit 1)."""
+    scratch = tmp_path / "scratch"  # the runner's work dirs (tempfile), which no return may leave behind
+    scratch.mkdir()
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_suite", "--local", "modernbert", "--out",
-                           str(tmp_path)], cwd=ROOT, env=suite_env(), capture_output=True, text=True, timeout=300)
+                           str(tmp_path)], cwd=ROOT, env={**suite_env(), "TMPDIR": str(scratch)},
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "local run: FAILED" in proc.stdout, proc.stdout[-2000:]
+    assert not list(scratch.glob("gpu_suite_*")), list(scratch.iterdir())
     for stage in plan.PLANS["modernbert"]:
         data = json.loads((tmp_path / f"{stage.name}.json").read_text())
         assert data["rows"] == [] and data["dry_run"] is False and "--deadline-s inf" in data["command"]
