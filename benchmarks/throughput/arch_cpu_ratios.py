@@ -88,7 +88,16 @@ def main(argv=None) -> int:
     args.objectives = [o for o in args.objectives.split(",") if o]
     if "mlm" not in args.objectives or any(f not in FAMILIES for f in args.families):
         p.error(f"--objectives must include mlm; --families from {sorted(FAMILIES)}")
-    torch.set_num_threads(1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one intra-op thread while measuring; the caller's count is put back after
+    try:
+        return _measure(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _measure(args: argparse.Namespace) -> int:
+    """Interleaved steps of every (family, objective) row, then the report (see `main`)."""
     torch.manual_seed(0)
     shards, models = build_rows(args)
     views = tuple(sorted(set().union(*(m[4].views for m in models))))
