@@ -22,6 +22,14 @@ def did_you_mean(word: str, options: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def check_known_keys(mapping: dict, keys: Sequence[str], where: str, what: str = "key") -> None:
+    """Refuse a mapping's first key not in `keys`: `WHERE.KEY: unknown WHAT (did you mean ...); valid keys: ...`
+    (the one rule for the free-form mappings of a config: phases, data.sources entries, data.batch_warmup)."""
+    for key in mapping:
+        if key not in keys:
+            raise ConfigError(f"{where}.{key}: unknown {what}{did_you_mean(str(key), keys)}; valid keys: {', '.join(keys)}")
+
+
 def check_choice(value: str, options: Sequence[str], where: str) -> None:
     if value not in options:
         raise ConfigError(f"{where}={value!r}: must be one of {list(options)}{did_you_mean(value, options)}")

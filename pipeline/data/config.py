@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from pipeline.config.checks import ConfigError, check_keywords, check_positive, did_you_mean
+from pipeline.config.checks import ConfigError, check_keywords, check_known_keys, check_positive
 from pipeline.data.shards import Manifest, check_layout, manifest_hash, read_manifest
 from pipeline.data.sources import (DEFAULT_MIXTURE_BLOCK, MixturePlan, check_exhaustion, mixture_hash,
                                    mixture_mismatches, parse_sources, plan_mixture)
@@ -190,9 +190,7 @@ def check_batch_warmup(data: DataConfig) -> None:
         return
     if not isinstance(warmup, dict):
         raise ConfigError(f"data.batch_warmup: expected a mapping {{start_global_batch_size: S, tokens: N}}, got {warmup!r}")
-    for key in warmup:
-        if key not in BATCH_WARMUP_KEYS:
-            raise ConfigError(f"data.batch_warmup.{key}: unknown key{did_you_mean(str(key), BATCH_WARMUP_KEYS)}; valid keys: {', '.join(BATCH_WARMUP_KEYS)}")
+    check_known_keys(warmup, BATCH_WARMUP_KEYS, "data.batch_warmup")
     for key in BATCH_WARMUP_KEYS:
         value = warmup.get(key)
         if isinstance(value, float) and value.is_integer():

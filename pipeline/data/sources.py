@@ -49,7 +49,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from pipeline.config.checks import ConfigError, did_you_mean
+from pipeline.config.checks import ConfigError, check_known_keys, did_you_mean
 from pipeline.data.shards import TOKENIZER_SUBDIR, Manifest, read_manifest
 
 SOURCE_KEYS = ("path", "weight", "tokens", "name", "on_exhausted")
@@ -87,10 +87,7 @@ def parse_sources(raw: Any, block: int) -> list[SourceSpec]:
         where = f"data.sources[{index}]"
         if not isinstance(entry, dict):
             raise ConfigError(f"{where}={entry!r}: expected a mapping with path and weight or tokens")
-        for key in entry:
-            if key not in SOURCE_KEYS:
-                raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(str(key), SOURCE_KEYS)}; valid keys: "
-                                  f"{', '.join(SOURCE_KEYS)}")
+        check_known_keys(entry, SOURCE_KEYS, where)
         path = entry.get("path")
         if not isinstance(path, str) or not path:
             raise ConfigError(f"{where}.path: required (a directory written by data_prep.build_shards)")

@@ -47,7 +47,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from pipeline.config.checks import ConfigError, did_you_mean
+from pipeline.config.checks import ConfigError, check_known_keys, did_you_mean
 from pipeline.data.config import BatchPlan, BatchRamp, DataConfig, plan_batches, plan_ramp
 from pipeline.data.shards import Manifest
 from pipeline.train.optim import OptimConfig, lr_at
@@ -90,10 +90,7 @@ def check_phases(cfg: RunConfig) -> None:
         where = _where(i, raw)
         if not isinstance(raw, dict):
             raise ConfigError(f"phases[{i}]: expected a mapping ({', '.join(PHASE_KEYS)}), got {raw!r}")
-        for key in raw:
-            if key not in PHASE_KEYS:
-                raise ConfigError(f"{where}.{key}: unknown phase key{did_you_mean(str(key), PHASE_KEYS)}; "
-                                  f"valid keys: {', '.join(PHASE_KEYS)}")
+        check_known_keys(raw, PHASE_KEYS, where, "phase key")
         given = [k for k in LENGTH_KEYS if raw.get(k) is not None]
         if len(given) != 1:
             raise ConfigError(f"{where}: give exactly one of steps, tokens, fraction (got {given or 'none'})")

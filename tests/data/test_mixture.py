@@ -229,7 +229,7 @@ def test_on_exhausted_stop_refuses_the_run_naming_the_step(two_sources) -> None:
     ({"path": "x"}, r"data.sources\[1\] \(x\): give exactly one of weight"),
     ({"path": "x", "weight": 1, "tokens": 5}, r"exactly one of weight"),
     ({"path": "x", "tokens": 2.5}, r"data.sources\[1\].tokens=2.5"),
-    ({"path": "x", "wieght": 1}, r"unknown key 'wieght' \(did you mean 'weight'\?\)"),
+    ({"path": "x", "wieght": 1}, r"data.sources\[1\].wieght: unknown key \(did you mean 'weight'\?\)"),
     ({"path": "x", "weight": 1, "on_exhausted": "halt"}, r"on_exhausted='halt'"),
     ({"path": "dir/a", "weight": 1}, r"name 'a' is used by 2 sources"),
     ({"weight": 1}, r"data.sources\[1\].path: required"),
