@@ -410,8 +410,10 @@ class Run:
         bar = tqdm(total=total, initial=state.step, disable=not (self.info.is_main and cfg.train.progress_bar),
                    desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
         last_metrics: dict = {}
+        outcome = "failed"  # what the trackers are told at close (trackers.OUTCOMES); set on a clean way out
         try:
             if state.step < total and self.preempted_during_startup(preemption):
+                outcome = "stopped"
                 return REQUEUE_EXIT_CODE
             if state.step >= total and self.info.is_main:  # (below total_steps was refused at resume)
                 log.info("the run is already complete at step %d (train.total_steps=%d): nothing to train; to extend "
@@ -468,11 +470,13 @@ class Run:
                     self.settle_saves()
                     log.info("preempted (%s): checkpoint at step %d written; exiting with %d",
                              preemption.signal_name or "signal on another rank", step, REQUEUE_EXIT_CODE)
+                    outcome = "stopped"
                     return REQUEUE_EXIT_CODE
             self.settle_saves()  # the last checkpoint is complete (hashes, `latest`) before the run ends
+            outcome = "finished"
         finally:
             bar.close()
-            self.writer.close()
+            self.writer.close(outcome)
             self.flop_counter.remove()
             if self.info.is_main and (problem := self.finisher.wait()):  # an error is on its way out: no collective
                 log.error("the last checkpoint's completion failed too: %s", problem)

@@ -237,11 +237,12 @@ class MetricsWriter:
             self._fh.flush()
         self.trackers.log(step, scalars_of(metrics))
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        """`outcome`: how the run ended (`pipeline.train.trackers.OUTCOMES`), for W&B's and MLflow's run state."""
         if self._fh is not None:
             self._fh.close()
             self._fh = None
-        self.trackers.close()
+        self.trackers.close(outcome)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

@@ -23,6 +23,11 @@ resumed or requeued run continues those runs instead of opening new ones. W&B st
 `trainer/step` axis (`STEP_KEY`), so re-logging the steps after the last checkpoint on resume is
 not refused as "step went backwards".
 
+How the run ended reaches the trackers at close (`OUTCOMES`): `finished` (exit 0), `failed` (an
+error or a divergence: MLflow status FAILED, W&B exit code 1) or `stopped` (preempted for requeue,
+exit 75: MLflow KILLED, W&B marked preempting with exit code 75); the requeued run sets the same
+tracker run back to running. A SIGKILL leaves no close: the tracker run stays RUNNING / crashed.
+
 Tracking never stops training: a tracker that fails to start or fails mid-run (disk, server gone)
 logs one warning naming itself and the error, and the run goes on without it. A tracker that is not
 installed is refused before compute (`check_installed`, from `TrainConfig.check`) with the install
@@ -55,6 +60,10 @@ EXTRAS = {"wandb": ("wandb", 'pip install ".[wandb]"  (or: pip install wandb)'),
 IDS_FILE = "trackers.json"
 #: The W&B x-axis every scalar is logged against.
 STEP_KEY = "trainer/step"
+#: How a training run can end, as its trackers are told at close (`TrackerSet.close`).
+OUTCOMES = ("finished", "failed", "stopped")
+_MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
+_WANDB_EXIT_CODE = {"finished": 0, "failed": 1, "stopped": 75}  # 75: the requeue exit code (preemption.py)
 #: MLflow's limits per `log_batch` call (params / metrics).
 _MLFLOW_PARAMS_PER_BATCH, _MLFLOW_METRICS_PER_BATCH = 100, 1000
 _MLFLOW_PARAM_CHARS = 6000
@@ -147,8 +156,8 @@ class Tracker:
     def log(self, step: int, scalars: dict[str, float]) -> None:
         raise NotImplementedError
 
-    def close(self) -> None:
-        pass
+    def close(self, outcome: str = "finished") -> None:
+        """`outcome`: one of `OUTCOMES`, how the training run ended."""
 
 
 class TensorBoardTracker(Tracker):
@@ -166,8 +175,8 @@ class TensorBoardTracker(Tracker):
             self._tb.add_scalar(key, value, step)
         self._tb.flush()  # a failing disk shows here, at this step, not silently in a writer thread
 
-    def close(self) -> None:
-        self._tb.close()
+    def close(self, outcome: str = "finished") -> None:
+        self._tb.close()  # TensorBoard has no run state: the outcome is in run_state.json
 
 
 class WandbTracker(Tracker):
@@ -196,8 +205,10 @@ class WandbTracker(Tracker):
     def log(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log({**scalars, STEP_KEY: step})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, outcome: str = "finished") -> None:
+        if outcome == "stopped":
+            self.run.mark_preempting()  # W&B's own state for a run that a requeue continues
+        self.run.finish(exit_code=_WANDB_EXIT_CODE[outcome])
 
 
 class MlflowTracker(Tracker):
@@ -247,8 +258,8 @@ class MlflowTracker(Tracker):
         for i in range(0, len(metrics), _MLFLOW_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_METRICS_PER_BATCH])
 
-    def close(self) -> None:
-        self.client.set_terminated(self.run_id, status="FINISHED")
+    def close(self, outcome: str = "finished") -> None:
+        self.client.set_terminated(self.run_id, status=_MLFLOW_STATUS[outcome])
 
 
 def new_run_id() -> str:
@@ -300,10 +311,12 @@ class TrackerSet:
             except Exception as err:  # noqa: BLE001 - tracking never stops training
                 self._drop(tracker, f"at step {step}", err)
 
-    def close(self) -> None:
+    def close(self, outcome: str = "finished") -> None:
+        if outcome not in OUTCOMES:
+            raise ValueError(f"tracker outcome {outcome!r}: expected one of {', '.join(OUTCOMES)}")
         for tracker in list(self.trackers):
             try:
-                tracker.close()
+                tracker.close(outcome)
             except Exception as err:  # noqa: BLE001
                 self._drop(tracker, "at close", err)
         self.trackers = []

@@ -235,3 +235,46 @@ def test_a_tracker_failing_mid_run_costs_one_warning(offline, tiny_shards_dir):
     # metrics.jsonl gets step k before MLflow does (MetricsWriter.write), so the SIGSTOP can fall
     # between the two: MLflow then holds up to step k-1 or k, and never anything after the swap.
     assert logged == set(range(1, max(logged) + 1)) and swapped_at - 1 <= max(logged) <= swapped_at
+
+
+def wandb_endings(out: Path) -> list[tuple[int, bool]]:
+    """(exit code, marked preempting) of each offline run directory, oldest first."""
+    endings = []
+    for run_file in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
+        kinds = {r.WhichOneof("record_type"): r for r in wandb_records(run_file)}
+        assert "exit" in kinds, f"{run_file}: the run was never finished"
+        endings.append((kinds["exit"].exit.exit_code, "preempting" in kinds))
+    return endings
+
+
+def test_tracker_runs_end_as_the_training_run_ended(offline, tiny_shards_dir):
+    """Stopped for requeue (SIGTERM, exit 75): MLflow KILLED, W&B preempting with exit code 75; the
+    requeued run finishes the same tracker runs (FINISHED, exit 0). A diverged run (exit 3): FAILED,
+    exit code 1."""
+    from tests.test_status import DIVERGE_BLOW_UP, DIVERGE_FIRST
+
+    out, uri = offline / "run", (offline / "mlruns").as_uri()
+    trackers = ["train.trackers=[jsonl,wandb,mlflow]", f"train.mlflow_tracking_uri={uri}"]
+    proc = subprocess.Popen(train_command("tiny-mlm", tiny_shards_dir, out, "train.total_steps=5000",
+                                          "train.checkpoint_every=1000", *trackers),
+                            cwd=REPO, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_step(out, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=DEADLINE_S) == 75, output_of(proc)[-3000:]
+    table, _ = mlflow_run(uri)
+    assert list(table["status"]) == ["KILLED"]
+    assert wandb_endings(out) == [(75, True)]
+
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=6", "train.allow_config_change=true",
+                         *trackers) == 0
+    table, _ = mlflow_run(uri)
+    assert list(table["status"]) == ["FINISHED"]  # the same MLflow run, not a second one
+    assert wandb_endings(out) == [(75, True), (0, False)]
+
+    diverged, diverged_uri = offline / "diverged", (offline / "mlruns-diverged").as_uri()
+    trackers = ["train.trackers=[jsonl,wandb,mlflow]", f"train.mlflow_tracking_uri={diverged_uri}"]
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, diverged, *DIVERGE_FIRST, *trackers) == 0
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, diverged, *DIVERGE_BLOW_UP, *trackers) == 3
+    table, _ = mlflow_run(diverged_uri)
+    assert list(table["status"]) == ["FAILED"]
+    assert wandb_endings(diverged) == [(0, False), (1, False)]
