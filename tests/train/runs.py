@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pipeline.train.checkpoint import CHECKPOINT_DIR, read_latest
+from pipeline.train.checkpoint import CHECKPOINT_DIR, read_latest, step_of_tag
 from pipeline.train.metrics import read_jsonl
 from tests.gloo_ranks import LAUNCHER_VARIABLES, free_port
 
@@ -117,6 +117,49 @@ def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float =
             raise AssertionError(f"run ended (rc {proc.returncode}) before step {step}:\n{output_of(proc)[-3000:]}")
         time.sleep(0.005)
     raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def stop(proc: subprocess.Popen, timeout: float = DEADLINE_S) -> None:
+    """SIGSTOP `proc` and wait until every thread of it has stopped (`kill` only queues the stop: a
+    thread running on another core goes on for a moment), so its files hold still while read."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in Path(f"/proc/{proc.pid}/task").glob("*/stat"):
+            try:
+                states.append(task.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):  # a thread that ended meanwhile
+                continue
+        if all(state in "tTZX" for state in states):
+            return
+        time.sleep(0.001)
+    raise AssertionError(f"pid {proc.pid} did not stop in {timeout}s")
+
+
+def kill_after_a_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeout: float = DEADLINE_S) -> int:
+    """`kill -9` a run once it logged `step`, at a moment when `latest` names a complete checkpoint and
+    metrics.jsonl already holds steps after it (what the kill -9 tests resume from); returns that
+    checkpoint's step. Seeing step N logged says neither: `latest` moves on the checkpoint finisher's
+    thread while the next steps run (`pipeline.train.checkpoint.CheckpointFinisher`), and a late kill
+    can fall right after a save, before the next step is logged. So the run is stopped (SIGSTOP),
+    looked at, and killed, or let go on and looked at again."""
+    wait_for_step(out, step, proc, timeout)
+    deadline = time.monotonic() + timeout
+    while True:
+        stop(proc, timeout)
+        tag = latest(out)
+        saved = step_of_tag(tag.name) if tag is not None else None
+        if saved is not None and max(losses(out)) > saved:
+            proc.kill()  # works on a stopped process
+            assert proc.wait(timeout=timeout) == -signal.SIGKILL
+            return saved
+        os.kill(proc.pid, signal.SIGCONT)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"the run ended (rc {proc.wait()}) or {timeout}s passed before a moment with a complete "
+                                 f"checkpoint and later steps logged:\n{output_of(proc)[-3000:]}")
+        time.sleep(0.005)
 
 
 def losses(out: Path) -> dict[int, float]:

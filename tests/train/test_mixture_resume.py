@@ -7,13 +7,13 @@ tiny corpus's modules, `books` from one small module only, so the 24-step run re
 `on_exhausted: repeat`)."""
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 
 import pytest
 
 from tests.fixtures_data import TINY_SEQ_LEN, stdlib_documents, write_corpus
-from tests.train.runs import latest, losses, metric_rows, run_inprocess, start_subprocess, wait_for_step
+from tests.train.runs import (kill_after_a_checkpoint, latest, losses, metric_rows, run_inprocess, start_subprocess,
+                              tag_dir)
 
 STEPS = ["train.total_steps=24", "train.checkpoint_every=4"]
 
@@ -56,10 +56,8 @@ def test_mixture_logs_each_source_and_resumes_bitwise_after_kill_9(sources, tmp_
     assert all(rows[s]["data/books/tokens"] <= rows[s + 1]["data/books/tokens"] for s in range(1, 24))
 
     proc = start_subprocess("tiny-mlm", Path(""), killed, *extra)
-    wait_for_step(killed, 6, proc)
-    proc.kill()  # SIGKILL: no handler runs, no checkpoint is written
-    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
-    assert latest(killed) is not None and max(losses(killed)) > int(latest(killed).name[5:])
+    saved = kill_after_a_checkpoint(killed, 6, proc)  # SIGKILL: no handler runs, no checkpoint is written
+    assert latest(killed) == tag_dir(killed, saved) and max(losses(killed)) > saved  # steps to redo
     assert run_inprocess("tiny-mlm", Path(""), killed, *extra) == 0  # resume="auto"
     assert metric_rows(killed) == rows
 

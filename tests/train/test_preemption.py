@@ -17,6 +17,7 @@ from tests.train.runs import (
     DEADLINE_S,
     REPO,
     _env,
+    kill_after_a_checkpoint,
     latest,
     losses,
     metric_rows,
@@ -38,10 +39,8 @@ def test_kill_9_then_resume(tiny_shards_dir, tmp_path):
     assert run_inprocess("tiny-capt", tiny_shards_dir, reference, *steps) == 0
 
     proc = start_subprocess("tiny-capt", tiny_shards_dir, killed, *steps)
-    wait_for_step(killed, 6, proc)
-    proc.kill()  # SIGKILL: no handler runs, no checkpoint is written
-    assert proc.wait() == -signal.SIGKILL, "the run finished before it could be killed"
-    assert latest(killed) is not None and max(losses(killed)) > int(latest(killed).name[5:])
+    saved = kill_after_a_checkpoint(killed, 6, proc)  # SIGKILL: no handler runs, no checkpoint is written
+    assert latest(killed) == tag_dir(killed, saved) and max(losses(killed)) > saved  # steps to redo
 
     assert run_inprocess("tiny-capt", tiny_shards_dir, killed, *steps) == 0  # resume="auto"
     assert metric_rows(killed) == metric_rows(reference)
