@@ -171,7 +171,11 @@ write_export = convert.write_export
 
 def write_then_wait(directory, *args, **kwargs):
     write_export(directory, *args, **kwargs)
-    pathlib.Path(sys.argv[-1]).write_text(str(directory))  # the temporary directory is full now
+    # The temporary directory is full now. The marker appears whole (renamed into place): the test kills
+    # this process as soon as it sees the file, which could fall between creating and writing it.
+    marker = pathlib.Path(sys.argv[-1])
+    marker.with_suffix(".tmp").write_text(str(directory))
+    marker.with_suffix(".tmp").replace(marker)
     while True:  # until the test kills this process
         time.sleep(0.05)
 
