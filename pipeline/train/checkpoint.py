@@ -303,6 +303,11 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
                 shutil.rmtree(tag_dir)
     if broadcast_object(skip):
         log.info("checkpoint %s already complete; not rewritten", tag_dir)
+        pointer = read_latest(root) if is_main else tag_dir  # older if a kill fell between COMPLETE.json and `latest`
+        move = is_main and (pointer is None or (step_of_tag(pointer.name) or 0) < state.step)
+        pointer_file = root / LATEST_FILE
+        problem = write_or_describe(pointer_file, lambda: _write_text_atomic(pointer_file, tag)) if move else ""
+        _fail_together(problem, root, None, is_main)  # `latest` names the newest complete tag, as after a save
         return tag_dir
     barrier()
     with recording_writes(engine) as writes:  # a failed write is recorded, so every rank reaches the end

@@ -114,3 +114,19 @@ def test_the_next_save_reports_a_failed_background_completion(tmp_path, monkeypa
     monkeypatch.setattr(ckpt, "_listing", real_listing)
     save(root, 3, finisher)  # space is back: saving goes on
     assert finisher.wait() == "" and ckpt.read_latest(root) == root / "step_00000003"
+
+
+def test_a_complete_tag_saved_again_moves_latest_that_a_kill_left_behind(tmp_path):
+    """Killed between a tag's COMPLETE.json and `latest` (both written on the finisher's thread): the
+    resumed run reaches that step, keeps the complete tag as it is, and moves `latest` to it."""
+    root = tmp_path / "checkpoints"
+    finisher = ckpt.CheckpointFinisher()
+    save(root, 1, finisher)
+    tag = save(root, 2, finisher)
+    assert finisher.wait() == "" and ckpt.read_latest(root) == tag
+    (root / ckpt.LATEST_FILE).write_text("step_00000001")  # what the kill left: the older pointer
+    before = (tag / ckpt.COMPLETE_FILE).read_text()
+    assert save(root, 2, finisher) == tag  # the resumed run's save of step 2
+    assert ckpt.read_latest(root) == tag and (tag / ckpt.COMPLETE_FILE).read_text() == before  # not rewritten
+    save(root, 1, finisher)  # a complete tag older than `latest` never moves it back
+    assert ckpt.read_latest(root) == tag
