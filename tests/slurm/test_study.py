@@ -87,6 +87,11 @@ def test_a_study_cancelled_mid_run_and_resubmitted_reports_what_an_uninterrupted
     job = json.loads((cut / "jobs.jsonl").read_text().splitlines()[0])
     assert job["unit"] == "mlm/lr0.001/seed1" and job["kind"] == "pretrain"
     slurm_cluster.run(["scancel", job["job"]])  # SIGTERM to the job: the ranks checkpoint and stop
+    # scancel returns before SLURM signals the job: released earlier, the rank could finish its 8 steps first
+    rank_log = victim / "logs" / job["job"] / "rank0.log"
+    wait_for("SIGTERM delivered to the held rank",
+             lambda: rank_log.is_file() and "rank 0 received SIGTERM, passed on to pid" in rank_log.read_text(),
+             lambda: _logs(cut))
     (pause_dir / "release-ckpt").touch()
     assert slurm_cluster.wait_job(job["job"]).state == "CANCELLED"
     assert 1 <= steps_at_kill < 8
