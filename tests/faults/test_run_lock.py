@@ -21,7 +21,8 @@ from pipeline.train.loop import EXIT_CONFIG_ERROR
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.faults.faults import error_line, resumes_to_the_end
-from tests.train.runs import REPO, _env, latest, run_inprocess, start_subprocess, wait_for_step
+from tests.train.runs import (REPO, _env, kill_after_a_checkpoint, latest, run_inprocess, start_subprocess,
+                              wait_for_step)
 
 HOLDER = ("import sys; from pipeline.train.run_lock import hold_run_dir; hold_run_dir(sys.argv[1], 0); "
           "print('held', flush=True); sys.stdin.read()")
@@ -40,7 +41,10 @@ def test_a_second_run_on_a_directory_in_use_is_refused_naming_the_holder(ending,
                                   f"pid {first.pid}, since "), message
         assert message.endswith(f"; lock file {out / 'run.lock'}); wait for it to end or choose another "
                                 "train.output_dir"), message
-        first.send_signal(ending)
+        if ending == signal.SIGKILL:  # once `latest` names a checkpoint (it moves on the finisher's thread)
+            kill_after_a_checkpoint(out, 3, first)
+        else:
+            first.send_signal(ending)
         code = first.wait(timeout=600)
     finally:
         first.kill()
