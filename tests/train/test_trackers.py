@@ -16,7 +16,9 @@ import signal
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -73,6 +75,26 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+def finished_run_files(out: Path, newest: Optional[int] = None) -> list[Path]:
+    """The offline run files of `out`, oldest first, once the `newest` of them (all: None) hold their exit
+    record. `run.finish()` returns before wandb-core closes the run's file, and only then do its last
+    records (all of a short run's) reach it: wandb-core's leveldb-log writer writes a 32 KiB block when
+    it is full or closed."""
+    from google.protobuf.message import DecodeError  # protobuf comes with wandb
+
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        files = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
+        try:
+            kinds = [{r.WhichOneof("record_type") for r in wandb_records(f)} for f in files]
+        except DecodeError:  # a block caught mid-write
+            kinds = []
+        if kinds and all("exit" in k for k in kinds[-(newest or len(kinds)):]):
+            return files
+        assert time.monotonic() < deadline, f"{files}: no exit record after {DEADLINE_S} s (run never finished)"
+        time.sleep(0.01)
+
+
 def wandb_runs(out: Path) -> dict[str, dict]:
     """run id -> {"config": ..., "history": {step: {key: value}}} over every offline run directory
     (a resumed offline run is a second directory with the same run id)."""
@@ -125,6 +147,7 @@ def test_wandb_and_mlflow_get_the_scalars_and_the_config(offline, tiny_shards_di
     expected = jsonl_scalars(out)
     assert sorted(expected) == [1, 2, 3, 4] and "loss" in expected[4] and "lr" in expected[4]
 
+    finished_run_files(out)
     runs = wandb_runs(out)
     assert list(runs) == [json.loads((out / IDS_FILE).read_text())["wandb"]["run_id"]]
     (run,) = runs.values()
@@ -159,6 +182,7 @@ def test_killed_and_resumed_run_is_one_tracker_run(offline, tiny_shards_dir):
 
     assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *args) == 0  # resume="auto" from the step-4 checkpoint
     assert json.loads((out / IDS_FILE).read_text()) == ids
+    finished_run_files(out, newest=1)  # the resumed run's (the killed one's never gets an exit record)
     assert list(wandb_runs(out)) == [ids["wandb"]["run_id"]]  # two offline directories, one run id
     assert len(list((out / "wandb").glob("offline-run-*"))) == 2
     table, client = mlflow_run(uri)
@@ -240,9 +264,8 @@ def test_a_tracker_failing_mid_run_costs_one_warning(offline, tiny_shards_dir):
 def wandb_endings(out: Path) -> list[tuple[int, bool]]:
     """(exit code, marked preempting) of each offline run directory, oldest first."""
     endings = []
-    for run_file in sorted((out / "wandb").glob("offline-run-*/run-*.wandb")):
+    for run_file in finished_run_files(out):
         kinds = {r.WhichOneof("record_type"): r for r in wandb_records(run_file)}
-        assert "exit" in kinds, f"{run_file}: the run was never finished"
         endings.append((kinds["exit"].exit.exit_code, "preempting" in kinds))
     return endings
 
