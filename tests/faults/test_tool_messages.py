@@ -100,7 +100,12 @@ def test_an_interrupted_shard_build_says_so_in_one_line_and_resumes(tiny_corpus_
     out = tmp_path / "shards"
     args = ["--input", str(tiny_corpus_file), "--tokenizer", str(tiny_tokenizer_dir), "--seq-len", str(TINY_SEQ_LEN),
             "--shard-size-mb", str(TINY_SHARD_MB), "--out", str(out), "--num-proc", "2", "--no-progress"]
-    proc = subprocess.Popen([sys.executable, "-m", "data_prep.build_shards", *args], cwd=REPO,
+    # `python -m data_prep.build_shards`, with Ctrl-C's default action as in a terminal: a suite started in the
+    # background of a shell without job control (`nohup ... &`) hands its children SIGINT ignored, and Python
+    # then installs no KeyboardInterrupt handler (the build would finish with exit 0 whatever the signal).
+    as_in_a_terminal = ("import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                        "runpy.run_module('data_prep.build_shards', run_name='__main__', alter_sys=True)")
+    proc = subprocess.Popen([sys.executable, "-c", as_in_a_terminal, *args], cwd=REPO,
                             env=_env({SLEEP_AFTER_SHARD_ENV: "1"}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
