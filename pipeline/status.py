@@ -14,6 +14,8 @@ What it reads (no process attached, nothing written; safe on a run that is writi
   process is gone from this host: SIGKILL, the OOM killer); `unknown` (no record: a run from before
   exit records; a run at its last step with its final checkpoint reads as `finished`).
 * `metrics.jsonl` (`pipeline.train.metrics.read_jsonl`: a torn last line, mid-write, is skipped).
+* `trackers.json` (`pipeline.train.trackers.read_ids`: the W&B and MLflow run ids) and the count of
+  W&B offline run directories, for the line saying which tracker run to open (or `wandb sync`).
 * `checkpoints/` (`pipeline.train.checkpoint`: a tag counts once its `COMPLETE.json` lists every file
   at its size) and the newest tag's `pipeline_meta.json` (total steps when the record has none).
 
@@ -43,6 +45,7 @@ from pipeline.train.loop import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_RANK_LOS
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from pipeline.train.run_meta import RunMeta
+from pipeline.train.trackers import read_ids
 
 #: Logged steps the recent speed is averaged over.
 RECENT = 5
@@ -80,6 +83,8 @@ class RunStatus:
     convert_command: str = ""
     checkpoint_bytes: int = 0
     metrics_age_s: Optional[float] = None  # seconds since metrics.jsonl was last written
+    trackers: dict[str, dict[str, str]] = field(default_factory=dict)  # trackers.json: W&B / MLflow run ids
+    wandb_offline_runs: int = 0  # offline-run-* directories under wandb/ (what `wandb sync` uploads)
 
     @property
     def signals_learned(self) -> str:
@@ -208,6 +213,8 @@ def collect(run_dir: Path) -> RunStatus:
         status.checkpoint_step, status.checkpoint = newest[0], str(newest[1])
         status.convert_command = f"cpt-convert {newest[1]} hf/{name}-step{newest[0]}"
     status.checkpoint_bytes = disk_bytes(run_dir / CHECKPOINT_DIR)
+    status.trackers = read_ids(run_dir)
+    status.wandb_offline_runs = len(list((run_dir / "wandb").glob("offline-run-*")))
     metrics = run_dir / METRICS_FILE
     if metrics.is_file():
         status.metrics_age_s = max(0.0, time.time() - metrics.stat().st_mtime)
@@ -280,7 +287,24 @@ def format_detail(s: RunStatus) -> str:
         lines.append(f"  convert     {s.convert_command}")
     else:
         lines.append(f"  checkpoint  none complete yet; {human_bytes(s.checkpoint_bytes)} in checkpoints/")
+    if s.trackers:
+        lines.append(f"  trackers    {tracker_text(s)}")
     return "\n".join(lines)
+
+
+def tracker_text(s: RunStatus) -> str:
+    """Where the run's tracker runs are: the W&B run id (and the `wandb sync` line for offline runs)
+    and the MLflow run id with its tracking URI."""
+    parts = []
+    if "wandb" in s.trackers:
+        wandb_id = s.trackers["wandb"].get("run_id", "?")
+        offline = (f" ({s.wandb_offline_runs} offline: wandb sync {Path(s.run_dir) / 'wandb'}/offline-run-*)"
+                   if s.wandb_offline_runs else "")
+        parts.append(f"wandb run {wandb_id}{offline}")
+    if "mlflow" in s.trackers:
+        mlflow_ids = s.trackers["mlflow"]
+        parts.append(f"mlflow run {mlflow_ids.get('run_id', '?')} at {mlflow_ids.get('tracking_uri', '?')}")
+    return "; ".join(parts)
 
 
 def format_table(statuses: Sequence[RunStatus]) -> str:

@@ -22,7 +22,7 @@ from typing import Optional
 
 import pytest
 
-from pipeline.status import collect
+from pipeline.status import collect, format_detail, tracker_text
 from pipeline.train.trackers import IDS_FILE, STEP_KEY
 from tests.train.runs import DEADLINE_S, REPO, _env, losses, output_of, run_inprocess, train_command, wait_for_step
 
@@ -189,6 +189,11 @@ def test_killed_and_resumed_run_is_one_tracker_run(offline, tiny_shards_dir):
     assert list(table["run_id"]) == [ids["mlflow"]["run_id"]] and table["status"][0] == "FINISHED"
     steps = {m.step for m in client.get_metric_history(ids["mlflow"]["run_id"], "loss")}
     assert steps == set(range(1, 41))
+    resumed = collect(out)  # cpt-status names the one tracker run of each, and the sync line for W&B
+    assert resumed.trackers == ids and resumed.wandb_offline_runs == 2
+    assert tracker_text(resumed) == (f"wandb run {ids['wandb']['run_id']} (2 offline: wandb sync {out / 'wandb'}/"
+                                     f"offline-run-*); mlflow run {ids['mlflow']['run_id']} at {uri}")
+    assert f"  trackers    {tracker_text(resumed)}" in format_detail(resumed).splitlines()
 
 
 @pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
