@@ -303,7 +303,7 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
                 shutil.rmtree(tag_dir)
     if broadcast_object(skip):
         log.info("checkpoint %s already complete; not rewritten", tag_dir)
-        pointer = read_latest(root) if is_main else tag_dir  # older if a kill fell between COMPLETE.json and `latest`
+        pointer = read_latest(root) if is_main else None  # older if a kill fell between COMPLETE.json and `latest`
         move = is_main and (pointer is None or (step_of_tag(pointer.name) or 0) < state.step)
         pointer_file = root / LATEST_FILE
         problem = write_or_describe(pointer_file, lambda: _write_text_atomic(pointer_file, tag)) if move else ""

@@ -47,6 +47,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from pipeline.train.preemption import REQUEUE_EXIT_CODE  # standard library only: nothing heavy imported
+
 log = logging.getLogger(__name__)
 
 #: Every tracker `train.trackers` may list.
@@ -63,7 +65,7 @@ STEP_KEY = "trainer/step"
 #: How a training run can end, as its trackers are told at close (`TrackerSet.close`).
 OUTCOMES = ("finished", "failed", "stopped")
 _MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "stopped": "KILLED"}
-_WANDB_EXIT_CODE = {"finished": 0, "failed": 1, "stopped": 75}  # 75: the requeue exit code (preemption.py)
+_WANDB_EXIT_CODE = {"finished": 0, "failed": 1, "stopped": REQUEUE_EXIT_CODE}
 #: MLflow's limits per `log_batch` call (params / metrics).
 _MLFLOW_PARAMS_PER_BATCH, _MLFLOW_METRICS_PER_BATCH = 100, 1000
 _MLFLOW_PARAM_CHARS = 6000
