@@ -96,7 +96,7 @@ def verify_mixture(directories: Sequence[str | Path]) -> list[str]:
 
 def config_directories(config: str, overrides: Sequence[str]) -> tuple[list[str], bool]:
     """(directories, is a mixture) a run config reads: its `data.shards_dir` or every `data.sources` path."""
-    from pipeline.config.run import load_config
+    from pipeline.train.run_config import load_config
 
     data = load_config(config, overrides).data
     return data_directories(data), bool(data.sources)

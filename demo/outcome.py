@@ -11,7 +11,7 @@ them) and masks (BERT 15% masking, the collator's seed):
 * masked-LM accuracy and loss at the masked positions, and the unigram plateau (the accuracy of
   always answering the training corpus's most frequent token) — a working run beats both the
   random model and the plateau;
-* the mean cosine between the last hidden states of two different tokens (`pipeline.eval.health`;
+* the mean cosine between the last hidden states of two different tokens (`pipeline.monitor.health`;
   above 0.9 = collapsed: every token has nearly the same vector);
 * TACO's loss (Fu et al. 2022, Eq. 6-8; g = hidden_states[-1] - hidden_states[0], the masked view,
   negatives from other documents, `pipeline.objectives.taco`, with the run's window, negatives and
@@ -76,9 +76,9 @@ def random_tokens(batch: dict, vocab_size: int, structure: Sequence[int], seed: 
 
 def evaluate(model, batches: list[dict], top_token: int, structure: Sequence[int], vocab_size: int,
              taco: dict) -> dict:
-    from pipeline.batch import IGNORE_INDEX, content_tokens
-    from pipeline.eval.health import mean_token_cosine
-    from pipeline.objectives.functional import token_contrastive_loss
+    from pipeline.data.batch import IGNORE_INDEX, content_tokens
+    from pipeline.monitor.health import mean_token_cosine
+    from pipeline.kernels.functional import token_contrastive_loss
     from pipeline.objectives.taco import sample_taco_indices
 
     sums = dict(loss=0.0, correct=0, plateau=0, count=0, taco=0.0, taco_random=0.0, anchors=0,
@@ -123,10 +123,10 @@ def measure(hf_dir: Path, heldout_shards: Path, train_shards: Path, seed: int = 
     """Trained (converted) model vs the same architecture at random init, on held-out rows."""
     from transformers import BertConfig, BertForMaskedLM
 
-    from pipeline.batch import STRUCTURE_TOKENS
+    from pipeline.data.batch import STRUCTURE_TOKENS
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import ShardDataset
-    from pipeline.eval.health import unigram_counts
+    from pipeline.monitor.health import unigram_counts
 
     dataset = ShardDataset(heldout_shards)
     top_token = int(unigram_counts(ShardDataset(train_shards)).argmax())

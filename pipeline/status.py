@@ -20,7 +20,7 @@ What it reads (no process attached, nothing written; safe on a run that is writi
   at its size) and the newest tag's `pipeline_meta.json` (total steps when the record has none).
 
 Trend: the mean loss over the last `TAIL_FRACTION` of the logged steps against the window before it
-(`pipeline.eval.signals.tail_windows`), flat within `FLAT` (1%). Signals: `final_signals` over the
+(`pipeline.monitor.signals.tail_windows`), flat within `FLAT` (1%). Signals: `final_signals` over the
 same last window, each with `still improving` when its window-over-window move is the good way.
 ETA = remaining steps x the mean `step_time_s` of the recent logged steps (checkpoint saves are
 kept out of that time by the loop, so a run that saves often ends somewhat later).
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from pipeline.eval.signals import TAIL_FRACTION, final_signals, format_signal, still_improving, tail_windows
+from pipeline.monitor.signals import TAIL_FRACTION, final_signals, format_signal, still_improving, tail_windows
 from pipeline.train import exit_record
 from pipeline.train.checkpoint import CHECKPOINT_DIR, is_complete, list_tags
 from pipeline.train.loop import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_SAVE_FAILED

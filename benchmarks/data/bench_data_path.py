@@ -43,7 +43,7 @@ from pipeline.data.config import BatchPlan
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.data.reader import PretrainBatches, ShardDataset
 from pipeline.model.encoder import SIZE_PRESETS, build_encoder_config
-from pipeline.model.build import build_pretrain_model
+from pipeline.pretrain.build import build_pretrain_model
 from pipeline.train.metrics import PEAK_FLOPS, mlm_step_flops
 
 OBJECTIVES = {"mlm": {"mlm": 1.0}, "mlm-nce": {"mlm-nce": 1.0}, "taco": {"mlm": 1.0, "taco": 1.0},

@@ -137,7 +137,7 @@ def timed_steps(cfg, s: dict[str, Any]) -> dict[str, Any]:
 
     from pipeline import seeding
     from pipeline.capabilities import use_private_extensions_dir
-    from pipeline.config.run import check_run
+    from pipeline.train.run_config import check_run
     from pipeline.objectives.base import StepProgress
     from pipeline.train.loop import build_run_model, start, torch_process_state
     from pipeline.train.metrics import device_peak_flops
@@ -172,7 +172,7 @@ def timed_steps(cfg, s: dict[str, Any]) -> dict[str, Any]:
 
 
 def train_row(ctx, row) -> dict[str, Any]:
-    from pipeline.config.run import load_config
+    from pipeline.train.run_config import load_config
     from pipeline.data.config import plan_batches
 
     objective, length, arch = row.arg("objective"), row.arg("length"), row.arg("arch", "bert")

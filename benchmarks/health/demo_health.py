@@ -13,7 +13,7 @@ tokenizer; `benchmarks.quality.ttq_eval.heldout_metrics`):
 beside the training-time health metrics of the run's last logged step (`health/token_cosine`,
 `*/positive_cosine`), the number of logged steps flagged `health/collapsed`, and the learning signals
 not learned over the last 20% of the logged steps (`train_signals_at_chance`: each term against its
-chance level, the unigram plateau or entropy; `pipeline.eval.signals`). `--seeds` repeats
+chance level, the unigram plateau or entropy; `pipeline.monitor.signals`). `--seeds` repeats
 each objective with other demo seeds (a recipe at the edge of collapse shows it on some seeds
 only). Writes `<out>/<name>.{json,md}` (default `demo_health`) with the device, versions and
 command; the demo outputs stay in `<work>/seed_<seed>/<objective>` (a finished one is reused).
@@ -41,7 +41,7 @@ def measure(objective: str, seed: int, args: argparse.Namespace, work: Path) -> 
     from benchmarks.quality.ttq_report import signals_at_chance
     from data_prep.build_shards import build_shards
     from demo.run import main as demo_main
-    from pipeline.eval.signals import final_signals
+    from pipeline.monitor.signals import final_signals
     from pipeline.train.metrics import read_jsonl
 
     out = work / f"seed_{seed}" / objective
@@ -87,7 +87,7 @@ def measure(objective: str, seed: int, args: argparse.Namespace, work: Path) -> 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from benchmarks.common.report import write_report
     from demo.run import DEFAULT_STEPS, DEMO_OVERRIDES, demo_objectives
-    from pipeline.eval.health import COLLAPSE_COSINE
+    from pipeline.monitor.health import COLLAPSE_COSINE
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.health.demo_health", description=__doc__.split("\n\n")[0])
     p.add_argument("--heldout", required=True, help="held-out text (e.g. WikiText-2 test)")

@@ -16,7 +16,7 @@ first size, 300 steps, is too short for its own MLM baseline to pass its health 
 every objective but COCO-LM meets every criterion; 2,400 is the first budget at which all do
 (`benchmarks/results/learning_signals_8x/`).
 
-The learning signals of every logged step (`pipeline.eval.signals`) are then judged by the
+The learning signals of every logged step (`pipeline.monitor.signals`) are then judged by the
 criteria of `benchmarks.health.signal_criteria` (every contrastive term <= 0.85x its chance at the
 end and still falling; COCO-LM RTD AUC >= 0.85 and corrective LM below the unigram entropy;
 held-out token cosine < 0.9; held-out masked accuracy above the plateau), met or missed per seed.
@@ -134,7 +134,7 @@ def learning_rate(objective: str, args) -> float:
 
 def token_head(objective: str) -> bool:
     """Does the objective's tiny preset train a token-prediction head (the shared MLM head)?"""
-    from pipeline.config.run import load_config
+    from pipeline.train.run_config import load_config
     from pipeline.objectives.registry import mlm_head_training
 
     return bool(mlm_head_training(load_config(f"tiny-{objective}", []).objectives))
@@ -142,7 +142,7 @@ def token_head(objective: str) -> bool:
 
 def signal_curves(records: list[dict]) -> dict[str, list[list[float]]]:
     """term -> [[step, value, reference], ...] over every logged step."""
-    from pipeline.eval.signals import learning_signals
+    from pipeline.monitor.signals import learning_signals
 
     curves: dict[str, list[list[float]]] = {}
     for record in records:
@@ -191,7 +191,7 @@ def smoothed(points: list[list[float]], window: int = SMOOTH_STEPS) -> list[tupl
 
 def plot_objective(objective: str, runs: list[dict], path: Path) -> None:
     from benchmarks.common.report import panel_chart
-    from pipeline.eval.signals import LOSS_RATIO, PLATEAU_MARGIN
+    from pipeline.monitor.signals import LOSS_RATIO, PLATEAU_MARGIN
 
     panels: dict[str, dict[str, list]] = {}
     lines: dict[str, list[tuple[float, str]]] = {}

@@ -52,10 +52,10 @@ def position_kinds(model_dir: Path, shards_dir: Path, train_shards: Path, max_se
     import torch
     from transformers import AutoModelForMaskedLM
 
-    from pipeline.batch import masked_view_keys
+    from pipeline.data.batch import masked_view_keys
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import ShardDataset
-    from pipeline.eval.health import unigram_counts, unigram_log_probs
+    from pipeline.monitor.health import unigram_counts, unigram_log_probs
     from pipeline.objectives.mlm_nce import NegativeTokenSampler
 
     dataset = ShardDataset(shards_dir)

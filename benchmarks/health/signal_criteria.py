@@ -3,7 +3,7 @@
 A run passes when every criterion that applies to its objective is met:
 
 1. **every contrastive term at most 0.85x its chance level at the end**: every term that declares a
-   chance (`T` / `T_chance`, lower is better; `pipeline.eval.signals`) and every term
+   chance (`T` / `T_chance`, lower is better; `pipeline.monitor.signals`) and every term
    `REQUIRED_CHANCE_TERMS` names for the objective (a term logged without its chance level misses);
    "the end" is the mean over the last 20% of the logged steps (`TAIL_FRACTION`);
 2. **still falling**: that mean strictly below the mean over the 20% of logged steps before it
@@ -38,8 +38,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
 
-from pipeline.eval.health import COLLAPSE_COSINE
-from pipeline.eval.signals import (
+from pipeline.monitor.health import COLLAPSE_COSINE
+from pipeline.monitor.signals import (
     LOSS_RATIO,
     PLATEAU_MARGIN,
     TAIL_FRACTION,
@@ -50,7 +50,7 @@ from pipeline.eval.signals import (
     tail_windows,
 )
 
-#: Contrastive terms each objective must log with a `_chance` level (the contract of `pipeline.eval.signals`).
+#: Contrastive terms each objective must log with a `_chance` level (the contract of `pipeline.monitor.signals`).
 REQUIRED_CHANCE_TERMS: dict[str, tuple[str, ...]] = {
     "mlm-nce": ("mlm-nce/loss",),
     "taco": ("taco/loss",),

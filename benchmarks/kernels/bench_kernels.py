@@ -4,7 +4,7 @@
     python -m benchmarks.kernels.bench_kernels --small        # tiny shapes; on CPU the kernels run in the
                                                       # Triton interpreter (a smoke test, not a timing)
 
-Each op (`pipeline.objectives.functional.<op>` vs `pipeline.kernels.<file>.<op>`) runs forward +
+Each op (`pipeline.kernels.functional.<op>` vs `pipeline.kernels.<file>.<op>`) runs forward +
 backward with three implementations: the reference in eager mode (`torch`), the reference under
 `torch.compile` (`compile`) and the Triton kernel (`triton`). Reported per row: median
 milliseconds per forward+backward step, peak memory allocated during one step above what the
@@ -98,7 +98,7 @@ def _shared_negatives(targets, groups: int, vocab: int, gen, device) -> tuple:
 
 
 def implementation(op: str, impl: str) -> Callable:
-    from pipeline.objectives import functional
+    from pipeline.kernels import functional
 
     op = CASE_OPS.get(op, op)
     reference = getattr(functional, op)

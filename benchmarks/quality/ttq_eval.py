@@ -11,7 +11,7 @@
       scored 0.081 over all selected positions, above the plateau by copying alone. The all-selected
       accuracy (`selected_acc`) and the copy accuracy (`kept_acc`) are reported beside it;
     - `unigram_accuracy`: the accuracy of always answering the training data's most frequent token
-      (`pipeline.eval.health.unigram_counts`) at *the same* (`[MASK]`) positions: the plateau an MLM
+      (`pipeline.monitor.health.unigram_counts`) at *the same* (`[MASK]`) positions: the plateau an MLM
       that ignores the context reaches;
     - `replaced_acc` / `replaced_loss`: the same at the selected positions when they hold a draw from
       the held-out text's unigram distribution instead of `[MASK]` (seeded; the positions where the
@@ -20,7 +20,7 @@
       samples replacements; at the study's size it has learned the token frequencies and little
       context, `docs/objectives.md#coco-lm-at-small-scale`);
     - `token_cosine`: mean pairwise cosine of the last hidden states of the content tokens of
-      `cos_rows` unmasked rows spread over the shards, in eval mode (`pipeline.eval.health`;
+      `cos_rows` unmasked rows spread over the shards, in eval mode (`pipeline.monitor.health`;
       collapsed above `COLLAPSE_COSINE`).
 * `finetune_sst2`: `pipeline.eval.finetune` on SST-2 (fine-tuning subset, several seeds), scoring
   dev and the selection split, plus `test.tsv` only when asked (the final evaluation), optionally
@@ -38,7 +38,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from pipeline.eval.health import COLLAPSE_COSINE, mean_token_cosine
+from pipeline.monitor.health import COLLAPSE_COSINE, mean_token_cosine
 
 
 def write_json(path: Path, payload: dict) -> None:
@@ -67,7 +67,7 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
 
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import ShardDataset
-    from pipeline.eval.health import unigram_counts
+    from pipeline.monitor.health import unigram_counts
 
     dataset = ShardDataset(shards_dir)
     collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, seed)
@@ -179,7 +179,7 @@ def summarize_finetune(runs: list[dict]) -> dict:
 def top_token_of(shards_dir: Path) -> int:
     """The unigram predictor's answer: the most frequent token of a bounded sample of training rows."""
     from pipeline.data.reader import ShardDataset
-    from pipeline.eval.health import unigram_counts
+    from pipeline.monitor.health import unigram_counts
 
     return int(unigram_counts(ShardDataset(shards_dir)).argmax())
 

@@ -21,7 +21,7 @@ from typing import Optional
 from benchmarks.quality.quality_targets import EvalPoint, mean_curve, time_to_target
 from benchmarks.common.report import line_chart, write_report
 from benchmarks.common.stats import difference_ci, format_ci, mean_ci
-from pipeline.eval.health import COLLAPSE_COSINE
+from pipeline.monitor.health import COLLAPSE_COSINE
 
 #: curve metric -> (higher is better, or None for a health number with no target)
 METRICS = {"sst2_dev_accuracy": True, "heldout_mlm_acc": True, "heldout_mlm_loss": False,
@@ -164,7 +164,7 @@ def run_rows(study: dict) -> list[dict]:
 
 
 def signals_at_chance(train_health: dict) -> Optional[str]:
-    """The learning signals not learned over the last 20% of a run's logged steps (`pipeline.eval.signals`,
+    """The learning signals not learned over the last 20% of a run's logged steps (`pipeline.monitor.signals`,
     recorded by `ttq_study.train_run`): "none", the terms with value / reference, or None for a run
     recorded before they were."""
     signals = train_health.get("signals")
@@ -239,7 +239,7 @@ def write_study_report(study: dict, args, data_notes: list[str], out: Path, extr
     write_report("time_to_quality_runs", runs, out, "Every run, sweep included: health and final numbers",
                  notes=[f"collapsed: held-out mean token cosine > {COLLAPSE_COSINE}; train_collapsed_steps: logged "
                         "training steps with health/collapsed = 1",
-                        "train_signals_at_chance: the learning signals (pipeline.eval.signals: each term against its "
+                        "train_signals_at_chance: the learning signals (pipeline.monitor.signals: each term against its "
                         "chance level, the unigram plateau or entropy, the collapse threshold) not learned over the "
                         "last 20% of the logged steps"])
     write_report("time_to_quality_curves", curve_table, out, "Evaluation curves (mean, 95% interval over seeds)",

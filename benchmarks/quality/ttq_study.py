@@ -112,7 +112,7 @@ def run_record(key: RunKey, records: list[dict], steps: list[int], world_size: i
     to each (`cumulative_hours`; `gpu_seconds` the same in seconds), and its training health.
     `pipeline.train` truncates `metrics.jsonl` to the checkpoint it resumes from, so a step redone after
     a preemption is logged, and counted, once (`counted_steps`)."""
-    from pipeline.eval.signals import final_signals
+    from pipeline.monitor.signals import final_signals
 
     hours = cumulative_hours(records, world_size)
     last = records[-1] if records else {}

@@ -220,7 +220,7 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
 
 def run_config(study: Study, objective: str, extra: tuple[str, ...] = ()):
     """The objective's `RunConfig` (its preset and overrides; `data.shards_dir` from the study)."""
-    from pipeline.config.run import load_config
+    from pipeline.train.run_config import load_config
 
     obj = study.objectives[objective]
     try:

@@ -42,8 +42,8 @@ OBJECTIVES = ("mlm", "mlm-nce", "taco", "capt", "cocolm", "infoword")
 
 def build_rows(args: argparse.Namespace):
     """(label, family, objective, model, optimizer, collator views) for every measured configuration."""
-    from pipeline.config.run import load_config
-    from pipeline.model.build import build_pretrain_model
+    from pipeline.train.run_config import load_config
+    from pipeline.pretrain.build import build_pretrain_model
 
     shards = write_synthetic_shards(Path(args.data), args.vocab_size, args.seq_len, rows=args.micro_batch * 64)
     models = []

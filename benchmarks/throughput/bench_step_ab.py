@@ -42,7 +42,7 @@ def worker(args: argparse.Namespace) -> None:
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import ShardDataset
     from pipeline.model.encoder import build_encoder_config
-    from pipeline.model.build import build_pretrain_model
+    from pipeline.pretrain.build import build_pretrain_model
     from pipeline.objectives.base import StepProgress
 
     torch.manual_seed(0)

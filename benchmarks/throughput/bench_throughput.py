@@ -141,7 +141,7 @@ def preset_grad_accum(objectives: Sequence[str]) -> int:
     (`pipeline.data.config.plan_batches`, the one home of the batch arithmetic); one rank, so that a
     multi-node sweep keeps it and scales weakly. The presets must agree: `overhead_vs_mlm` compares
     steps of equal size."""
-    from pipeline.config.run import load_config
+    from pipeline.train.run_config import load_config
     from pipeline.data.config import plan_batches
 
     found = {o: plan_batches(load_config(f"tiny-{o}").data, 1).grad_accum for o in objectives}
@@ -160,7 +160,7 @@ def paper_objective_options(objective: str, size: str) -> dict:
     generator depth follows the model size (`cocolm-large` for `large` and ModernBERT's `large-24` /
     `large`). Objectives without a paper preset run with their constructor defaults."""
     from pipeline.config.loader import available_presets, load_raw
-    from pipeline.config.run import RunConfig
+    from pipeline.train.run_config import RunConfig
 
     preset = PAPER_PRESETS.get(objective)
     if preset is None:

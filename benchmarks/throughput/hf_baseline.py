@@ -81,7 +81,7 @@ def fused_adamw(params, lr: float, device: torch.device, betas: Sequence[float] 
 def run(args: argparse.Namespace) -> list[dict]:
     from transformers import BertForMaskedLM
 
-    from pipeline.batch import move_batch
+    from pipeline.data.batch import move_batch
     from pipeline.data.config import BatchPlan
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import PretrainBatches, ShardDataset

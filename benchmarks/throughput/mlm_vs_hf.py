@@ -12,7 +12,7 @@ For every seed, two arms start from the same initial weights and see the same mi
 Reported per seed: the first step where |loss_ours - loss_hf| exceeds 1e-5 / 1e-4 / 1e-3 / 1e-2, its
 maximum over steps 1-10 / 1-50 / all, the step-1 gradient-norm difference, and for each arm's final
 model the held-out numbers of `benchmarks.quality.ttq_eval.heldout_metrics` (mean token cosine of the last
-hidden states, `pipeline.eval.health`; masked accuracy against the unigram plateau at the same
+hidden states, `pipeline.monitor.health`; masked accuracy against the unigram plateau at the same
 positions). The pretraining data: a WordPiece tokenizer and shards built from `--text` with
 `data_prep`; the held-out shards from `--heldout` with the same tokenizer.
 

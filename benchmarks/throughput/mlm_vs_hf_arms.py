@@ -4,7 +4,7 @@
   ZeRO-1, exactly what a user runs), then `pipeline.export.convert` of its final checkpoint;
 * `train_hf`: `transformers.BertForMaskedLM` (`attn_implementation="sdpa"`) in a plain torch loop that
   starts from the weights the pipeline starts from (`pipeline.train.loop.build_run_model`, the one
-  constructor, converted by `pipeline.export.hf_adapter.to_hf`) and is fed the same micro-batches
+  constructor, converted by `pipeline.model.hf_names.to_hf`) and is fed the same micro-batches
   (`PretrainBatches` + `CorruptionCollator`, built as `pipeline.train.loop.start` builds them), with the
   same per-step dropout seeding (`pipeline.seeding.reseed_dropout`), learning rate (`lr_at`), AdamW
   parameter groups / betas / eps / weight decay (`pipeline.train.optim.param_groups`) and clipping
@@ -92,7 +92,8 @@ def hf_from_ours(model: torch.nn.Module, encoder_config, special_tokens: dict, d
     covered or any value differs after loading."""
     from transformers import BertForMaskedLM
 
-    from pipeline.export.hf_adapter import bert_config, to_hf
+    from pipeline.export.hf_adapter import bert_config
+    from pipeline.model.hf_names import to_hf
 
     state = to_hf(model.state_dict())
     hf = BertForMaskedLM._from_config(bert_config(encoder_config, special_tokens), attn_implementation="sdpa")
@@ -117,8 +118,8 @@ def train_hf(overrides: Sequence[str], steps: Optional[int] = None, init_seed: O
     `init_seed` / `lr_scale` change the initial weights / the learning rate of this arm only: they
     exist to show that `compare` detects a real training difference (the test uses them)."""
     from pipeline import seeding
-    from pipeline.batch import move_batch
-    from pipeline.config.run import check_run, load_config
+    from pipeline.data.batch import move_batch
+    from pipeline.train.run_config import check_run, load_config
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import PretrainBatches, open_dataset
     from pipeline.train.loop import build_run_model

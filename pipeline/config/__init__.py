@@ -1,2 +1,3 @@
-"""The run configuration: `RunConfig` (composed of each component's own section dataclass), YAML
-presets in `presets/`, dotted overrides, and the two validation stages."""
+"""What every section's config stands on: `ConfigError` and the shared checks (`checks`), loading
+(presets in `presets/`, `inherit:`, dotted overrides, typed construction: `loader`). The run's composed
+config (`RunConfig`, `load_config`, `check_run`) is `pipeline.train.run_config`, above the sections."""

@@ -1,6 +1,6 @@
 """Loading a config: presets, `inherit:` chains, dotted overrides, typed construction, `--help-config`.
 
-Generic over the root dataclass (`pipeline.config.run.RunConfig`); it knows nothing of the
+Generic over the root dataclass (`pipeline.train.run_config.RunConfig`); it knows nothing of the
 sections. A preset is a YAML file in `presets/` (or any YAML path). A preset may start with
 `inherit: OTHER`: dataclass sections then merge field by field, while mapping-valued fields
 (`objectives`, `objective_options`, `data.corruption`, `deepspeed.extra`) are replaced as a whole

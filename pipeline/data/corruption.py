@@ -5,9 +5,9 @@ Determinism: every random number a sample uses comes from the corruption streams
 `pipeline.seeding` (a function of seed, global sample index, stream and position), so the same
 sample gets the same corruption after a resume and a different one in every epoch.
 
-"Content" positions are those that hold no structure token (`pipeline.batch.STRUCTURE_TOKENS`:
+"Content" positions are those that hold no structure token (`pipeline.data.batch.STRUCTURE_TOKENS`:
 [CLS]/[SEP]/[PAD]); only content is masked, replaced, shuffled or cropped, and no special token
-(`pipeline.batch.SPECIAL_TOKEN_NAMES`) is ever drawn as a random replacement.
+(`pipeline.data.batch.SPECIAL_TOKEN_NAMES`) is ever drawn as a random replacement.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from pipeline.batch import IGNORE_INDEX, STRUCTURE_TOKENS, check_views, right_padded_lengths, special_ids
+from pipeline.data.batch import IGNORE_INDEX, STRUCTURE_TOKENS, check_views, right_padded_lengths, special_ids
 from pipeline.seeding import CorruptionStream, hash_uniform, hash_uniform_at, span_rng
 
 
@@ -233,7 +233,7 @@ def check_options(options: Mapping[str, Any], where: str = "data.corruption") ->
 
 
 class CorruptionCollator:
-    """Builds the batch contract's tensors for the requested views (`pipeline.batch`).
+    """Builds the batch contract's tensors for the requested views (`pipeline.data.batch`).
 
     `collate(input_ids, word_starts, sample_index)` is the fast path used by `PretrainBatches`;
     calling the collator on a list of `{"input_ids", "word_starts", "sample_index"}` dicts works as a
@@ -331,7 +331,7 @@ class CorruptionCollator:
             "content_positions": np.flatnonzero(candidates & attention),  # row-major: the flat order
         }
         width = ids.shape[1]
-        host: dict[str, torch.Tensor] = {}  # host-side layout keys (`pipeline.batch.HOST_KEYS`)
+        host: dict[str, torch.Tensor] = {}  # host-side layout keys (`pipeline.data.batch.HOST_KEYS`)
         lengths = right_padded_lengths(attention)
         if lengths is not None:
             host["seqlens"] = lengths

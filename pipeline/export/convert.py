@@ -57,7 +57,6 @@ from safetensors import SafetensorError
 
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES
 from pipeline.export.hf_adapter import (
-    ExportError,
     HFExport,
     bert_config,
     check_state_dict,
@@ -70,8 +69,9 @@ from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
 from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
-from pipeline.model.build import model_from_meta
+from pipeline.pretrain.build import model_from_meta
 from pipeline.model.encoder import fuse_qkv
+from pipeline.model.hf_names import ExportError
 from pipeline.model.modernbert import is_modernbert
 from pipeline.model.warm_start import tokenizer_difference
 from pipeline.tokenizer_checks import no_tokenizer_message

@@ -1,17 +1,17 @@
-"""The health check at conversion: has this encoder collapsed? (measures of `pipeline.eval.health`)
+"""The health check at conversion: has this encoder collapsed? (measures of `pipeline.monitor.health`)
 
 A collapsed encoder — every token's last hidden state nearly the same vector — fine-tunes worse
 than a random one, yet its MLM loss can look plausible and it converts like any other. Two signs
 are checked before anything is written:
 
 * the mean pairwise cosine of the content tokens' last hidden states on `PROBE_ROWS` rows of the
-  run's shards, spread evenly over the whole dataset (`pipeline.eval.health.encoder_token_cosine`;
+  run's shards, spread evenly over the whole dataset (`pipeline.monitor.health.encoder_token_cosine`;
   collapsed above `COLLAPSE_COSINE`). The shards are found through `pipeline_meta.json`'s
   `data_dir` or `convert --shards DIR`; without them this measure is reported as not measured;
 * a contrastive positive cosine pinned at 1.0 in the run's last logged metrics
-  (`pipeline.eval.health.pinned_positive_cosines`, e.g. `capt/positive_cosine`).
+  (`pipeline.monitor.health.pinned_positive_cosines`, e.g. `capt/positive_cosine`).
 
-Beside them, the run's learning signals at its last logged step (`pipeline.eval.signals`: each
+Beside them, the run's learning signals at its last logged step (`pipeline.monitor.signals`: each
 term against its chance level, the unigram plateau or entropy) go into the model card; a signal
 at chance is reported there, not treated as collapse (one logged step is a noisy sample of it).
 
@@ -29,7 +29,7 @@ from typing import Optional, TextIO
 import numpy as np
 import torch
 
-from pipeline.eval.health import (
+from pipeline.monitor.health import (
     COLLAPSE_COSINE,
     POSITIVE_COSINE_PINNED,
     encoder_token_cosine,
@@ -37,8 +37,8 @@ from pipeline.eval.health import (
     pinned_positive_cosines,
     positive_cosines,
 )
-from pipeline.eval.signals import Signal, learning_signals
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.monitor.signals import Signal, learning_signals
+from pipeline.pretrain.pretrainer import PretrainModel
 from pipeline.train.run_meta import RunMeta
 
 PROBE_ROWS = 16

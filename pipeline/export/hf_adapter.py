@@ -20,11 +20,12 @@ model is a key copy plus two renames: our fused `attention.self.qkv` projection 
   p(v | c) ∝ q(v) exp s(v, c) those objectives imply).
 
 The expected keys and shapes come from a `PretrainModel` rebuilt from `pipeline_meta.json`
-(`pipeline.model.build.model_from_meta`), so a checkpoint that disagrees with its own meta is
+(`pipeline.pretrain.build.model_from_meta`), so a checkpoint that disagrees with its own meta is
 rejected with the offending names instead of producing a silently broken model.
 
-The other direction, Hugging Face names -> ours (`from_hf`), lets a `PretrainModel` start from a
-`BertForMaskedLM` or `BertModel` checkpoint.
+The name maps themselves, both directions (`to_hf`, and `from_hf` that lets a `PretrainModel` start
+from a `BertForMaskedLM` or `BertModel` checkpoint), live in `pipeline.model.hf_names`: a warm start
+reads them from below the export.
 """
 from __future__ import annotations
 
@@ -34,27 +35,13 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor, nn
 
-from pipeline.model.encoder import BertLayerStack, EncoderConfig, fuse_qkv, split_qkv
+from pipeline.model.encoder import BertLayerStack, EncoderConfig, split_qkv
 from pipeline.model.heads import PredictionHeadTransform
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.model.hf_names import HF_DECODER_BIAS, ExportError, to_hf
+from pipeline.pretrain.pretrainer import PretrainModel
 from pipeline.objectives.base import SAMPLED_SOFTMAX
 from pipeline.objectives.mlm_nce import LOG_PROPOSAL, log_proposal_samplers
 from pipeline.objectives.registry import mlm_head_training
-
-#: HF ties these to other tensors; they are never written (safetensors refuses shared storage).
-_HF_TIED = ("cls.predictions.decoder.weight",)
-_OUR_DECODER_BIAS = "cls.predictions.decoder.bias"
-_HF_DECODER_BIAS = "cls.predictions.bias"
-_WORD_EMBEDDINGS = "bert.embeddings.word_embeddings.weight"
-#: Hugging Face tensors that have no counterpart in `PretrainModel` (buffers, the pooler, and the
-#: next-sentence head of `BertForPreTraining` checkpoints such as the original `bert-base-*`).
-_HF_NOT_OURS = ("bert.embeddings.position_ids", "bert.pooler.", "cls.seq_relationship.")
-#: LayerNorm parameter names of checkpoints converted from the original TensorFlow BERT.
-_LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
-
-
-class ExportError(ValueError):
-    """The checkpoint's weights cannot be mapped to Hugging Face BERT (names the keys at fault)."""
 
 
 @dataclass
@@ -104,52 +91,6 @@ class HFExport:
     objective_heads: dict[str, Tensor]
     dropped_buffers: list[str] = field(default_factory=list)
     head_bias: Optional[HeadBiasCorrection] = None  # None: no objective trained the head with sampled negatives
-
-
-def to_hf(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Our encoder + MLM head tensors (`bert.*`, `cls.*`) under `BertForMaskedLM`'s names.
-
-    A key copy plus two renames (fused QKV -> query / key / value; `cls.predictions.decoder.bias` ->
-    `cls.predictions.bias`); the tied decoder weight is left out (HF re-ties it to the word
-    embeddings). Other keys are ignored.
-    """
-    out: dict[str, Tensor] = {}
-    for key, value in state.items():
-        if key.startswith("bert.") or (key.startswith("cls.") and key not in _HF_TIED):
-            out[_HF_DECODER_BIAS if key == _OUR_DECODER_BIAS else key] = value
-    return split_qkv(out)
-
-
-def from_hf(hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
-    """A Hugging Face BERT state dict under our names: (tensors, HF keys that have no counterpart).
-
-    Accepts `BertForMaskedLM` / `BertForPreTraining` (`bert.*`, `cls.*`) and `BertModel`
-    (`embeddings.*`, `encoder.*`, `pooler.*`, no head) state dicts, with the legacy LayerNorm names
-    `gamma`/`beta` read as `weight`/`bias`. The inverse of `to_hf`: query / key / value become the
-    fused QKV projection, `cls.predictions.bias` becomes the decoder bias, the tied decoder weight is
-    the word embeddings (so `load_state_dict(strict=True)` works), and the position-id buffer, the
-    pooler and the next-sentence head (not part of pretraining here) are returned unused.
-    """
-    bare = not any(k.startswith(("bert.", "cls.")) for k in hf_state)  # BertModel: no "bert." prefix
-    out: dict[str, Tensor] = {}
-    unused: list[str] = []
-    for key, value in hf_state.items():
-        name = f"bert.{key}" if bare else key
-        if "LayerNorm." in name:
-            stem, dot, last = name.rpartition(".")
-            name = stem + _LEGACY_SUFFIXES.get(dot + last, dot + last)
-        alias = name == _OUR_DECODER_BIAS and _HF_DECODER_BIAS in hf_state  # HF ties the two biases
-        if name.startswith(_HF_NOT_OURS) or name in _HF_TIED or alias:
-            unused.append(key)
-        elif name == _HF_DECODER_BIAS:
-            out[_OUR_DECODER_BIAS] = value
-        elif name.startswith(("bert.", "cls.")):
-            out[name] = value
-        else:
-            unused.append(key)
-    if _WORD_EMBEDDINGS in out:  # our decoder weight *is* the word-embedding Parameter: name it too
-        out[_HF_TIED[0]] = out[_WORD_EMBEDDINGS]
-    return fuse_qkv(out), unused
 
 
 def check_state_dict(model: nn.Module, state: dict[str, Tensor], source: str) -> None:
@@ -213,7 +154,7 @@ def _head_state(state: dict[str, Tensor], prefix: str) -> dict[str, Tensor]:
     }
     for bias in (f"{prefix}.bias", f"{prefix}.decoder.bias"):
         if bias in state:
-            out[_HF_DECODER_BIAS] = state[bias]
+            out[HF_DECODER_BIAS] = state[bias]
             return out
     raise ExportError(f"generator head {prefix}: no output bias ({prefix}.bias or {prefix}.decoder.bias)")
 
@@ -233,7 +174,7 @@ def split_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
     head_bias = head_bias_correction(model, state)
     if head_bias is not None and head_bias.corrected:
         assert head_bias.log_proposal is not None
-        main[_HF_DECODER_BIAS] = main[_HF_DECODER_BIAS] + head_bias.log_proposal.to(main[_HF_DECODER_BIAS].dtype)
+        main[HF_DECODER_BIAS] = main[HF_DECODER_BIAS] + head_bias.log_proposal.to(main[HF_DECODER_BIAS].dtype)
 
     generator: Optional[GeneratorExport] = None
     for obj_name, objective in model.objectives.items():
@@ -312,26 +253,6 @@ def head_bias_correction(model: PretrainModel, state: Mapping[str, Tensor]) -> O
         f"the MLM head was trained with sampled negatives ({', '.join(sampled)}; NCE scores "
         f"s(v, c) = log p(v | c) - log q(v) + const): its bias is corrected by log q so that its softmax is the "
         f"masked LM p(v | c) ∝ q(v) exp s(v, c); {how}"), training, present, log_q)
-
-
-#: `EncoderConfig` field -> `BertConfig` (config.json) field: the shape part of `bert_config`, read back.
-HF_CONFIG_FIELDS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads",
-    "ffn_size": "intermediate_size",
-    "max_position": "max_position_embeddings",
-    "type_vocab_size": "type_vocab_size",
-    "layer_norm_eps": "layer_norm_eps",
-    "initializer_range": "initializer_range",
-}
-
-
-def encoder_fields_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
-    """`EncoderConfig` fields from a BERT `config.json` (the inverse of `bert_config`; dropout and the
-    pad id stay the run's). Fields the file does not set are left out."""
-    return {ours: config[theirs] for ours, theirs in HF_CONFIG_FIELDS.items() if theirs in config}
 
 
 def bert_config(encoder: EncoderConfig, special_tokens: dict[str, int]):

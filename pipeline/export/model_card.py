@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 import yaml
 
-from pipeline.eval.health import COLLAPSE_COSINE, POSITIVE_COSINE_PINNED
-from pipeline.eval.signals import LOSS_RATIO, PLATEAU_MARGIN, Signal
+from pipeline.monitor.health import COLLAPSE_COSINE, POSITIVE_COSINE_PINNED
+from pipeline.monitor.signals import LOSS_RATIO, PLATEAU_MARGIN, Signal
 from pipeline.export.health_check import HealthReport
 from pipeline.export.hf_adapter import CORRECTED_HEAD_FORMULA, HFExport
 from pipeline.model.arch import FAMILY_TITLES, HF_MASKED_LM, arch_of, encoder_config_from_dict
@@ -161,7 +161,7 @@ def health_section(health: Optional[HealthReport]) -> list[str]:
 
 
 def signals_section(signals: list[Signal]) -> list[str]:
-    """The last logged step's learning signals against their chance levels (`pipeline.eval.signals`)."""
+    """The last logged step's learning signals against their chance levels (`pipeline.monitor.signals`)."""
     if not signals:
         return []
     rows = []

@@ -1,19 +1,11 @@
 """The two-way adapter between a `model.arch=modernbert` `PretrainModel` and Hugging Face `ModernBertForMaskedLM`.
 
-Names (ours -> HF; `pipeline.model.modernbert` keeps HF's module names below the prefixes):
-
-    bert.embeddings.*                 -> model.embeddings.*        (tok_embeddings, norm)
-    bert.encoder.layers.N.*           -> model.layers.N.*          (attn_norm, attn.Wqkv, attn.Wo, mlp_norm, mlp.Wi, mlp.Wo)
-    bert.encoder.final_norm.*         -> model.final_norm.*
-    cls.predictions.transform.*       -> head.*                    (dense, norm)
-    cls.predictions.decoder.bias      -> decoder.bias
-    cls.predictions.decoder.weight    -  (tied to model.embeddings.tok_embeddings.weight; not written)
-
-`from_modernbert_hf` is the inverse and also takes a bare `ModernBertModel` state dict (`embeddings.*`,
-`layers.*`, `final_norm.*`; no head). `modernbert_hf_config` writes the config (no remote code: the
-class ships with transformers), `modernbert_fields_from_hf` reads one back for warm starts, refusing
-what the encoder does not implement (other activations, an untied or bias-free decoder, RoPE
-scaling, a layer pattern that is not "global every n").
+The names, ours <-> HF's (`to_modernbert_hf`, and its inverse `from_modernbert_hf`, which also takes a
+bare `ModernBertModel` state dict), and `modernbert_fields_from_hf` (a config.json read back for warm
+starts, refusing what the encoder does not implement: other activations, an untied or bias-free decoder,
+RoPE scaling, a layer pattern that is not "global every n") live in `pipeline.model.hf_names`, beside
+BERT's. Here: `modernbert_hf_config` writes the config (no remote code: the class ships with
+transformers) and `split_modernbert_for_hf` sorts a training state dict.
 
 Conversion sorts objective parameters exactly as for BERT (`pipeline.export.hf_adapter`): the MLM head
 goes to the model, the objectives' own heads to `objective_heads.safetensors`, and the NCE head
@@ -28,73 +20,11 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor
 
-from pipeline.export.hf_adapter import ExportError, GeneratorExport, HFExport, head_bias_correction
+from pipeline.export.hf_adapter import GeneratorExport, HFExport, head_bias_correction
 from pipeline.model.heads import PredictionHeadTransform
+from pipeline.model.hf_names import MODERNBERT_DECODER_BIAS, ExportError, to_modernbert_hf
 from pipeline.model.modernbert import ModernBertConfig, ModernBertLayerStack
-from pipeline.model.pretrainer import PretrainModel
-
-#: (our prefix, HF prefix), most specific first.
-_RENAMES = (
-    ("bert.encoder.final_norm.", "model.final_norm."),
-    ("bert.encoder.layers.", "model.layers."),
-    ("bert.embeddings.", "model.embeddings."),
-    ("cls.predictions.transform.", "head."),
-    ("cls.predictions.decoder.bias", "decoder.bias"),
-)
-_OUR_TIED = "cls.predictions.decoder.weight"
-_HF_TIED = "decoder.weight"
-_OUR_EMBEDDINGS = "bert.embeddings.tok_embeddings.weight"
-HF_DECODER_BIAS = "decoder.bias"
-#: `ModernBertConfig` field -> HF config.json field, for the fields read back at a warm start.
-HF_FIELDS = {
-    "vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
-    "num_heads": "num_attention_heads", "ffn_size": "intermediate_size", "max_position": "max_position_embeddings",
-    "layer_norm_eps": "norm_eps", "initializer_range": "initializer_range",
-    "initializer_cutoff_factor": "initializer_cutoff_factor", "local_attention": "local_attention",
-    "norm_bias": "norm_bias", "attention_bias": "attention_bias", "mlp_bias": "mlp_bias",
-    "classifier_bias": "classifier_bias",
-}
-
-
-def _rename(key: str, pairs) -> str | None:
-    for src, dst in pairs:
-        if key.startswith(src):
-            return dst + key[len(src):]
-    return None
-
-
-def to_modernbert_hf(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Our `bert.*` / `cls.*` tensors under `ModernBertForMaskedLM`'s names (the tied decoder weight left out)."""
-    out: dict[str, Tensor] = {}
-    for key, value in state.items():
-        name = _rename(key, _RENAMES)
-        if name is not None:
-            out[name] = value
-        elif key.startswith(("bert.", "cls.")) and key != _OUR_TIED:
-            raise ExportError(f"{key}: no place in ModernBertForMaskedLM")
-    return out
-
-
-def from_modernbert_hf(hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
-    """A `ModernBertForMaskedLM` (or bare `ModernBertModel`) state dict under our names: (tensors, HF keys
-    not used). An untied decoder weight is an error (the head here projects with the token embeddings)."""
-    bare = not any(k.startswith(("model.", "head.", "decoder.")) for k in hf_state)
-    back = tuple((dst, src) for src, dst in _RENAMES)
-    out: dict[str, Tensor] = {}
-    unused: list[str] = []
-    for key, value in hf_state.items():
-        name = _rename(f"model.{key}" if bare else key, back)
-        if name is None:
-            unused.append(key)
-        else:
-            out[name] = value
-    if _HF_TIED in hf_state and _OUR_EMBEDDINGS in out and not (
-            hf_state[_HF_TIED].device.type == "meta" or torch.equal(hf_state[_HF_TIED], out[_OUR_EMBEDDINGS])):
-        raise ValueError(f"{_HF_TIED} differs from model.embeddings.tok_embeddings.weight: an untied decoder "
-                         "is not supported (the MLM head projects with the token embeddings)")
-    if _OUR_EMBEDDINGS in out:  # our decoder weight *is* the embedding Parameter: name it too
-        out[_OUR_TIED] = out[_OUR_EMBEDDINGS]
-    return out, unused
+from pipeline.pretrain.pretrainer import PretrainModel
 
 
 def _generator_export(model: PretrainModel, state: Mapping[str, Tensor], main: Mapping[str, Tensor],
@@ -130,7 +60,7 @@ def _generator_export(model: PretrainModel, state: Mapping[str, Tensor], main: M
                 for k in params if k.startswith(transform)})
     if head_prefix + "bias" not in state:
         raise ExportError(f"generator head {head_prefix[:-1]}: no output bias")
-    gen[HF_DECODER_BIAS] = state[head_prefix + "bias"]
+    gen[MODERNBERT_DECODER_BIAS] = state[head_prefix + "bias"]
     stack = model.objectives[obj_name].get_submodule(stack_name)
     config = replace(model.config, num_layers=len(stack.layers), norm_bias=True, classifier_bias=True)
     return GeneratorExport(obj_name, config, gen), used
@@ -144,7 +74,7 @@ def split_modernbert_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> H
     head_bias = head_bias_correction(model, state)
     if head_bias is not None and head_bias.corrected:
         assert head_bias.log_proposal is not None
-        main[HF_DECODER_BIAS] = main[HF_DECODER_BIAS] + head_bias.log_proposal.to(main[HF_DECODER_BIAS].dtype)
+        main[MODERNBERT_DECODER_BIAS] = main[MODERNBERT_DECODER_BIAS] + head_bias.log_proposal.to(main[MODERNBERT_DECODER_BIAS].dtype)
     first_name: dict[int, str] = {}
     for key, p in params.items():
         first_name.setdefault(id(p), key)
@@ -182,37 +112,3 @@ def modernbert_hf_config(encoder: ModernBertConfig, special_tokens: Mapping[str,
     )
 
 
-def _global_period(layer_types: list, where: str) -> int:
-    """n such that layer l is "full_attention" exactly when l % n == 0 (HF's `global_attn_every_n_layers`)."""
-    full = [i for i, t in enumerate(layer_types) if t == "full_attention"]
-    n = full[1] if len(full) > 1 else max(len(layer_types), 1)
-    wanted = ["full_attention" if i % n == 0 else "sliding_attention" for i in range(len(layer_types))]
-    if list(layer_types) != wanted:
-        raise ValueError(f"{where}: layer_types {layer_types} is not 'full_attention every n layers from layer 0', "
-                         "the only pattern implemented")
-    return n
-
-
-def modernbert_fields_from_hf(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """`ModernBertConfig` fields of a ModernBERT config.json (dropout and the pad id stay the run's);
-    a ValueError naming `where` and the field for anything the encoder does not implement."""
-    for key, wanted in (("hidden_activation", "gelu"), ("classifier_activation", "gelu"), ("decoder_bias", True),
-                        ("tie_word_embeddings", True)):
-        if raw.get(key, wanted) != wanted:
-            raise ValueError(f"{where}: {key}={raw[key]!r} is not supported (implemented: {wanted!r})")
-    fields = {ours: raw[theirs] for ours, theirs in HF_FIELDS.items() if theirs in raw}
-    rope = raw.get("rope_parameters") or {}
-    thetas = {"full_attention": raw.get("global_rope_theta", 160000.0), "sliding_attention": raw.get("local_rope_theta", 10000.0)}
-    for kind, ours in (("full_attention", "global_rope_theta"), ("sliding_attention", "local_rope_theta")):
-        params = rope.get(kind) or {}
-        if params.get("rope_type", "default") != "default" or raw.get("rope_scaling"):
-            raise ValueError(f"{where}: rope_parameters.{kind}={params} (RoPE scaling) is not supported")
-        fields[ours] = float(params.get("rope_theta", thetas[kind]))
-    layers = int(raw.get("num_hidden_layers", 22))
-    if raw.get("layer_types"):
-        if len(raw["layer_types"]) != layers:
-            raise ValueError(f"{where}: {len(raw['layer_types'])} layer_types for num_hidden_layers={layers}")
-        fields["global_attn_every_n_layers"] = _global_period(raw["layer_types"], where)
-    else:
-        fields["global_attn_every_n_layers"] = int(raw.get("global_attn_every_n_layers", 3))
-    return fields

@@ -1,7 +1,7 @@
 """Fused Triton kernels for the losses, and the switch that picks them.
 
 `get_op(name, mode)` returns the callable for a loss op: the torch reference from
-`pipeline.objectives.functional` or the Triton kernel registered under the same name. Each kernel
+`pipeline.kernels.functional` or the Triton kernel registered under the same name. Each kernel
 module registers itself in `TRITON_OPS`; the signature and semantics are the reference's.
 
 mode: "torch" always the reference; "triton" the kernel (error if unavailable); "auto" the kernel
@@ -29,12 +29,12 @@ TRITON_OPS: dict[str, str] = {
 
 
 def _reference(name: str) -> Callable:
-    from pipeline.objectives import functional
+    from pipeline.kernels import functional
 
     try:
         return getattr(functional, name)
     except AttributeError:
-        raise KeyError(f"no loss op named {name!r} in pipeline.objectives.functional") from None
+        raise KeyError(f"no loss op named {name!r} in pipeline.kernels.functional") from None
 
 
 def _triton(name: str) -> Callable:

@@ -1,6 +1,6 @@
 """Fused linear + cross-entropy for the MLM / generator heads, COCO-LM's corrective LM, and BERT-NCE.
 
-Same signatures and semantics as `pipeline.objectives.functional.{linear_cross_entropy,
+Same signatures and semantics as `pipeline.kernels.functional.{linear_cross_entropy,
 linear_cross_entropy_with_accuracy, corrective_lm_loss, sampled_softmax_cross_entropy}`.
 
 Full-vocabulary losses (`linear_cross_entropy`, `corrective_lm_loss`):
@@ -40,7 +40,7 @@ import triton.language as tl
 from torch import Tensor
 
 from pipeline.kernels.token_contrastive import gathered_infonce
-from pipeline.objectives.functional import COPY_PROB_MAX
+from pipeline.kernels.functional import COPY_PROB_MAX
 
 #: Target size of the fp32 [chunk, V] scores buffer.
 CHUNK_BYTES = 256 * 2**20

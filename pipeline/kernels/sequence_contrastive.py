@@ -1,6 +1,6 @@
 """Two-view sequence InfoNCE with a memory queue (CAPT, COCO-LM SCL, InfoWord DIM) in Triton.
 
-Same signature and semantics as `pipeline.objectives.functional.sequence_contrastive_loss`.
+Same signature and semantics as `pipeline.kernels.functional.sequence_contrastive_loss`.
 Rows X = [a; b] (2B); anchors are the first R rows (R = 2B when symmetric, else B); the
 candidates of anchor r are all 2B batch rows (itself excluded, its own view excluded when
 same_view_negatives is off, the other pairs of its group excluded when `groups` is given) and
@@ -35,7 +35,7 @@ from torch import Tensor
 
 from pipeline.kernels.linear_cross_entropy import softmax_xent_rows
 from pipeline.kernels.token_contrastive import NORM_EPS
-from pipeline.objectives.functional import REDUCTIONS
+from pipeline.kernels.functional import REDUCTIONS
 
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: (BLOCK_M, BLOCK_N, BLOCK_D, num_warps) of the score tiles and (BLOCK_M, BLOCK_K, BLOCK_D, num_warps)

@@ -1,7 +1,7 @@
 """BERT-NCE's registered kernel op, and its shared-negatives path ("every token of the other
 sequences"), fused.
 
-`sampled_softmax_cross_entropy` has the reference's signature (`pipeline.objectives.functional`):
+`sampled_softmax_cross_entropy` has the reference's signature (`pipeline.kernels.functional`):
 per-row negatives [N, K] go to `linear_cross_entropy.sampled_softmax_cross_entropy` (the gathered
 candidate kernel); the shared layout (negative_ids [U], negative_counts [G, U], anchor_groups [N])
 is computed here:
@@ -33,7 +33,7 @@ from torch import Tensor
 
 from pipeline.kernels import linear_cross_entropy as lce
 from pipeline.kernels.linear_cross_entropy import chunk_rows_for, softmax_xent_rows
-from pipeline.objectives.functional import check_shared_negatives
+from pipeline.kernels.functional import check_shared_negatives
 
 
 def _shared_forward(

@@ -1,7 +1,7 @@
 """TACO token-alignment InfoNCE without the gathered [N, K, H] negatives, and the shared
 "InfoNCE over index-gathered candidates" kernel it is built on (also used by BERT-NCE).
 
-Same signature and semantics as `pipeline.objectives.functional.token_contrastive_loss`:
+Same signature and semantics as `pipeline.kernels.functional.token_contrastive_loss`:
 
     f(a, c) = cos(a, c) / tau,   L = mean_n [ logsumexp_k f(g_{x_n}, g_{c_nk}) - f(g_{x_n}, g_{c_n0}) ]
 

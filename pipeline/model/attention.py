@@ -4,7 +4,7 @@ Which path a pass takes is decided on the host, from what the collator knows, so
 never costs a device sync:
 
 * `seqlens` ([B] int64 **CPU** tensor: real tokens per row, rows right-padded; batch keys named by
-  `pipeline.batch.seqlens_key`) says every row is full -> **dense**: SDPA gets no mask and can run
+  `pipeline.data.batch.seqlens_key`) says every row is full -> **dense**: SDPA gets no mask and can run
   the flash kernel (packed shards never pad, so this is the common case);
 * some row is shorter and `model.attention` allows it -> **varlen**: the layer stack runs on the
   T = sum(seqlens) real tokens only (QKV, FFN and LayerNorm on [T, H], not [B*L, H]), attention

@@ -54,11 +54,11 @@ class ModelConfig:
     mlm_bias_init: str = "zero"
     """Initial vocabulary output biases (`cls.predictions` and an objective's own, e.g. COCO-LM's generator):
     `zero` (BERT), or `unigram`: the centred log of the training tokens' add-one frequencies, counted on a bounded,
-    evenly spaced sample of shard rows (`pipeline.eval.health.unigram_counts`). With zero biases the cheapest early
+    evenly spaced sample of shard rows (`pipeline.monitor.health.unigram_counts`). With zero biases the cheapest early
     loss drop is to bend every token's representation toward the frequency distribution, which at high learning
     rates collapses the encoder (issue 15's investigation); `unigram` starts the head there instead. A head trained
     only with sampled negatives (BERT-NCE, InfoWord) starts at its own context-free optimum, log p - log q (0 for
-    the unigram negative pools; `pipeline.model.build.context_free_head_bias`). Fresh starts only (not on resume;
+    the unigram negative pools; `pipeline.pretrain.build.context_free_head_bias`). Fresh starts only (not on resume;
     a warm start's own MLM head replaces it)."""
     init_from: Optional[str] = None
     """Warm start: a local Hugging Face BERT directory (config.json, weights, tokenizer). Its config.json
@@ -148,7 +148,7 @@ class ModelConfig:
         return ModernBertConfig(**fields) if self.arch == "modernbert" else EncoderConfig(**fields)
 
     def _base_encoder_config(self, vocab_size: int, seq_len: int, special_tokens: Mapping[str, int]) -> AnyEncoderConfig:
-        from pipeline.export.hf_adapter import HF_CONFIG_FIELDS
+        from pipeline.model.hf_names import HF_CONFIG_FIELDS
         from pipeline.model.warm_start import CONFIG_FILE, base_encoder_fields
 
         assert self.init_from

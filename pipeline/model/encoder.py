@@ -4,7 +4,7 @@ Parameter names follow `transformers.BertForMaskedLM` (`bert.embeddings.*`, `ber
 `cls.predictions.*`) with one exception: Q, K and V are one fused projection
 `attention.self.qkv` ([3H, H] weight: the query rows, then key, then value), so the three
 projections are one GEMM. Every boundary speaks Hugging Face names: `split_qkv` / `fuse_qkv` here
-are the one home of that mapping (used by `pipeline.export.hf_adapter.to_hf` / `from_hf`, hence by
+are the one home of that mapping (used by `pipeline.model.hf_names.to_hf` / `from_hf`, hence by
 conversion, the COCO-LM generator export and warm starts).
 
 Attention uses `torch.nn.functional.scaled_dot_product_attention`; which path a pass takes (no
@@ -291,7 +291,7 @@ class BertEncoder(nn.Module):
         token_type_ids: Optional[Tensor] = None,
         seqlens: Optional[Tensor] = None,
     ) -> EncoderOutput:
-        """`seqlens`: the host-side real-token count of every row (`pipeline.batch.seqlens_key`); it
+        """`seqlens`: the host-side real-token count of every row (`pipeline.data.batch.seqlens_key`); it
         lets the attention path be chosen without a device sync. Without it, a mask means the
         masked reference path."""
         e = self.embeddings(input_ids, token_type_ids)

@@ -2,7 +2,7 @@
 
 With `model.arch=modernbert` DIR is a Hugging Face ModernBERT directory instead (`ModernBertForMaskedLM`
 or `ModernBertModel` weights, `model_type: modernbert`); its names and config.json fields are mapped by
-`pipeline.export.modernbert_adapter`, everything else below applies unchanged.
+`pipeline.model.hf_names`, everything else below applies unchanged.
 
 Continued, domain-adaptive pretraining starts from an existing BERT. `DIR` is any local Hugging
 Face BERT directory: `config.json`, the weights of a `BertForMaskedLM`, `BertForPreTraining` or
@@ -15,14 +15,14 @@ its tokenizer. Nothing is downloaded.
   --tokenizer DIR`); the shards' `tokenizer/` is compared with DIR's (vocabulary, special-token
   ids, normaliser, pre-tokeniser, post-processor), so a tokenizer-only copy of DIR works too;
 * weights: `bert.*` (embeddings and layers) and, when the checkpoint has it, the MLM head
-  `cls.predictions.*` are loaded through `pipeline.export.hf_adapter.from_hf` (the one home of the
+  `cls.predictions.*` are loaded through `pipeline.model.hf_names.from_hf` (the one home of the
   name mapping). The objectives' own heads (and the MLM head of a `BertModel` checkpoint) keep
   the initialisation a run without `init_from` gives them from the run seed; the pooler and the
   next-sentence head have no counterpart here and are not read.
 
 `check_base_model` runs in `check_run`, before any compute, and every mismatch is a `ConfigError`
 naming the file and field. `load_base_weights` runs inside the one constructor
-(`pipeline.model.build.build_pretrain_model`), before DeepSpeed wraps the model, identically on
+(`pipeline.pretrain.build.build_pretrain_model`), before DeepSpeed wraps the model, identically on
 every rank. A run that resumes from a checkpoint never reads the weights: the checkpoint wins.
 """
 from __future__ import annotations
@@ -40,6 +40,13 @@ from pipeline.config.checks import ConfigError
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES, TOKENIZER_SUBDIR, Manifest, sha256_file
 from pipeline.model.arch import AnyEncoderConfig, build_encoder_and_head
 from pipeline.model.encoder import EncoderConfig
+from pipeline.model.hf_names import (
+    HF_CONFIG_FIELDS,
+    encoder_fields_from_hf,
+    from_hf,
+    from_modernbert_hf,
+    modernbert_fields_from_hf,
+)
 from pipeline.model.modernbert import ModernBertConfig, is_modernbert
 from pipeline.tokenizer_checks import no_tokenizer_message
 
@@ -54,8 +61,6 @@ REQUIRED_SHAPE = ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_s
 
 def read_base_config(directory: str | os.PathLike, arch: str = "bert") -> dict[str, Any]:
     """`DIR/config.json`, checked to describe a BERT (`arch=modernbert`: a ModernBERT) this encoder implements exactly."""
-    from pipeline.export.hf_adapter import HF_CONFIG_FIELDS, encoder_fields_from_hf
-
     path = Path(directory)
     if not path.is_dir():
         raise ConfigError(f"model.init_from={directory}: not a directory (expected a local Hugging Face BERT "
@@ -95,8 +100,6 @@ def read_base_config(directory: str | os.PathLike, arch: str = "bert") -> dict[s
 
 
 def _read_modernbert_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
-    from pipeline.export.modernbert_adapter import modernbert_fields_from_hf
-
     try:
         fields = modernbert_fields_from_hf(raw, str(file))
         missing = [k for k in REQUIRED_SHAPE if k not in fields]
@@ -110,9 +113,6 @@ def _read_modernbert_config(raw: dict[str, Any], file: Path) -> dict[str, Any]:
 
 def base_encoder_fields(directory: str | os.PathLike, arch: str = "bert") -> dict[str, Any]:
     """The encoder config fields of the BERT (or ModernBERT) in `directory` (from its config.json)."""
-    from pipeline.export.hf_adapter import encoder_fields_from_hf
-    from pipeline.export.modernbert_adapter import modernbert_fields_from_hf
-
     raw = read_base_config(directory, arch)
     if arch == "modernbert":
         return modernbert_fields_from_hf(raw, str(Path(directory) / CONFIG_FILE))
@@ -121,9 +121,6 @@ def base_encoder_fields(directory: str | os.PathLike, arch: str = "bert") -> dic
 
 def _from_hf(encoder: AnyEncoderConfig, hf_state: Mapping[str, Tensor]) -> tuple[dict[str, Tensor], list[str]]:
     """Hugging Face names -> ours for the encoder's family (`model.arch`)."""
-    from pipeline.export.hf_adapter import from_hf
-    from pipeline.export.modernbert_adapter import from_modernbert_hf
-
     if not is_modernbert(encoder):
         return from_hf(hf_state)
     try:

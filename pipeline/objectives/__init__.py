@@ -1,5 +1,5 @@
 """Pretraining objectives: one module per objective (`mlm`, `mlm_nce`, `taco`, `capt`, `cocolm`,
 `infoword`), the contract they implement (`base`), the registry the rest of the project uses
-(`registry`), the loss math as pure functions (`functional`, the torch reference of the Triton
-kernels) and the index sampling (`sampling`).
+(`registry`) and the index sampling (`sampling`). The loss math as pure functions, the torch reference
+of the Triton kernels, is `pipeline.kernels.functional`, one layer down.
 """

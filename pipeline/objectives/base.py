@@ -2,7 +2,7 @@
 
 Every objective is an `nn.Module` (so its heads are trained and checkpointed with the encoder)
 registered under a config name. It declares the batch views it needs (`views`, see
-`pipeline.batch`); the collator builds exactly those. Encoder passes are shared between objectives
+`pipeline.data.batch`); the collator builds exactly those. Encoder passes are shared between objectives
 through `StepContext.encode`, so MLM + TACO costs one forward of the masked view, not two.
 
 An objective sees the encoder and the MLM head through the context, never the whole
@@ -22,7 +22,7 @@ from typing import Callable, ClassVar, Optional
 import torch
 from torch import Tensor, nn
 
-from pipeline.batch import VIEW_INPUTS, VIEWS, seqlens_key
+from pipeline.data.batch import VIEW_INPUTS, VIEWS, seqlens_key
 from pipeline.model.encoder import BertEncoder, EncoderOutput
 from pipeline.model.heads import MLMHead
 
@@ -69,7 +69,7 @@ class StepContext:
         return dict(self._cache)
 
     def encode_view(self, view: str) -> EncoderOutput:
-        """Encoder output of a batch view (`pipeline.batch.VIEW_INPUTS`), shared like `encode`."""
+        """Encoder output of a batch view (`pipeline.data.batch.VIEW_INPUTS`), shared like `encode`."""
         return self.encode(*VIEW_INPUTS[view])
 
     def op(self, name: str) -> Callable:
@@ -113,7 +113,7 @@ class Objective(nn.Module):
     def host_plan(self) -> Optional[Callable[[dict[str, Tensor]], dict[str, Tensor]]]:
         """A picklable callable the collator runs on every collated batch (host tensors) whose keys
         join the batch: the indices whose sizes only the data knows, built in the loader's worker
-        processes instead of read back from the device in the step (`pipeline.batch`). None: none."""
+        processes instead of read back from the device in the step (`pipeline.data.batch`). None: none."""
         return None
 
     def extra_state_for_checkpoint(self) -> Optional[dict]:

@@ -64,7 +64,7 @@ step's metrics are read anyway) the loss is computed both with and without the q
 `torch.where` picks on the device (the sequence contrast is O(b (2b + Q) D), small beside the
 encoder); from then on only with them. The queue is filled from `queue_start` on either way.
 
-Logged learning signals (the contract of `pipeline.eval.signals`): `loss` with `loss_chance` =
+Logged learning signals (the contract of `pipeline.monitor.signals`): `loss` with `loss_chance` =
 ln(2b - 1 + extra rows), the loss when every candidate scores alike (x 2b x micro-batches for
 `reduction: sum`); with the adaptive tau, also `floor_tau_loss` / `floor_tau_loss_chance`, the same
 candidates scored at tau's fixed minimum 0.05, because Eq. 6 makes the loss itself rise again over
@@ -91,11 +91,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.batch import VIEW_INPUTS, choose_view
+from pipeline.data.batch import VIEW_INPUTS, choose_view
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
-from pipeline.objectives.functional import ADAPTIVE_TAU_FLOOR as TAU_FLOOR, REDUCTIONS, adaptive_temperature
+from pipeline.kernels.functional import ADAPTIVE_TAU_FLOOR as TAU_FLOOR, REDUCTIONS, adaptive_temperature
 from pipeline.objectives.memory_queue import MemoryQueue
 
 CORRUPTIONS = ("masked", "wwm_masked", "shuffled")

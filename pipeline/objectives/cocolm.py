@@ -30,7 +30,7 @@
    negatives all other 2N - 2 views. tau defaults to 1.0 (the public model code's `temperature`
    default); the crop itself is built by the collator (`crop` view). Logged: `positive_cosine`,
    the mean cosine of the positive pairs (a sign of collapse when pinned at 1.0,
-   `pipeline.eval.health`).
+   `pipeline.monitor.health`).
 
    L = lambda_gen * L_gen + L_CLM + lambda_scl * L_SCL      (all weights 1 except lambda_copy)
 
@@ -79,12 +79,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.batch import batch_selected, masked_view_keys
+from pipeline.data.batch import batch_selected, masked_view_keys
 from pipeline.model.arch import layer_stack
 from pipeline.model.encoder import EncoderConfig
 from pipeline.model.heads import PredictionHeadTransform
 from pipeline.objectives.base import FULL_SOFTMAX, Objective, StepContext, register, scalar_metric
-from pipeline.objectives.functional import COPY_PROB_MAX, binary_auc, fp32_logits
+from pipeline.kernels.functional import COPY_PROB_MAX, binary_auc, fp32_logits
 
 SAMPLE_MODES = ("eval", "zero_dropout")
 #: Vocabulary columns per chunk of the generator's sampling pass (fixed: the draws depend on it).

@@ -57,7 +57,7 @@ What was wrong at small scale (issue 29; measured at the time-to-quality study's
      SpanBERT's per-span 80/10/10 (the masking the paper's spans follow) trains them through the
      unchanged spans (BERT's reason for keeping 10% unchanged): cosine 0.12.
   3. `model.mlm_bias_init=unigram` started the NCE head at log p, twice the frequency its optimum
-     log p - log q holds (`pipeline.model.build.context_free_head_bias`): NCE started at 4.39.
+     log p - log q holds (`pipeline.pretrain.build.context_free_head_bias`): NCE started at 4.39.
   4. NCE learned nothing from context (held-out accuracy at [MASK] 0.048, plateau 0.051; its loss at
      [MASK] 1.004x chance): on the span view even a full softmax learns nothing at [MASK] in 300
      steps (0.059, its LM loss above the unigram entropy), and DIM at weight 1 puts 8-15x NCE's
@@ -76,7 +76,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.batch import content_tokens, masked_view_keys
+from pipeline.data.batch import content_tokens, masked_view_keys
 from pipeline.data.corruption import span_widths
 from pipeline.distributed import all_gather_row_blocks, split_own_block
 from pipeline.model.encoder import EncoderConfig

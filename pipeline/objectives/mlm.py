@@ -16,9 +16,9 @@ from typing import Callable, Mapping, Optional
 
 from torch import Tensor
 
-from pipeline.batch import gather_selected, masked_view_keys, positions_key
+from pipeline.data.batch import gather_selected, masked_view_keys, positions_key
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives import functional
+from pipeline.kernels import functional
 from pipeline.objectives.base import FULL_SOFTMAX, Objective, StepContext, register, scalar_metric
 
 

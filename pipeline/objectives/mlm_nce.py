@@ -27,7 +27,7 @@ mentions a unigram distribution (Sec. 4); *choice* `negatives` (the pool):
     all-reduce), so its cost is about a full-vocabulary MLM head.
 A negative equal to the target is masked out inside the loss. The negatives per masked position
 are logged (`negatives`), and on logged steps the loss at chance, `loss_chance` = mean_i
-ln(1 + |Neg_i|) (every score equal; `pipeline.eval.signals` calls the term learned at <= 0.85x it). Uses the same head as `mlm` (`cls.predictions`).
+ln(1 + |Neg_i|) (every score equal; `pipeline.monitor.signals` calls the term learned at <= 0.85x it). Uses the same head as `mlm` (`cls.predictions`).
 
 What the head learns (and why conversion corrects its bias). With negatives drawn from a
 proposal q, the InfoNCE optimum is s(v, c) = log p(v | c) - log q(v) + const(c) (Oord et al.
@@ -37,7 +37,7 @@ log-multiplicity offsets are the same log q. So s is not a masked LM's logit: it
 rare tokens. The implied masked LM is p(v | c) ∝ q(v) exp s(v, c). The sampler keeps log q as the
 persistent buffer `log_proposal` [V] (float32): for the unigram pools ("other_sequences",
 "other_targets", "batch", whose negatives follow the corpus unigram distribution) the add-one
-smoothed, centred log frequency of the training shards (`pipeline.model.build.unigram_bias`,
+smoothed, centred log frequency of the training shards (`pipeline.pretrain.build.unigram_bias`,
 filled by `fill_unigram_tensors` when the run model is built); zeros for "uniform" (q constant).
 It never enters the loss (the objective is the paper's); `pipeline.export` adds it to the
 converted MLM head's bias when only sampled-softmax objectives trained that head, and the logged
@@ -48,7 +48,7 @@ study's size (2 x 128, 300 steps x 32 x 64 tokens), started with its head's bias
 learned nothing at [MASK] positions (held-out loss 1.03x chance there, accuracy at the plateau).
 All its gain came from copying the unchanged 10% of the selected tokens. Adam moves the bias by
 about lr per step, so the encoder had to cancel the doubled frequency prior itself. Started at the
-optimum log p - log q (`pipeline.model.build.context_free_head_bias`), it learns at [MASK] exactly
+optimum log p - log q (`pipeline.pretrain.build.context_free_head_bias`), it learns at [MASK] exactly
 what a full-softmax MLM learns (LM loss 6.323 vs 6.324, accuracy 0.090 vs 0.091, plateau 0.051),
 with 16, 128 or "all" negatives alike. Its loss still ends near 0.91x ln(K + 1): by the InfoNCE bound
 L >= ln(K + 1) - I, with I the context information MLM extracts at that budget (0.085 nats at
@@ -62,7 +62,7 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import Tensor, nn
 
-from pipeline.batch import (IGNORE_INDEX, content_tokens, gather_selected, masked_view_keys, positions_key,
+from pipeline.data.batch import (IGNORE_INDEX, content_tokens, gather_selected, masked_view_keys, positions_key,
                             special_ids)
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES
 from pipeline.distributed import all_reduce_sum
@@ -110,7 +110,7 @@ class Negatives:
 
     def chance_loss(self, targets: Tensor) -> Tensor:
         """The loss at chance, mean_i ln(1 + |Neg_i|): with every score equal, -log of the positive's
-        share of the 1 + |Neg_i| candidates (`pipeline.eval.signals`: "learned" at <= 0.85x this)."""
+        share of the 1 + |Neg_i| candidates (`pipeline.monitor.signals`: "learned" at <= 0.85x this)."""
         if targets.numel() == 0:
             return torch.zeros((), device=targets.device)
         return torch.log1p(self.sizes(targets)).mean()
@@ -249,7 +249,7 @@ def nce_loss(
 
     On logged steps the metrics carry `chance_key`, the loss at chance (`Negatives.chance_loss`),
     named after the metric the caller logs the loss under plus `_chance` (the contract of
-    `pipeline.eval.signals`): `loss_chance` for `mlm-nce` (its loss is the objective's), the default
+    `pipeline.monitor.signals`): `loss_chance` for `mlm-nce` (its loss is the objective's), the default
     `nce_loss_chance` for InfoWord's `nce_loss` term."""
     hidden = ctx.encode(ids_key).last_hidden
     labels = ctx.batch[labels_key]

@@ -1,8 +1,8 @@
 """Index sampling shared by the objectives (one home for "pick K items from other sequences").
 
 Everything takes an explicit `torch.Generator` (the per-micro-batch `ctx.generator`) and returns
-plain index tensors, which the pure loss functions in `functional.py` then consume. Nothing here
-builds a [N, M] matrix over all candidates: sampling "uniformly from the other groups" is done by
+plain index tensors, which the pure loss functions in `pipeline.kernels.functional` then consume.
+Nothing here builds a [N, M] matrix over all candidates: sampling "uniformly from the other groups" is done by
 drawing an offset into the candidates that lie outside the anchor's own (contiguous) block. A
 group is a row (sequence) or a document of a packed row (`document_groups`): in row-major order
 the candidates of either are contiguous.

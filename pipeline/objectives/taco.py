@@ -26,7 +26,7 @@ sequences are single contexts. A FULL-packed row joins several documents (`docum
     f(a, b) = cos(a, b) / tau
 
 At chance (every similarity equal) L_TC = ln(1 + K): logged as `loss_chance` on logged steps
-(`pipeline.eval.signals` calls the term learned at <= 0.85x it).
+(`pipeline.monitor.signals` calls the term learned at <= 0.85x it).
 
 Defaults (paper Sec. 4.1, Table 5): W=5, K=50, tau=0.07; positives/negatives detached (public
 reference code): the gradient flows through the anchors only. The paper's recipe is
@@ -56,7 +56,7 @@ from typing import Mapping, Optional
 import torch
 from torch import Tensor
 
-from pipeline.batch import IGNORE_INDEX, VIEW_INPUTS, choose_view, content_tokens
+from pipeline.data.batch import IGNORE_INDEX, VIEW_INPUTS, choose_view, content_tokens
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register, scalar_metric
 from pipeline.objectives.sampling import document_groups, sample_outside_blocks, sample_window_positives
@@ -66,7 +66,7 @@ ANCHOR_SETS = ("all", "masked", "unmasked")
 NEGATIVE_UNITS = ("document", "row")
 
 
-#: The batch keys `TacoPlan` adds (flat positions are row-major into B*L; see `pipeline.batch`).
+#: The batch keys `TacoPlan` adds (flat positions are row-major into B*L; see `pipeline.data.batch`).
 PLAN_KEYS = ("taco_anchors", "taco_anchor_units", "taco_unit_counts")
 
 

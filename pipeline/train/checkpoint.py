@@ -66,7 +66,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import config_differences, config_hash
+from pipeline.train.run_config import config_differences, config_hash
 from pipeline.train.schedule_branch import schedule_branch
 from pipeline.distributed import barrier, broadcast_object, first_problem
 from pipeline.model.arch import arch_of_fields

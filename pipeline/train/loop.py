@@ -39,9 +39,9 @@ import torch
 import yaml
 
 from pipeline import seeding
-from pipeline.batch import move_batch
+from pipeline.data.batch import move_batch
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import (
+from pipeline.train.run_config import (
     RunConfig,
     RunPlan,
     check_run,
@@ -51,10 +51,10 @@ from pipeline.config.run import (
     load_config,
 )
 from pipeline.distributed import DistInfo, all_reduce_sum
-from pipeline.eval.health import CollapseMonitor, unigram_counts
-from pipeline.eval.signals import format_signals, learning_signals
-from pipeline.model.build import build_pretrain_model
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.monitor.health import CollapseMonitor, unigram_counts
+from pipeline.monitor.signals import format_signals, learning_signals
+from pipeline.pretrain.build import build_pretrain_model
+from pipeline.pretrain.pretrainer import PretrainModel
 from pipeline.objectives.base import SAMPLED_SOFTMAX, StepProgress
 from pipeline.objectives.registry import mlm_head_training
 from pipeline.train.checkpoint import (
@@ -545,7 +545,7 @@ class Run:
             metrics["loss_scale"] = float(getattr(self.engine.optimizer, "loss_scale", float("nan")))
         self.writer.write(step, metrics)
         if self.info.is_main:
-            # each learning signal against its chance level (pipeline.eval.signals): on the step line, or,
+            # each learning signal against its chance level (pipeline.monitor.signals): on the step line, or,
             # under a progress bar (no step lines), once at the end of the run
             signals = format_signals(learning_signals(metrics))
             if not self.cfg.train.progress_bar:

@@ -52,7 +52,7 @@ from pipeline.data.config import BatchPlan, BatchRamp, DataConfig, plan_batches,
 from pipeline.data.shards import Manifest
 from pipeline.train.optim import OptimConfig, lr_at
 
-#: `pipeline.config.run.RunConfig` (not imported: the config module imports this one)
+#: `pipeline.train.run_config.RunConfig` (not imported: the config module imports this one)
 RunConfig = Any
 
 log = logging.getLogger(__name__)

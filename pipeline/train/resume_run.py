@@ -20,7 +20,7 @@ CAPT's adaptive temperature, a function of t/T, is re-stretched alike. A re-warm
 run: warm-start one from the converted checkpoint (`model.init_from`).
 
 Which changes are accepted: the overrides given are deliberate, so when they change a field that
-matters for resuming (`pipeline.config.run.config_differences`) the resume is allowed as with
+matters for resuming (`pipeline.train.run_config.config_differences`) the resume is allowed as with
 `train.allow_config_change=true`; a model-shape change is still refused (`check_resume_shapes`).
 Changes that were NOT asked for still stop the run: shards rewritten in place since the
 checkpoint (a different manifest hash with the same `data.shards_dir`) need an explicit
@@ -35,7 +35,7 @@ from typing import Any, Optional, Sequence
 
 from pipeline.config.checks import ConfigError
 from pipeline.config.loader import apply_override, from_dict
-from pipeline.config.run import RunConfig, config_differences, resume_relevant
+from pipeline.train.run_config import RunConfig, config_differences, resume_relevant
 from pipeline.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, CheckpointError, note_resume_overrides, read_latest
 from pipeline.train.optim import lr_at
 from pipeline.train.run_meta import META_FILE, RunMeta

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from pipeline.config.loader import from_dict
-from pipeline.config.run import resume_relevant
+from pipeline.train.run_config import resume_relevant
 from pipeline.train.optim import SCHEDULE_FIELDS, OptimConfig, first_lr_change, lr_at
 
 #: objectives whose computation reads `train.total_steps` (t/T): a new total changes their past

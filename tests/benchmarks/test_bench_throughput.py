@@ -24,7 +24,7 @@ from benchmarks.throughput.bench_throughput import (
     train_overrides,
 )
 from benchmarks.data.synthetic_shards import SPECIAL_TOKENS, write_synthetic_shards
-from pipeline.config.run import load_config
+from pipeline.train.run_config import load_config
 from pipeline.data.config import plan_batches
 
 REPO = Path(__file__).resolve().parents[2]

@@ -26,7 +26,7 @@ from benchmarks.gpu_suite.collect import (
     render_table,
     tracked_payloads,
 )
-from pipeline.config.run import load_config
+from pipeline.train.run_config import load_config
 from pipeline.data.config import plan_batches
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -263,7 +263,7 @@ def test_a_throughput_row_writes_no_checkpoint_and_times_only_unlogged_steps(tmp
     import pipeline.train.loop as loop
     from benchmarks.gpu_suite import train_rows
     from benchmarks.gpu_suite.runner import StageContext
-    from pipeline.model.pretrainer import PretrainModel
+    from pipeline.pretrain.pretrainer import PretrainModel
 
     seen, saves = [], []
     forward = PretrainModel.forward

@@ -243,7 +243,7 @@ def _check_heldout_against_direct(model_dir: Path, shards: Path, top: int, metri
     import torch
     from transformers import AutoModelForMaskedLM
 
-    from pipeline.eval.health import unigram_counts
+    from pipeline.monitor.health import unigram_counts
 
     counts = torch.from_numpy(unigram_counts(dataset)).double()
     swapped = batch["input_ids"].clone()

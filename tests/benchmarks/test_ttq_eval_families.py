@@ -11,9 +11,9 @@ import torch
 from benchmarks.quality.ttq_eval import heldout_metrics, top_token_of
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.data.reader import ShardDataset
-from pipeline.eval.health import mean_token_cosine
+from pipeline.monitor.health import mean_token_cosine
 from pipeline.export.convert import convert
-from pipeline.model.build import model_from_meta
+from pipeline.pretrain.build import model_from_meta
 from pipeline.train.run_meta import RunMeta
 from tests.train.runs import module_state, run_inprocess, tag_dir
 

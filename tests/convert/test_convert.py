@@ -11,10 +11,10 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.data.reader import ShardDataset
-from pipeline.eval.health import unigram_counts
+from pipeline.monitor.health import unigram_counts
 from pipeline.export.convert import consolidate_fp32_weights
 from pipeline.export.objective_heads import load_objective_heads
-from pipeline.model.build import unigram_bias
+from pipeline.pretrain.build import unigram_bias
 from tests.convert.conftest import RUNS
 
 pytestmark = pytest.mark.slow

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from pipeline.export.convert import clean_stale_siblings, convert, main, resolve_tag_dir
-from pipeline.export.hf_adapter import ExportError, check_state_dict
-from pipeline.model.build import model_from_meta
+from pipeline.export.hf_adapter import check_state_dict
+from pipeline.model.hf_names import ExportError
+from pipeline.pretrain.build import model_from_meta
 from pipeline.train.run_meta import RunMeta
 
 pytestmark = pytest.mark.slow

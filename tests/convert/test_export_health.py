@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from pipeline.export.convert import main as convert_main
 from pipeline.export.health_check import HealthReport, announce, check_health
-from pipeline.model.build import build_pretrain_model
+from pipeline.pretrain.build import build_pretrain_model
 from pipeline.train.run_meta import RunMeta
 from tests.convert.conftest import save_tiny_bert
 from tests.train.runs import run_inprocess

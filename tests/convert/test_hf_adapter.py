@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.export.hf_adapter import bert_config, from_hf, to_hf
-from pipeline.model.build import build_pretrain_model
+from pipeline.export.hf_adapter import bert_config
+from pipeline.model.hf_names import from_hf, to_hf
+from pipeline.pretrain.build import build_pretrain_model
 from pipeline.model.encoder import build_encoder_config
 
 SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
@@ -116,7 +117,7 @@ def test_import_from_bert_for_pretraining_with_legacy_layernorm_names():
 def _nce(objectives, options=None, counts_seed=0):
     import numpy as np
 
-    from pipeline.model.build import fill_unigram_tensors
+    from pipeline.pretrain.build import fill_unigram_tensors
 
     encoder = build_encoder_config("tiny", vocab_size=61, max_position=24)
     model = build_pretrain_model(encoder, objectives, SPECIAL, options or {}, seed=2, kernels="torch").eval()

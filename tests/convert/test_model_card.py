@@ -111,7 +111,7 @@ def test_card_says_what_the_mlm_head_computes_when_nce_trained_it():
 
 
 def test_health_section_lists_the_learning_signals_against_their_chance_levels():
-    from pipeline.eval.signals import learning_signals
+    from pipeline.monitor.signals import learning_signals
 
     last = {"taco/loss": 0.5, "taco/loss_chance": 2.1972, "mlm/accuracy": 0.06, "health/unigram_accuracy": 0.057,
             "health/token_cosine": 0.2}

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.export.convert import convert
-from pipeline.model.build import model_from_meta
+from pipeline.pretrain.build import model_from_meta
 from pipeline.train.run_meta import RunMeta
 from tests.train.runs import module_state, run_inprocess, tag_dir
 

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import load_config
+from pipeline.train.run_config import load_config
 from pipeline.export.convert import convert
 from pipeline.train.metrics import read_jsonl
 from tests.fixtures_data import make_batch
@@ -64,7 +64,7 @@ def test_warm_started_model_computes_the_hugging_face_logits(modernbert_dir, mod
     from transformers import ModernBertForMaskedLM
 
     from pipeline.data.shards import read_manifest
-    from pipeline.model.build import build_pretrain_model
+    from pipeline.pretrain.build import build_pretrain_model
     from pipeline.model.config import ModelConfig
 
     manifest = read_manifest(modernbert_shards)
@@ -169,7 +169,7 @@ def test_family_mismatch_and_unsupported_fields_are_named(modernbert_dir, bert_d
 def test_legacy_config_json_fields_are_read():
     """config.json files written by transformers 4.x (the Hub's ModernBERT-base) spell the layer pattern and
     rotary bases as `global_attn_every_n_layers`, `global_rope_theta`, `local_rope_theta`."""
-    from pipeline.export.modernbert_adapter import modernbert_fields_from_hf
+    from pipeline.model.hf_names import modernbert_fields_from_hf
 
     legacy = {"model_type": "modernbert", "vocab_size": 50368, "hidden_size": 768, "intermediate_size": 1152,
               "num_hidden_layers": 22, "num_attention_heads": 12, "max_position_embeddings": 8192, "norm_eps": 1e-5,

@@ -19,7 +19,7 @@ from pipeline.export.objective_heads import (
     load_objective_heads,
     write_objective_heads,
 )
-from pipeline.model.build import build_pretrain_model
+from pipeline.pretrain.build import build_pretrain_model
 from pipeline.model.encoder import build_encoder_config
 from pipeline.train.run_meta import RunMeta
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.config.run import load_config
+from pipeline.train.run_config import load_config
 from pipeline.data.shards import sha256_file
 from pipeline.export.convert import convert
 from pipeline.export.model_card import public
@@ -113,7 +113,7 @@ def test_resume_takes_the_checkpoint_and_never_reads_the_base_weights(bert_dir, 
 
     (base / "model.safetensors").unlink()  # a fresh start can no longer load; a resume must not try
     from pipeline.config.checks import ConfigError
-    from pipeline.config.run import check_run
+    from pipeline.train.run_config import check_run
 
     cfg = load_config("tiny-mlm", [f"data.shards_dir={bert_shards}", *common])
     with pytest.raises(ConfigError, match="no PyTorch weights"):
@@ -132,7 +132,7 @@ def test_other_weight_layouts_load_exactly(layout, bert_dir, bert_shards, tmp_pa
     by the run's constructor gives the Hugging Face model's MLM logits."""
     from transformers import BertConfig, BertForPreTraining
 
-    from pipeline.config.run import check_run
+    from pipeline.train.run_config import check_run
     from pipeline.train.loop import build_run_model
 
     base = tmp_path / "base"

@@ -39,9 +39,9 @@ def probe_batch(shards_dir: str) -> tuple[torch.Tensor, torch.Tensor]:
 def main(argv: list[str]) -> int:
     import deepspeed
 
-    from pipeline.config.run import check_run, load_config
+    from pipeline.train.run_config import check_run, load_config
     from pipeline.distributed import discover
-    from pipeline.model.build import build_pretrain_model
+    from pipeline.pretrain.build import build_pretrain_model
     from pipeline.objectives.mlm_nce import log_proposal_samplers
     from pipeline.train.checkpoint import CHECKPOINT_DIR, load_checkpoint, plan_resume, read_latest
     from pipeline.train.engine import build_deepspeed_config

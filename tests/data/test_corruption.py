@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.batch import IGNORE_INDEX
+from pipeline.data.batch import IGNORE_INDEX
 from pipeline.data.corruption import CorruptionCollator, word_ids
 from pipeline.seeding import hash_uniform, hash_uniform_at
 
@@ -89,7 +89,7 @@ def test_masking_is_dynamic_deterministic_and_independent_of_the_batch() -> None
 
 def test_positions_and_seqlens_describe_the_batch_computed_on_the_host() -> None:
     """`*_positions` are the flat selected positions and `*seqlens` the real-token counts of
-    right-padded rows (`pipeline.batch`): what the objectives and the encoder read instead of a sync."""
+    right-padded rows (`pipeline.data.batch`): what the objectives and the encoder read instead of a sync."""
     ids, starts = synthetic_rows(batch=24)
     batch = collate(("masked", "span_masked", "crop"), (ids, starts), seed=3)
     for labels, positions in (("mlm_labels", "mlm_positions"), ("span_labels", "span_positions")):

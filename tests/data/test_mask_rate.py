@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.batch import IGNORE_INDEX
+from pipeline.data.batch import IGNORE_INDEX
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import load_config
+from pipeline.train.run_config import load_config
 from pipeline.data.corruption import CorruptionCollator
 from tests.data.test_corruption import SPECIALS, VOCAB, synthetic_rows
 

@@ -17,7 +17,7 @@ import pytest
 from data_prep.verify import main as verify_main
 from data_prep.verify import verify_mixture
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import load_config
+from pipeline.train.run_config import load_config
 from pipeline.data.config import BatchPlan, DataConfig
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.data.mixture import MixtureDataset, SourceExhausted, open_run_data

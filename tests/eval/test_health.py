@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from pipeline.eval.health import is_collapsed, mean_token_cosine, unigram_accuracy
+from pipeline.monitor.health import is_collapsed, mean_token_cosine, unigram_accuracy
 
 
 def test_mean_token_cosine_equals_the_mean_over_distinct_pairs():
@@ -37,7 +37,7 @@ import logging  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from pipeline.eval.health import (  # noqa: E402
+from pipeline.monitor.health import (  # noqa: E402
     CollapseMonitor,
     collapse_problems,
     step_health,

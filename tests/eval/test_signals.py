@@ -1,4 +1,4 @@
-"""Learning signals against chance (`pipeline.eval.signals`) and the references the step logs for them:
+"""Learning signals against chance (`pipeline.monitor.signals`) and the references the step logs for them:
 the objectives' `_chance` metrics and `health/unigram_entropy`."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.eval.health import unigram_log_probs
-from pipeline.eval.signals import (
+from pipeline.monitor.health import unigram_log_probs
+from pipeline.monitor.signals import (
     LOSS_RATIO,
     PLATEAU_MARGIN,
     direction_of,

@@ -13,7 +13,7 @@ import pytest
 import pipeline.train.loop as loop
 
 from pipeline.data.shards import read_manifest
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.pretrain.pretrainer import PretrainModel
 from pipeline.train.loop import EXIT_CONFIG_ERROR, EXIT_NONFINITE
 from pipeline.train.checkpoint import verify_checkpoint
 from pipeline.train.preemption import REQUEUE_EXIT_CODE

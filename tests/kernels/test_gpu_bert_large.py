@@ -13,7 +13,7 @@ import torch
 
 from benchmarks.kernels.bench_kernels import SHAPES, build_case
 from pipeline.kernels import get_op
-from pipeline.objectives import functional
+from pipeline.kernels import functional
 
 pytestmark = pytest.mark.gpu
 

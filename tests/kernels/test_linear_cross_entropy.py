@@ -6,7 +6,7 @@ import torch
 
 from pipeline.kernels import linear_cross_entropy as fused
 from pipeline.kernels import shared_negatives as fused_nce
-from pipeline.objectives import functional as ref
+from pipeline.kernels import functional as ref
 from tests.kernels.helpers import assert_matches
 
 TOKENS, HIDDEN, VOCAB = 3 * 37, 48, 1001

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import pipeline.kernels as kernels
-from pipeline.objectives import functional
+from pipeline.kernels import functional
 
 EXPECTED = {
     "linear_cross_entropy", "linear_cross_entropy_with_accuracy", "corrective_lm_loss", "sampled_softmax_cross_entropy",

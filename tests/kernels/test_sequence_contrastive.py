@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipeline.kernels import sequence_contrastive as fused
-from pipeline.objectives import functional as ref
+from pipeline.kernels import functional as ref
 from tests.kernels.helpers import assert_matches
 
 BATCH, DIM, QUEUE = 5, 48, 40

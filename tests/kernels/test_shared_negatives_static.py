@@ -6,7 +6,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.kernels import shared_negatives as fused_nce
-from pipeline.objectives import functional as ref
+from pipeline.kernels import functional as ref
 from tests.kernels.helpers import assert_matches
 
 ROWS, HIDDEN, VOCAB = 37, 32, 301

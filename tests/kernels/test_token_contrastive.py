@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pipeline.kernels import token_contrastive as fused
-from pipeline.objectives import functional as ref
+from pipeline.kernels import functional as ref
 from tests.kernels.helpers import assert_matches
 
 TOKENS, HIDDEN, K = 3 * 37, 48, 7

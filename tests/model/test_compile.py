@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from pipeline.data.corruption import CorruptionCollator
-from pipeline.model.build import build_pretrain_model
+from pipeline.pretrain.build import build_pretrain_model
 from pipeline.model.encoder import build_encoder_config
 
 SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}

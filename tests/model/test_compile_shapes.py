@@ -15,7 +15,7 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 import pipeline.model.encoder as encoder
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.model import compile_watch
-from pipeline.model.build import build_pretrain_model
+from pipeline.pretrain.build import build_pretrain_model
 from pipeline.model.encoder import build_encoder_config
 from tests.model.rounding import gradient_bound
 

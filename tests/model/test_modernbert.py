@@ -10,7 +10,7 @@ import torch
 
 from pipeline.config.checks import ConfigError
 from pipeline.model.attention import varlen_layout
-from pipeline.model.build import build_pretrain_model
+from pipeline.pretrain.build import build_pretrain_model
 from pipeline.model.config import ModelConfig
 from pipeline.model.modernbert import ModernBertConfig, ModernBertEncoder, ModernBertLayer, window_pairs
 from tests.model.rounding import gradient_bound
@@ -24,7 +24,8 @@ CFG = ModernBertConfig(vocab_size=90, hidden_size=32, num_layers=5, num_heads=4,
 def _hf_model(cfg: ModernBertConfig, ours: torch.nn.Module):
     from transformers import ModernBertForMaskedLM
 
-    from pipeline.export.modernbert_adapter import modernbert_hf_config, to_modernbert_hf
+    from pipeline.export.modernbert_adapter import modernbert_hf_config
+    from pipeline.model.hf_names import to_modernbert_hf
 
     hf = ModernBertForMaskedLM(modernbert_hf_config(cfg, SPECIAL)).eval()
     missing, unexpected = hf.load_state_dict(to_modernbert_hf(ours.state_dict()), strict=False)

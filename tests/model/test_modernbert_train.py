@@ -103,7 +103,7 @@ def test_long_context_preset_accepts_the_8192_token_shards_the_data_stage_builds
     """`modernbert-long`: `build_shards --seq-len 8192` writes rows the preset's model takes (max_position 8192,
     rotary: no position table to outgrow); the preset's plan checks pass against those shards."""
     from data_prep.build_shards import build_shards
-    from pipeline.config.run import check_run, load_config
+    from pipeline.train.run_config import check_run, load_config
     from pipeline.model.modernbert import ModernBertConfig
 
     shards = tmp_path / "long"

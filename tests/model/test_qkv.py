@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.export.hf_adapter import from_hf, to_hf
-from pipeline.model.build import build_pretrain_model
+from pipeline.model.hf_names import from_hf, to_hf
+from pipeline.pretrain.build import build_pretrain_model
 from pipeline.model.encoder import build_encoder_config, fuse_qkv, split_qkv
 
 SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}

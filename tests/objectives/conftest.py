@@ -12,7 +12,7 @@ import torch
 
 from pipeline.data.corruption import document_ids
 from pipeline.model.encoder import build_encoder_config
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.pretrain.pretrainer import PretrainModel
 
 SPECIAL = {"pad": 0, "cls": 1, "sep": 2, "mask": 3, "unk": 4}
 VOCAB = 97  # distinct from every hidden/FFN size of the tiny preset, so vocab-sized matmuls are recognisable

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.eval.health import COLLAPSE_COSINE
+from pipeline.monitor.health import COLLAPSE_COSINE
 from pipeline.train.metrics import read_jsonl
 from tests.train.runs import run_inprocess
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pipeline.objectives.base import StepProgress
-from pipeline.objectives.functional import sequence_contrastive_loss
+from pipeline.kernels.functional import sequence_contrastive_loss
 from pipeline.objectives.capt import negative_cosine
 from tests.gloo_ranks import spawn_gloo_ranks
 from tests.objectives.conftest import make_batch, tiny_model

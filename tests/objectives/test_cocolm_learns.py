@@ -20,7 +20,7 @@ import math
 
 import pytest
 
-from pipeline.eval.health import COLLAPSE_COSINE
+from pipeline.monitor.health import COLLAPSE_COSINE
 from pipeline.train.metrics import read_jsonl
 from tests.train.runs import run_inprocess
 

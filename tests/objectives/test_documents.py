@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.batch import content_tokens
+from pipeline.data.batch import content_tokens
 from pipeline.data.corruption import CorruptionCollator, document_ids
-from pipeline.objectives.functional import token_contrastive_loss
+from pipeline.kernels.functional import token_contrastive_loss
 from pipeline.objectives.taco import sample_taco_indices
 from pipeline.seeding import sampling_seed
 from tests.objectives.conftest import SPECIAL, VOCAB, make_batch, tiny_model

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.model.encoder import configure_layer_stacks
-from pipeline.objectives import functional
+from pipeline.kernels import functional
 from pipeline.objectives.base import StepProgress
 from pipeline.objectives.cocolm import gumbel_max_sample
 from tests.objectives.conftest import SPECIAL, VOCAB, tiny_model
@@ -189,7 +189,7 @@ def test_copy_loss_mask_equals_the_gathered_mean():
 def test_no_device_sync_in_the_step_on_cuda(name):
     """What the CPU test above infers, observed: CUDA's sync debug mode raises on any synchronising
     call during a forward + backward with the fused kernels (after one warm-up step)."""
-    from pipeline.batch import move_batch
+    from pipeline.data.batch import move_batch
 
     model = tiny_model({name: 1.0}).cuda()
     model.kernels = "auto"

@@ -1,4 +1,4 @@
-"""Every loss in `pipeline.objectives.functional` against a naive loop written from the paper's
+"""Every loss in `pipeline.kernels.functional` against a naive loop written from the paper's
 equation: forward value and gradients, what must be detached, known special values, bf16."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from pipeline.objectives import functional as Fn
+from pipeline.kernels import functional as Fn
 
 torch.set_default_dtype(torch.float32)
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.batch import content_tokens
-from pipeline.objectives import functional as Fn
+from pipeline.data.batch import content_tokens
+from pipeline.kernels import functional as Fn
 from pipeline.objectives.base import StepProgress
 from pipeline.objectives.infoword import build_ngram_inputs, dim_contrastive_loss
 from tests.gloo_ranks import spawn_gloo_ranks

@@ -3,7 +3,7 @@
 A read of device data on the host (`.item()`, `int(t)`, `.tolist()`, `nonzero`, `unique`,
 `masked_select`, boolean-mask indexing, `bincount`, ...) makes the host wait for the device: the GPU
 then idles while the host catches up. The collator builds every data-dependent index on the host
-(`pipeline.batch`: `content_positions`, `span_widths`, the objectives' `host_plan` keys), so the step
+(`pipeline.data.batch`: `content_positions`, `span_widths`, the objectives' `host_plan` keys), so the step
 needs none. `HostReads` counts such ops over a real collated micro-batch (forward + backward); the
 counts are printed (`pytest -s`) next to those of the same batch without the collator's keys, which
 is what the step had to read before the collator built them.
@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipeline.batch import HOST_KEYS
+from pipeline.data.batch import HOST_KEYS
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.objectives.taco import PLAN_KEYS, anchor_mask, taco_candidates
 from tests.objectives.conftest import SPECIAL, VOCAB, tiny_model
@@ -33,7 +33,7 @@ BOOL_INDEXED = {aten.index, aten.index_put, aten.index_put_, aten._index_put_imp
 class HostReads(TorchDispatchMode):
     """Records every op that reads tensor data back to the host, boolean-mask indexing and
     `Tensor.tolist` included (`tolist` reads the data without dispatching an op, so it is wrapped).
-    `host_tensors`: the batch's host keys (`pipeline.batch.HOST_KEYS`), which stay on the CPU in a GPU
+    `host_tensors`: the batch's host keys (`pipeline.data.batch.HOST_KEYS`), which stay on the CPU in a GPU
     run too: reading them is not a read of device data."""
 
     def __init__(self, host_tensors=()) -> None:
@@ -210,7 +210,7 @@ def test_taco_plan_keys_equal_the_device_computation(options):
 def test_no_device_sync_in_the_step_on_cuda(case):
     """What the CPU test infers, observed on a GPU: CUDA's sync debug mode raises on any
     synchronising call in forward + backward (fused kernels on; after one warm-up step)."""
-    from pipeline.batch import move_batch
+    from pipeline.data.batch import move_batch
 
     objectives, options = CASES[case]
     options = {**options, **({"capt": {"queue_size": 0}} if "capt" in objectives else {})}

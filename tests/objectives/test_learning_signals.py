@@ -2,7 +2,7 @@
 
 Each row of `GUARDS` trains its tiny preset on the tiny test shards on CPU with the real entry
 point (`pipeline.train`, in-process) for `GUARD_STEPS` steps of a common recipe, then judges its
-learning signals (`pipeline.eval.signals`) over the last 20% of the logged steps: every term the
+learning signals (`pipeline.monitor.signals`) over the last 20% of the logged steps: every term the
 row names must be learned (a contrastive loss at <= 0.85x its chance level, a masked accuracy above
 the unigram plateau, an LM loss below the unigram entropy), every term with a declared chance too,
 and the token states must not have collapsed. A change that leaves an objective at chance (a
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pipeline.eval.signals import PLATEAU_MARGIN, final_signals, format_signals
+from pipeline.monitor.signals import PLATEAU_MARGIN, final_signals, format_signals
 from pipeline.train.metrics import read_jsonl
 from tests.train.runs import run_inprocess
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import pipeline.kernels as kernels
-from pipeline.objectives import functional
+from pipeline.kernels import functional
 from pipeline.objectives.base import StepProgress
 from tests.objectives.conftest import VOCAB, tiny_model
 from tests.objectives.test_host_reads import collated

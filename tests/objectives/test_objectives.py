@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from pipeline.objectives.registry import OBJECTIVES
 from pipeline.objectives.base import StepContext, StepProgress
-from pipeline.objectives.functional import sequence_contrastive_loss
+from pipeline.kernels.functional import sequence_contrastive_loss
 from pipeline.objectives.infoword import build_ngram_inputs
 from tests.objectives.conftest import VOCAB, make_batch, tiny_model
 
@@ -371,7 +371,7 @@ def test_degenerate_micro_batches_give_finite_losses(name):
 
 
 def test_taco_contrasts_h_minus_e_of_the_masked_view():
-    from pipeline.objectives.functional import token_contrastive_loss
+    from pipeline.kernels.functional import token_contrastive_loss
     from pipeline.objectives.taco import sample_taco_indices
     from pipeline.seeding import sampling_seed
 
@@ -491,7 +491,7 @@ def _counts(seed: int = 0) -> np.ndarray:
 
 
 def _nce_model(options: dict):
-    from pipeline.model.build import fill_unigram_tensors
+    from pipeline.pretrain.build import fill_unigram_tensors
 
     model = tiny_model({"mlm-nce": 1.0, "infoword": 1.0}, options, dropout=0.0, attention_dropout=0.0)
     fill_unigram_tensors(model, _counts(), output_biases=False)
@@ -499,7 +499,7 @@ def _nce_model(options: dict):
 
 
 def test_nce_samplers_hold_log_q_as_a_persistent_float32_buffer_outside_the_loss():
-    from pipeline.model.build import unigram_bias
+    from pipeline.pretrain.build import unigram_bias
 
     model = _nce_model({"mlm-nce": {"num_negatives": 16, "negatives": "uniform"}, "infoword": {"num_negatives": 16}})
     state = model.state_dict()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.objectives.cocolm import sampling_logits
-from pipeline.objectives.functional import fp32_logits
+from pipeline.kernels.functional import fp32_logits
 
 
 def inputs(device, dtype):

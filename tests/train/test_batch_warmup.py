@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import check_run, load_config
+from pipeline.train.run_config import check_run, load_config
 from pipeline.data.config import BatchPlan, BatchRamp
 from tests.train.runs import metric_rows, module_state, run_inprocess, tag_dir
 

@@ -1,4 +1,4 @@
-"""The model's unigram-derived tensors (`pipeline.model.build.fill_unigram_tensors`):
+"""The model's unigram-derived tensors (`pipeline.pretrain.build.fill_unigram_tensors`):
 `model.mlm_bias_init=unigram` starts the vocabulary output biases at the shards' log unigram frequencies,
 and the NCE objectives' log q (`log_proposal`) holds the same values for the whole run."""
 from __future__ import annotations
@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import check_run, load_config
+from pipeline.train.run_config import check_run, load_config
 from pipeline.data.reader import ShardDataset
-from pipeline.eval.health import unigram_counts
-from pipeline.model.build import unigram_bias
+from pipeline.monitor.health import unigram_counts
+from pipeline.pretrain.build import unigram_bias
 from pipeline.train.loop import build_run_model
 from tests.train.runs import metric_rows, module_state, run_inprocess, tag_dir
 

@@ -12,7 +12,7 @@ import pytest
 from ds_configs import ENGINE_DIR
 from pipeline.config.checks import ConfigError
 from pipeline.config.loader import available_presets
-from pipeline.config.run import RunConfig, check_run, config_differences, config_hash, load_config
+from pipeline.train.run_config import RunConfig, check_run, config_differences, config_hash, load_config
 from pipeline.data.config import plan_batches
 from pipeline.train.engine import RUN_OWNED_ENGINE_KEYS, build_deepspeed_config
 from pipeline.train.optim import lr_at

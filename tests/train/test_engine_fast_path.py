@@ -11,7 +11,7 @@ import torch
 
 from ds_configs import ENGINE_DIR
 from pipeline.config.loader import available_presets
-from pipeline.config.run import load_config
+from pipeline.train.run_config import load_config
 from pipeline.data.config import BatchPlan
 from pipeline.train.engine import build_deepspeed_config, restore_tf32, set_tf32
 

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from pipeline.train.metrics import (FlopCounter, MetricsWriter, layer_forward_flops, mlm_step_flops, peak_flops,
                                     read_jsonl)
 from pipeline.model.encoder import build_encoder_config
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.pretrain.pretrainer import PretrainModel
 from tests.fixtures_data import make_batch
 from tests.train.runs import run_inprocess
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.pretrain.pretrainer import PretrainModel
 from tests.train.runs import latest, metric_rows, module_state, run_inprocess, tag_dir
 
 

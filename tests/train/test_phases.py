@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import check_run, load_config
+from pipeline.train.run_config import check_run, load_config
 from pipeline.train.checkpoint import TRAIN_STATE_FILE
 from pipeline.train.phases import phase_seed
 from pipeline.train.preemption import REQUEUE_EXIT_CODE

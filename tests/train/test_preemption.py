@@ -11,7 +11,7 @@ import subprocess
 import sys
 import textwrap
 
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.pretrain.pretrainer import PretrainModel
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.train.runs import (
     DEADLINE_S,

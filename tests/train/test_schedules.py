@@ -9,7 +9,7 @@ import math
 import pytest
 
 from pipeline.config.checks import ConfigError
-from pipeline.config.run import load_config
+from pipeline.train.run_config import load_config
 from pipeline.train.optim import OptimConfig, decay_window, first_lr_change, lr_at
 from pipeline.train.schedule_branch import schedule_branch
 

@@ -208,7 +208,7 @@ def test_missing_package_is_refused_before_compute(tracker, tiny_shards_dir, tmp
 
 
 def test_tensorboard_switch_still_drops_tensorboard():
-    from pipeline.config.run import load_config
+    from pipeline.train.run_config import load_config
 
     assert load_config("tiny-mlm").train.active_trackers() == ["tensorboard", "jsonl"]
     assert load_config("tiny-mlm", ["train.tensorboard=false"]).train.active_trackers() == ["jsonl"]
@@ -226,7 +226,7 @@ def test_tensorboard_switch_still_drops_tensorboard():
 ])
 def test_bad_tracker_fields_are_one_line_errors(override, message):
     from pipeline.config.checks import ConfigError
-    from pipeline.config.run import load_config
+    from pipeline.train.run_config import load_config
 
     with pytest.raises(ConfigError) as err:
         load_config("tiny-mlm", [override])

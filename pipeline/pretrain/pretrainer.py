@@ -2,7 +2,7 @@
 
 This is what DeepSpeed wraps. `forward(batch, progress, sampling_seed)` returns `(loss, metrics)`
 with `loss = sum_k weight_k * loss_k` over the configured objectives, plus the representation-health
-metrics of `pipeline.eval.health.step_health` (read from the encoder outputs the step already has). State-dict keys of the encoder
+metrics of `pipeline.monitor.health.step_health` (read from the encoder outputs the step already has). State-dict keys of the encoder
 and MLM head are exactly `BertForMaskedLM`'s (`bert.*`, `cls.*`); objective-only heads live
 under `objectives.<name>.*`.
 """
@@ -15,8 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from pipeline import seeding
-from pipeline.batch import STRUCTURE_TOKENS, special_ids
-from pipeline.eval.health import step_health, unigram_log_probs
+from pipeline.data.batch import STRUCTURE_TOKENS, special_ids
+from pipeline.monitor.health import step_health, unigram_log_probs
 from pipeline.model.arch import AnyEncoderConfig, build_encoder_and_head, configure_stacks, init_weights
 from pipeline.objectives.base import StepContext, StepProgress
 from pipeline.objectives.registry import build_objective
@@ -74,7 +74,7 @@ class PretrainModel(nn.Module):
 
     def set_health_unigram(self, counts: np.ndarray) -> None:
         """The unigram references of the health metrics from the shards' token counts
-        (`pipeline.eval.health.unigram_counts`): the plateau's top token and the entropy's log q."""
+        (`pipeline.monitor.health.unigram_counts`): the plateau's top token and the entropy's log q."""
         self.health_top_token = int(counts.argmax())
         device = self.structure_ids.device
         self.health_log_unigram = unigram_log_probs(counts).float().to(device)

@@ -23,7 +23,7 @@ card), by the benchmarks (every report states both numbers for every run) and du
 `health/token_cosine`, `health/unigram_accuracy` (the plateau on this batch's masked positions,
 beside the objective's own masked accuracy, e.g. `mlm/accuracy`) and `health/unigram_entropy` (the
 unigram predictor's cross-entropy at the same positions, the level a full-vocabulary LM loss such as
-`mlm/loss` or `cocolm/clm_softmax_ce` must get below; `pipeline.eval.signals` pairs them); `CollapseMonitor` adds the
+`mlm/loss` or `cocolm/clm_softmax_ce` must get below; `pipeline.monitor.signals` pairs them); `CollapseMonitor` adds the
 `health/collapsed` flag and a warning when the run enters or leaves collapse. The top token comes
 from `unigram_counts` over a bounded, evenly spaced sample of shard rows (deterministic, read once
 at start-up, never a scan of the corpus).
@@ -139,7 +139,7 @@ def unigram_counts(dataset: Any, max_rows: int = UNIGRAM_SAMPLE_ROWS) -> np.ndar
 def unigram_log_probs(counts: np.ndarray) -> Tensor:
     """log q_v [V] (float64) of the add-one smoothed unigram distribution q_v = (c_v + 1) / sum_u (c_u + 1)
     of `unigram_counts` (special tokens, zeroed there, keep the add-one mass): the one home of the
-    smoothing, shared by the output-bias start (`pipeline.model.build.unigram_bias`), the NCE log q and
+    smoothing, shared by the output-bias start (`pipeline.pretrain.build.unigram_bias`), the NCE log q and
     `health/unigram_entropy`."""
     smoothed = counts.astype(np.float64) + 1.0
     return torch.from_numpy(np.log(smoothed / smoothed.sum()))
@@ -171,7 +171,7 @@ def step_health(cached: Mapping[tuple[str, str], Any], batch: Mapping[str, Tenso
     if labels_key is None:
         return out
     labels = batch[labels_key]
-    selected = labels != -100  # pipeline.batch.IGNORE_INDEX (this module stays import-light)
+    selected = labels != -100  # pipeline.data.batch.IGNORE_INDEX (this module stays import-light)
     count = selected.sum().clamp(min=1).float()
     if top_token is not None:
         out["health/unigram_accuracy"] = (selected & (labels == top_token)).sum().float() / count

@@ -14,9 +14,9 @@ from typing import Any, Mapping, Optional
 import numpy as np
 import torch
 
-from pipeline.eval.health import unigram_log_probs
+from pipeline.monitor.health import unigram_log_probs
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
-from pipeline.model.pretrainer import PretrainModel
+from pipeline.pretrain.pretrainer import PretrainModel
 from pipeline.objectives.base import SAMPLED_SOFTMAX
 from pipeline.objectives.mlm_nce import LOG_PROPOSAL, log_proposal_samplers
 from pipeline.objectives.registry import mlm_head_training
@@ -96,7 +96,7 @@ def context_free_head_bias(model: PretrainModel, log_p: torch.Tensor) -> torch.T
 @torch.no_grad()
 def fill_unigram_tensors(model: PretrainModel, counts: np.ndarray, output_biases: bool) -> list[str]:
     """The one home for filling the model's tensors derived from the training shards' token counts
-    (`pipeline.eval.health.unigram_counts`), all from b = `unigram_bias(counts)`: every NCE sampler's
+    (`pipeline.monitor.health.unigram_counts`), all from b = `unigram_bias(counts)`: every NCE sampler's
     `log_proposal` (log q: b for the unigram pools, zeros for "uniform"; `mlm_nce`) and, with
     `output_biases`, every vocabulary output bias (`set_output_biases`), each at its context-free
     optimum: b, except the MLM head when only sampled negatives train it (`context_free_head_bias`:

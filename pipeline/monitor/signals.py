@@ -3,7 +3,7 @@
 A loss that falls says little on its own: an InfoNCE term can fall from a bad start to chance and
 sit there, and a masked LM can fall to the unigram plateau and sit there (issue 29 measured both).
 What says "this objective learns what it exists to teach" is the distance from the answer that
-ignores the input. The objectives and `pipeline.eval.health` log each reference beside its term
+ignores the input. The objectives and `pipeline.monitor.health` log each reference beside its term
 (the contract), and `learning_signals(metrics)` pairs them:
 
 * **objective-declared chance** `T` / `T_chance` (same name plus `_chance`; e.g. `mlm-nce/loss`,
@@ -17,7 +17,7 @@ ignores the input. The objectives and `pipeline.eval.health` log each reference 
       skill (T - T_chance) / (1 - T_chance) >= `MIN_SKILL` = 0.15, the mirror of the loss rule
       (close 15% of the way from the trivial answer to a perfect one, as 0.85x closes 15% of the
       way from chance to a zero loss);
-* **the unigram references** of `pipeline.eval.health`, for terms that declare no chance of their
+* **the unigram references** of `pipeline.monitor.health`, for terms that declare no chance of their
   own:
     - token-prediction accuracies at masked positions (`*/accuracy`: `mlm/accuracy`,
       `mlm-nce/accuracy`, `infoword/accuracy`; `cocolm/gen_accuracy`) against
@@ -44,7 +44,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
-from pipeline.eval.health import COLLAPSE_COSINE
+from pipeline.monitor.health import COLLAPSE_COSINE
 
 #: Suffix of a term's chance-level metric (`<term>_chance`).
 CHANCE_SUFFIX = "_chance"
