@@ -103,11 +103,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 _ROOT_MODULES = ("pipeline",)  # the bare package `__init__` (a docstring and `__version__`): foundation
 
 #: (importer, imported) -> why this one import may run up the layers. At most two; each one a debt.
-ALLOWED_UPWARD: dict[tuple[str, str], str] = {
-    ("pipeline.train.checkpoint", "pipeline.export.consolidated"):
-        "the checkpoint README is rendered by export's consolidated-file helpers (issue 48 part 2 moves "
-        "that call out of the checkpointer; delete this entry then)",
-}
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}  # none today; each entry would say why
 
 
 def layer_of(module: str) -> int:
