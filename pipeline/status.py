@@ -61,14 +61,15 @@ RECENT = 5
 #: A loss moving less than this (relative) between the two last windows is "flat".
 FLAT = 0.01
 METRICS_FILE = "metrics.jsonl"
-#: Where the suggested conversion of a run's checkpoint goes, inside the run directory (`RUN/hf/step<N>`).
-EXPORT_SUBDIR = "hf"
-#: States whose remaining steps will still run (a requeue resumes `stopped`), so an ETA applies.
-ETA_STATES = ("running", "stopped", "unknown")
 #: What each failure exit code of `cpt-train` means (`pipeline.train.loop`'s module docstring).
 EXIT_MEANINGS = {EXIT_CONFIG_ERROR: "bad config, data or checkpoint", EXIT_NONFINITE: "diverged",
                  EXIT_SAVE_FAILED: "output not writable", EXIT_RANK_LOST: "a rank died or hung",
                  REQUEUE_EXIT_CODE: "stopped for requeue"}
+
+#: Where the suggested conversion of a run's checkpoint goes, inside the run directory (`RUN/hf/step<N>`).
+EXPORT_SUBDIR = "hf"
+#: States whose remaining steps will still run (a requeue resumes `stopped`), so an ETA applies.
+ETA_STATES = ("running", "stopped", "unknown")
 
 
 @dataclass
