@@ -6,6 +6,7 @@ traceback, and says what it skipped.
 * a truncated `run_state.json` is called damaged (not "no exit record"); a non-numeric `exit_code`
   too; the state then comes from the files (finished when the final checkpoint is there);
 * a run that was killed (its record says running, its process is gone) shows no ETA;
+* resume's cut-back of `metrics.jsonl` (`truncate_jsonl`) reads such lines the same way (drops them);
 * the suggested `cpt-convert` writes into the run directory (`RUN/hf/step<N>`), and that export
   leaves the directory a run `cpt-status` reads as before.
 """
@@ -119,3 +120,15 @@ def test_the_suggested_conversion_writes_into_the_run_directory(run_copy, capsys
     again = status_json(capsys, run_copy)  # the export inside the run changes nothing cpt-status reads
     assert {k: again[k] for k in ("state", "step", "checkpoint", "convert_command", "checkpoint_bytes")} == {
         k: s[k] for k in ("state", "step", "checkpoint", "convert_command", "checkpoint_bytes")}
+
+
+def test_resume_cuts_back_a_metrics_file_with_bad_lines(tmp_path):
+    """What resume does to metrics.jsonl (`truncate_jsonl`, back to the checkpoint's step) reads it as
+    `cpt-status` does: a bare number or invalid UTF-8 was an AttributeError / UnicodeDecodeError there."""
+    from pipeline.train.metrics import read_jsonl, truncate_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 3.0}\n5\n\xff\xfe\n{"step": 2, "loss": 2.0}\n{"step": 3, "loss": 1.0}\n')
+    truncate_jsonl(path, 2)
+    skipped: list[str] = []
+    assert read_jsonl(path, skipped) == [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}] and skipped == []
