@@ -22,11 +22,15 @@ Before anything is written the tokenizer must be able to represent the text
 of the first documents' tokens unknown (a converted model directory that lost its tokenizer files
 loads as a 5-token placeholder: ~96% `[UNK]`), is refused with the share in the message (exit 2).
 An interrupt (Ctrl-C, SIGINT) ends with one line and exit 130; the shards recorded so far are kept
-and the same command resumes.
+and the same command resumes. A write that fails (a full disk or quota, a read-only filesystem) ends
+with one line and exit 4 (`EXIT_WRITE_FAILED`, training's code for a failed save): the shards
+recorded so far are kept, what the failed write left (`*.tmp` files, the tokenizer's staging copy, a
+shard written but not recorded) is removed, and the same command resumes once there is space.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import multiprocessing
@@ -74,6 +78,11 @@ CHUNK_CHARS = 4 << 20
 #: How the tokenizer workers start: from a clean server process, not by forking the (maybe threaded) caller.
 POOL_START_METHOD = "forkserver"
 EXIT_INTERRUPTED = 130
+#: Exit code when --out cannot be written (training's `EXIT_SAVE_FAILED`, `cpt-convert`'s `EXIT_WRITE_FAILED`).
+EXIT_WRITE_FAILED = 4
+#: errno values that mean "the output cannot take this write" whatever the file (pyarrow's write errors
+#: carry the errno but no file name).
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
 
 
 class BuildRefused(RuntimeError):
@@ -178,6 +187,44 @@ def _remove_unrecorded(out: Path, keep: set[str]) -> None:
     for path in out.iterdir():
         if path.is_file() and (path.name.endswith(".tmp") or (path.name.startswith("shard_") and path.name not in keep)):
             path.unlink()
+
+
+def _recorded_shards(out: Path) -> list[str]:
+    """Names of the shards `build_state.json` records (those a re-run keeps); [] when it is unreadable."""
+    try:
+        return [entry["name"] for entry in json.loads((out / STATE_FILE).read_text())["shards"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def remove_leftovers(out: Path) -> None:
+    """After a failed write: delete what it left (`*.tmp` files, the tokenizer's staging copy, shards
+    not recorded), keeping the recorded shards and the state a re-run resumes from."""
+    if not out.is_dir():
+        return
+    _remove_unrecorded(out, set(_recorded_shards(out)))
+    shutil.rmtree(out / (TOKENIZER_SUBDIR + ".tmp"), ignore_errors=True)
+
+
+def is_write_failure(err: OSError, out: Path) -> bool:
+    """Whether `err` is a write of the output failing (a `WRITE_ERRNOS` code, or any error on a path
+    under `out`), rather than an input that cannot be read."""
+    if err.errno in WRITE_ERRNOS:
+        return True
+    try:
+        return err.filename is not None and Path(err.filename).resolve().is_relative_to(out.resolve())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
+def write_failed_message(out: Path, err: OSError) -> str:
+    """One line: why --out could not be written, what is kept, how to go on."""
+    reason = os.strerror(err.errno).lower() if err.errno else str(err)
+    where = f": {err.filename}" if err.filename else ""
+    shards = len(_recorded_shards(out))
+    kept = (f"the {shards} shard(s) recorded in {out / STATE_FILE} are kept" if shards else "no shard was complete yet")
+    return (f"--out {out}: cannot write the shards ({reason}{where}); {kept} and the temporary files are removed; "
+            "free space (or make it writable) and re-run the same command to resume")
 
 
 _WORKER_TOKENIZER: DocumentEncoder | None = None
@@ -489,10 +536,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def interrupted_message(out: Path) -> str:
     """What an interrupted build left: the shards its state records (kept) and how to resume."""
-    try:
-        shards = len(json.loads((out / STATE_FILE).read_text())["shards"])
-    except (OSError, ValueError, KeyError, TypeError):
-        shards = 0
+    shards = len(_recorded_shards(out))
     kept = f"the {shards} shard(s) recorded in {out / STATE_FILE} are kept" if shards else "no shard was complete yet"
     return f"interrupted (SIGINT): {kept}; re-run the same command to resume"
 
@@ -517,6 +561,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"error: {interrupted_message(Path(args.out))}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except OSError as err:
+        if not is_write_failure(err, Path(args.out)):
+            raise
+        remove_leftovers(Path(args.out))
+        print(f"error: {write_failed_message(Path(args.out), err)}", file=sys.stderr)
+        return EXIT_WRITE_FAILED
     print(f"{args.out}: {manifest.total_sequences:,} sequences in {len(manifest.shards)} shard(s)")
     return 0
 

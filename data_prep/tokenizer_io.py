@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES
+from pipeline.tokenizer_checks import TOKENIZER_FILES, tokenizer_files
 
 
 @dataclass
@@ -32,7 +33,12 @@ def load_tokenizer(directory: str | os.PathLike) -> LoadedTokenizer:
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as err:
-        raise ValueError(f"--tokenizer {path}: cannot be loaded with AutoTokenizer ({err})") from err
+        if not tokenizer_files(path):  # the cause, not what transformers then says ("install sentencepiece ...")
+            raise ValueError(f"--tokenizer {path}: no tokenizer files in this directory (none of "
+                             f"{', '.join(TOKENIZER_FILES)}); pass the directory data_prep.train_tokenizer wrote, "
+                             "or a model directory with its tokenizer; nothing was written") from err
+        reason = " ".join(str(err).split())  # one line: transformers' messages span several
+        raise ValueError(f"--tokenizer {path}: cannot be loaded with AutoTokenizer ({reason})") from err
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
         raise ValueError(f"--tokenizer {path}: no fast (Rust) tokenizer available; save it with tokenizer.json")

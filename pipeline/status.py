@@ -12,8 +12,12 @@ What it reads (no process attached, nothing written; safe on a run that is writi
   requeue: `pipeline.train.preemption`); `diverged` (exit 3: the non-finite / divergence guard);
   `failed` (any other code, with its error line); `died` (the record still says running, but its
   process is gone from this host: SIGKILL, the OOM killer); `unknown` (no record: a run from before
-  exit records; a run at its last step with its final checkpoint reads as `finished`).
-* `metrics.jsonl` (`pipeline.train.metrics.read_jsonl`: a torn last line, mid-write, is skipped).
+  exit records; a run at its last step with its final checkpoint reads as `finished`). A damaged
+  record (truncated, not JSON, an `exit_code` that is not a number) is said to be damaged, and the
+  state is then read from the files as without one.
+* `metrics.jsonl` (`pipeline.train.metrics.read_jsonl`: a torn last line, mid-write, is skipped; any
+  other line that is not a JSON object, e.g. a bare number or invalid UTF-8, is skipped and reported
+  by its line number).
 * `trackers.json` (`pipeline.train.trackers.read_ids`: the W&B and MLflow run ids) and the count of
   W&B offline run directories, for the line saying which tracker run to open (or `wandb sync`).
 * `checkpoints/` (`pipeline.train.checkpoint`: a tag counts once its `COMPLETE.json` lists every file
@@ -23,7 +27,12 @@ Trend: the mean loss over the last `TAIL_FRACTION` of the logged steps against t
 (`pipeline.monitor.signals.tail_windows`), flat within `FLAT` (1%). Signals: `final_signals` over the
 same last window, each with `still improving` when its window-over-window move is the good way.
 ETA = remaining steps x the mean `step_time_s` of the recent logged steps (checkpoint saves are
-kept out of that time by the loop, so a run that saves often ends somewhat later).
+kept out of that time by the loop, so a run that saves often ends somewhat later); only for a run
+that is running, stopped for requeue (its requeue resumes it) or of unknown state: a run that
+finished, failed, diverged or died (killed) has none.
+
+The convert command writes into the run directory (`RUN/hf/step<N>`), beside the checkpoints it
+comes from, never into the current directory (a checkout would gain an untracked `hf/`).
 """
 from __future__ import annotations
 
@@ -57,6 +66,11 @@ EXIT_MEANINGS = {EXIT_CONFIG_ERROR: "bad config, data or checkpoint", EXIT_NONFI
                  EXIT_SAVE_FAILED: "output not writable", EXIT_RANK_LOST: "a rank died or hung",
                  REQUEUE_EXIT_CODE: "stopped for requeue"}
 
+#: Where the suggested conversion of a run's checkpoint goes, inside the run directory (`RUN/hf/step<N>`).
+EXPORT_SUBDIR = "hf"
+#: States whose remaining steps will still run (a requeue resumes `stopped`), so an ETA applies.
+ETA_STATES = ("running", "stopped", "unknown")
+
 
 @dataclass
 class RunStatus:
@@ -85,6 +99,7 @@ class RunStatus:
     metrics_age_s: Optional[float] = None  # seconds since metrics.jsonl was last written
     trackers: dict[str, dict[str, str]] = field(default_factory=dict)  # trackers.json: W&B / MLflow run ids
     wandb_offline_runs: int = 0  # offline-run-* directories under wandb/ (what `wandb sync` uploads)
+    metrics_skipped: list[str] = field(default_factory=list)  # unreadable metrics.jsonl lines ("line 7: ...")
 
     @property
     def signals_learned(self) -> str:
@@ -140,6 +155,14 @@ def newest_checkpoint(run_dir: Path) -> Optional[tuple[int, Path]]:
     return None
 
 
+def _number(value: Any, finite: bool = True) -> Optional[float]:
+    """An int/float metric value (finite unless `finite=False`: a diverged loss is nan), else None (a
+    hand-edited or damaged record holds anything)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (finite and not math.isfinite(value)):
+        return None
+    return value
+
+
 def _mean(records: Sequence[dict], key: str) -> Optional[float]:
     values = [float(r[key]) for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
     return sum(values) / len(values) if values else None
@@ -155,13 +178,33 @@ def loss_trend(records: Sequence[dict]) -> tuple[str, Optional[float]]:
     return ("flat" if abs(change) < FLAT else "falling" if change < 0 else "rising"), change
 
 
+def _exit_code(record: dict) -> Optional[int]:
+    """The record's exit code as an int, or None when it is missing or not a whole number."""
+    value = record.get("exit_code")
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        return int(value)
+    return None
+
+
 def state_of(record: Optional[dict], step: int, total: Optional[int], checkpoint_step: Optional[int],
-             ) -> tuple[str, str, Optional[int], str]:
-    """(state, detail, exit code, error line) from the exit record (and, without one, the files)."""
+             damage: str = "") -> tuple[str, str, Optional[int], str]:
+    """(state, detail, exit code, error line) from the exit record (and, without one, the files);
+    `damage`: how the record file is damaged (`exit_record.read_checked`), read then as no record."""
+    if record is not None and record.get("state") != "running" and _exit_code(record) is None:
+        damage = f"exit_code {record.get('exit_code')!r} is not a number"
+        record = None
     if record is None:
+        why = (f"{exit_record.RUN_STATE_FILE} is damaged: {damage}" if damage else
+               f"no {exit_record.RUN_STATE_FILE}: not started by cpt-train, or older")
         if total is not None and step >= total and checkpoint_step == total:
-            return "finished", "finished (no exit record; final checkpoint written)", None, ""
-        return "unknown", f"unknown (no {exit_record.RUN_STATE_FILE}: not started by cpt-train, or older)", None, ""
+            return "finished", f"finished ({why if damage else 'no exit record'}; final checkpoint written)", None, ""
+        return "unknown", f"unknown ({why})", None, ""
     host, pid = record.get("host", "?"), record.get("pid")
     if record.get("state") == "running":
         if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
@@ -170,7 +213,8 @@ def state_of(record: Optional[dict], step: int, total: Optional[int], checkpoint
             return ("died", f"died: process {pid} on {host} is gone without an exit record (SIGKILL, OOM killer?); "
                             "resume it with the same command", None, "")
         return "running", f"running (pid {pid} on {host})", None, ""
-    code = int(record.get("exit_code", -1))
+    code = _exit_code(record)
+    assert code is not None  # checked above
     error = str(record.get("error", ""))
     if code == 0:
         return "finished", "finished (exit 0)", 0, error
@@ -184,8 +228,9 @@ def state_of(record: Optional[dict], step: int, total: Optional[int], checkpoint
 
 def collect(run_dir: Path) -> RunStatus:
     """The status of one run directory."""
-    records = [r for r in read_jsonl(run_dir / METRICS_FILE) if isinstance(r.get("step"), int)]
-    record = exit_record.read(run_dir)
+    skipped: list[str] = []
+    records = [r for r in read_jsonl(run_dir / METRICS_FILE, skipped) if isinstance(r.get("step"), int)]
+    record, damage = exit_record.read_checked(run_dir)
     newest = newest_checkpoint(run_dir)
     meta_config: dict = {}
     if newest is not None:
@@ -194,16 +239,19 @@ def collect(run_dir: Path) -> RunStatus:
         except (OSError, ValueError):
             meta_config = {}
     total = (record or {}).get("total_steps") or meta_config.get("train", {}).get("total_steps")
+    total = int(total) if _number(total) is not None else None
     name = (record or {}).get("name") or meta_config.get("name") or run_dir.name
     last = records[-1] if records else {}
     step = int(last.get("step", newest[0] if newest else 0))
-    state, detail, code, error = state_of(record, step, total, newest[0] if newest else None)
+    state, detail, code, error = state_of(record, step, total, newest[0] if newest else None, damage)
     recent = records[-RECENT:]
     status = RunStatus(run_dir=str(run_dir), name=name, state=state, detail=detail, exit_code=code, error=error,
-                       step=step, total_steps=total, tokens_seen=last.get("tokens_seen"),
-                       tokens_per_s=_mean(recent, "tokens_per_s"), mfu=_mean(recent, "mfu"), loss=last.get("loss"))
+                       step=step, total_steps=total, tokens_seen=_number(last.get("tokens_seen")),
+                       tokens_per_s=_mean(recent, "tokens_per_s"), mfu=_mean(recent, "mfu"),
+                       loss=_number(last.get("loss"), finite=False))
     step_time = _mean(recent, "step_time_s")
-    if total is not None and step < total and step_time is not None and state not in ("finished", "diverged", "failed"):
+    status.metrics_skipped = skipped
+    if total is not None and step < total and step_time is not None and state in ETA_STATES:
         status.eta_s = (total - step) * step_time
     status.loss_trend, status.loss_change = loss_trend(records)
     for signal in final_signals(records) if records else []:
@@ -211,7 +259,7 @@ def collect(run_dir: Path) -> RunStatus:
                                "text": format_signal(signal)})
     if newest is not None:
         status.checkpoint_step, status.checkpoint = newest[0], str(newest[1])
-        status.convert_command = f"cpt-convert {newest[1]} hf/{name}-step{newest[0]}"
+        status.convert_command = f"cpt-convert {newest[1]} {run_dir / EXPORT_SUBDIR / f'step{newest[0]}'}"
     status.checkpoint_bytes = disk_bytes(run_dir / CHECKPOINT_DIR)
     status.trackers = read_ids(run_dir)
     status.wandb_offline_runs = len(list((run_dir / "wandb").glob("offline-run-*")))
@@ -289,7 +337,15 @@ def format_detail(s: RunStatus) -> str:
         lines.append(f"  checkpoint  none complete yet; {human_bytes(s.checkpoint_bytes)} in checkpoints/")
     if s.trackers:
         lines.append(f"  trackers    {tracker_text(s)}")
+    if s.metrics_skipped:
+        lines.append(f"  metrics     {skipped_text(s)}")
     return "\n".join(lines)
+
+
+def skipped_text(s: RunStatus) -> str:
+    """`2 unreadable lines of metrics.jsonl skipped: line 3: ...; line 9: ...` (the first few)."""
+    shown = "; ".join(s.metrics_skipped[:3]) + ("; ..." if len(s.metrics_skipped) > 3 else "")
+    return f"{len(s.metrics_skipped)} unreadable line(s) of {METRICS_FILE} skipped: {shown}"
 
 
 def tracker_text(s: RunStatus) -> str:
@@ -320,6 +376,7 @@ def format_table(statuses: Sequence[RunStatus]) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
     errors = [f"{Path(s.run_dir).name}: {s.error}" for s in statuses if s.error]
+    errors += [f"{Path(s.run_dir).name}: {skipped_text(s)}" for s in statuses if s.metrics_skipped]
     return "\n".join(lines + errors)
 
 

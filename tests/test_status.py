@@ -64,7 +64,7 @@ def test_finished_run(sweep):
     assert (s["step"], s["total_steps"]) == (6, 6) and s["eta_s"] is None
     assert s["tokens_seen"] > 0 and s["tokens_per_s"] > 0 and s["loss"] > 0
     assert s["checkpoint_step"] == 6 and s["checkpoint"] == str(root / "finished" / "checkpoints" / "step_00000006")
-    assert s["convert_command"] == f"cpt-convert {s['checkpoint']} hf/tiny-mlm-step6"
+    assert s["convert_command"] == f"cpt-convert {s['checkpoint']} {root / 'finished' / 'hf' / 'step6'}"
     assert s["checkpoint_bytes"] > 0 and s["loss_trend"] in ("falling", "flat", "rising")
     assert {sig["term"] for sig in s["signals"]} >= {"mlm/accuracy", "mlm/loss"}
     text = status(root / "finished", json_output=False)

@@ -8,6 +8,7 @@ and `base_model` for a warm-started run.
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from typing import Any, Optional
 import yaml
 
 from pipeline.monitor.health import COLLAPSE_COSINE, POSITIVE_COSINE_PINNED
-from pipeline.monitor.signals import LOSS_RATIO, PLATEAU_MARGIN, Signal
+from pipeline.monitor.signals import ENTROPY_RATIO, LOSS_RATIO, PLATEAU_MARGIN, Signal
 from pipeline.export.health_check import HealthReport
 from pipeline.export.hf_adapter import CORRECTED_HEAD_FORMULA, HFExport
 from pipeline.model.arch import FAMILY_TITLES, HF_MASKED_LM, arch_of, encoder_config_from_dict
@@ -62,6 +63,28 @@ def public(value: Any) -> Any:
     if isinstance(value, str) and (os.path.isabs(value) or os.sep in value.strip(os.sep)):
         return Path(value).name
     return value
+
+
+def format_metric(value: Any) -> str:
+    """A final metric for the card: 4 decimals, but a nonzero value below 0.001 in magnitude (the learning
+    rate at the end of its decay, 1.1e-06) in 3 significant digits (never `0.0000`), an int as it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    if value != 0 and math.isfinite(value) and abs(value) < 1e-3:
+        return f"{value:.3g}"
+    return f"{value:.4f}"
+
+
+def _schedule_text(optim: dict[str, Any]) -> str:
+    """The learning-rate schedule after warm-up, as `optim.schedule` runs it (`pipeline.train.optim.lr_at`)."""
+    schedule, floor = optim.get("schedule", "linear"), f"{optim.get('min_lr_ratio', 0.0)} x peak"
+    if schedule == "wsd":
+        length = (f"the last {optim['decay_steps']} steps" if optim.get("decay_steps")
+                  else f"the last {100 * float(optim.get('decay_fraction', 0.2)):g}% of the steps")
+        return f"linear warm-up, stable at the peak, then a {optim.get('decay_shape', 'linear')} decay over {length} to {floor}"
+    return f"linear warm-up then {'cosine' if schedule == 'cosine' else 'linear'} decay to {floor}"
 
 
 def _table(rows: list[tuple[str, object]], header: tuple[str, ...] = ("field", "value")) -> str:
@@ -123,8 +146,7 @@ def training_rows(meta: RunMeta, inputs: CardInputs) -> list[tuple[str, object]]
         ("overrides vs the recipe", overrides),
         ("base model", base_text),
         ("learning rate", f"{lr} peak, `{optim.get('name', 'adamw')}` (betas {optim.get('betas')}, weight decay "
-                          f"{optim.get('weight_decay')}), linear warm-up then linear decay to "
-                          f"{optim.get('min_lr_ratio', 0.0)} x peak"),
+                          f"{optim.get('weight_decay')}), {_schedule_text(optim)}"),
         ("warm-up", f"{warmup} steps"),
         ("batch", f"{global_batch} sequences per optimizer step ({micro} per micro-batch, {meta.world_size} "
                   f"rank{'' if meta.world_size == 1 else 's'})"),
@@ -177,7 +199,7 @@ def signals_section(signals: list[Signal]) -> list[str]:
         return []
     return ["", f"Learning signals at the last logged step (one step's sample; a contrastive loss is learned at <= "
             f"{LOSS_RATIO}x its chance level, a masked accuracy {PLATEAU_MARGIN} above the unigram plateau, an LM "
-            "loss below the unigram entropy):", "", _table(rows, ("signal", "value", "against", "verdict"))]
+            f"loss at <= {ENTROPY_RATIO}x the unigram entropy):", "", _table(rows, ("signal", "value", "against", "verdict"))]
 
 
 _REFERENCES = {"chance": "chance", "plateau": "unigram plateau", "entropy": "unigram entropy"}
@@ -285,7 +307,7 @@ def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, gener
     license_id, license_source = _license(meta, inputs)
     lines += ["", f"License: `{license_id}` ({license_source}).", "", "## Training", "",
               _table(training_rows(meta, inputs)), "", f"## Final metrics (step {meta.step})", "",
-              _table([(k, f"{v:.4f}" if isinstance(v, (int, float)) else v) for k, v in sorted(meta.last_metrics.items())])
+              _table([(k, format_metric(v)) for k, v in sorted(meta.last_metrics.items())])
               if meta.last_metrics else "(none recorded)"]
     if not generator_card:
         usage = modernbert_usage_section() if is_modernbert(enc) else usage_section(meta)

@@ -25,8 +25,14 @@ ignores the input. The objectives and `pipeline.monitor.health` log each referen
       when T >= plateau + `PLATEAU_MARGIN` (0.01: about two standard errors of the paired
       difference on the time-to-quality study's ~2,300 held-out masked tokens);
     - full-vocabulary LM cross-entropies at masked positions (`mlm/loss`, `cocolm/clm_softmax_ce`,
-      `cocolm/gen_loss`) against `health/unigram_entropy`, the unigram predictor's cross-entropy
-      at the same positions: learned when T < the entropy. COCO-LM's mixture loss `clm_lm_loss`
+      `cocolm/gen_loss`) against `health/unigram_entropy` H, the unigram predictor's cross-entropy
+      at the same positions: learned when T <= `ENTROPY_RATIO` x H (0.98: 2% below, ~0.13 nats at
+      the study's H ~ 6.3). "Below H" alone called a model that had learned only the unigram
+      distribution learned: such a model sits at ~1.00x, and can even beat the add-one smoothed
+      estimate by a little (issue 49: 6.479 vs 6.497, 0.997x). The margin, like `PLATEAU_MARGIN` for
+      the accuracy, asks for context beyond the plateau; every learned LM loss of the committed
+      learning-signals results stays learned (the closest: COCO-LM's generator with copy weight
+      0.5 at the 1x budget, 0.971x). COCO-LM's mixture loss `clm_lm_loss`
       is not one: at a replaced position it also pays the copy head's -log(1 - p_copy), so the
       entropy is not its chance level; its softmax alone (`clm_softmax_ce`) is judged here and its
       copy head by replaced-token detection (`rtd_auc`);
@@ -54,6 +60,8 @@ LOSS_RATIO = 0.85
 MIN_SKILL = 0.15
 #: A token-prediction accuracy is learned at >= the unigram plateau + this (accuracy points).
 PLATEAU_MARGIN = 0.01
+#: A full-vocabulary LM loss is learned at <= this fraction of the unigram entropy (see the module docstring).
+ENTROPY_RATIO = 0.98
 #: Share of a run's logged steps whose mean is "the end" (and the window before it: "before the end").
 TAIL_FRACTION = 0.2
 
@@ -89,8 +97,6 @@ class Signal:
     def learned(self) -> bool:
         if not (math.isfinite(self.value) and math.isfinite(self.threshold)):
             return False
-        if self.kind == "entropy":  # "below the unigram entropy": strictly
-            return self.value < self.threshold
         return self.value <= self.threshold if self.direction == "lower" else self.value >= self.threshold
 
     @property
@@ -155,7 +161,7 @@ def learning_signals(metrics: Mapping[str, Any]) -> list[Signal]:
         if plateau is not None and "/" in term and term.rsplit("/", 1)[-1] in PLATEAU_TERMS:
             out.append(Signal(term, value, plateau, PLATEAU_KEY, "plateau", "higher", plateau + PLATEAU_MARGIN))
         elif entropy is not None and term in ENTROPY_TERMS:
-            out.append(Signal(term, value, entropy, ENTROPY_KEY, "entropy", "lower", entropy))
+            out.append(Signal(term, value, entropy, ENTROPY_KEY, "entropy", "lower", ENTROPY_RATIO * entropy))
     if COSINE_KEY in values:
         out.append(Signal(COSINE_KEY, values[COSINE_KEY], COLLAPSE_COSINE, "COLLAPSE_COSINE", "collapse", "lower",
                           COLLAPSE_COSINE))

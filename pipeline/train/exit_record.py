@@ -61,12 +61,31 @@ def finish(code: int, error: str = "") -> None:
 
 
 def read(output_dir: Path) -> Optional[dict[str, Any]]:
-    """The record of a run directory, or None (none written, or unreadable mid-replace)."""
+    """The record of a run directory, or None (none written, or damaged: `read_checked` says which)."""
+    return read_checked(output_dir)[0]
+
+
+def read_checked(output_dir: Path) -> tuple[Optional[dict[str, Any]], str]:
+    """(record, problem): the record, or None with `problem` "" when no record was written, or
+    saying how the file is damaged ("not valid JSON (...)", "not a JSON object"). The writes are
+    atomic (a rename), so a reader never sees a half-written record: a truncated file is damage
+    (a disk fault, a hand edit), not a write in progress."""
+    path = Path(output_dir) / RUN_STATE_FILE
     try:
-        raw = json.loads((Path(output_dir) / RUN_STATE_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
-    return raw if isinstance(raw, dict) else None
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        return None, ""
+    except OSError as err:
+        return None, f"unreadable ({err.strerror or err})"
+    except UnicodeDecodeError as err:
+        return None, f"invalid UTF-8 (byte {err.start + 1})"
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        return None, f"not valid JSON ({err.msg} at character {err.pos} of {len(text)}: truncated?)"
+    if not isinstance(raw, dict):
+        return None, "not a JSON object"
+    return raw, ""
 
 
 class ErrorLineTap(io.TextIOBase):

@@ -245,17 +245,34 @@ class MetricsWriter:
         self.trackers.close(outcome)
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Records of a metrics file; a torn last line (killed mid-write) is ignored."""
-    records = []
+def read_jsonl(path: str | os.PathLike, skipped: Optional[list[str]] = None) -> list[dict]:
+    """The JSON-object records of a metrics file, in order. A line that is not one is skipped: a torn
+    last line (a writer killed mid-line: the file does not end with a newline) silently, any other
+    (a bare number, invalid UTF-8, a line cut by a damaged disk) with a description appended to
+    `skipped` when given ("line 7: not a JSON object (5)"), so a reader can report it and go on."""
+    records: list[dict] = []
     p = Path(path)
     if not p.is_file():
         return records
-    for line in p.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+    data = p.read_bytes()
+    lines = data.splitlines()
+    for number, raw in enumerate(lines, 1):
+        if not raw.strip():
             continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            problem = "" if isinstance(record, dict) else f"not a JSON object ({raw[:40].decode('utf-8')!s})"
+        except UnicodeDecodeError as err:
+            problem = f"invalid UTF-8 (byte {err.start + 1})"
+        except json.JSONDecodeError as err:
+            if number == len(lines) and not data.endswith(b"\n"):
+                continue  # torn by a writer caught mid-line: not damage, the next write completes it
+            problem = f"not JSON ({err.msg} at column {err.colno})"
+        if problem:
+            if skipped is not None:
+                skipped.append(f"line {number}: {problem}")
+            continue
+        records.append(record)
     return records
 
 
@@ -265,7 +282,7 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
         return
     records = read_jsonl(path)
     kept = [r for r in records if r.get("step", 0) <= last_step]
-    raw_lines = path.read_text(encoding="utf-8").splitlines()
+    raw_lines = path.read_bytes().splitlines()  # bytes: a line of invalid UTF-8 is dropped, not fatal
     if len(kept) == len(raw_lines):
         return
     tmp = path.with_name(path.name + ".tmp")

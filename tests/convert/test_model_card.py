@@ -122,3 +122,20 @@ def test_health_section_lists_the_learning_signals_against_their_chance_levels()
         in section
     assert "`health/token_cosine`" not in section  # the collapse row above already says it
     assert "Learning signals" not in _card(_meta(), health=HealthReport(0.31, 16, 700))  # none: no subsection
+
+
+def test_small_final_metrics_are_not_printed_as_zero():
+    """Issue 49: the final learning rate at the end of its decay (1.1e-06) was printed `0.0000`."""
+    card = _card(_meta(last_metrics={"lr": 1.1e-06, "capt/loss": 1.23456, "grad_norm": 0.0, "step": 30}))
+    assert "| lr | 1.1e-06 |" in card and "| capt/loss | 1.2346 |" in card
+    assert "| grad_norm | 0.0000 |" in card and "| step | 30 |" in card
+
+
+def test_the_card_names_the_schedule_the_run_used():
+    meta = _meta()
+    meta.config["optim"].update(schedule="wsd", decay_shape="1-sqrt", decay_steps=0, decay_fraction=0.2)
+    assert ("linear warm-up, stable at the peak, then a 1-sqrt decay over the last 20% of the steps to 0.0 x peak"
+            in _card(meta))
+    meta.config["optim"].update(schedule="cosine")
+    assert "linear warm-up then cosine decay to 0.0 x peak" in _card(meta)
+    assert "linear warm-up then linear decay to 0.0 x peak" in _card(_meta())

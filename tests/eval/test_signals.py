@@ -10,6 +10,7 @@ import torch
 
 from pipeline.monitor.health import unigram_log_probs
 from pipeline.monitor.signals import (
+    ENTROPY_RATIO,
     LOSS_RATIO,
     PLATEAU_MARGIN,
     direction_of,
@@ -154,3 +155,14 @@ def test_every_chance_an_objective_logs_pairs_with_a_term_of_known_direction(nam
     chances = [k for k in metrics if k.endswith("_chance")]
     paired = {s.reference_key for s in learning_signals({k: float(v) for k, v in metrics.items()})}
     assert set(chances) <= paired, f"{name}: unpaired {sorted(set(chances) - paired)}"
+
+
+def test_an_lm_loss_at_the_unigram_entropy_is_not_learned():
+    """Issue 49: 6.479 against an entropy of 6.497 (1.00x: a model that learned the unigram distribution,
+    a little better than its add-one smoothed estimate) was called learned; it needs ENTROPY_RATIO x H."""
+    at_plateau = by_term({"health/unigram_entropy": 6.497, "mlm/loss": 6.479})["mlm/loss"]
+    assert at_plateau.kind == "entropy" and not at_plateau.learned
+    assert at_plateau.threshold == pytest.approx(ENTROPY_RATIO * 6.497) and "AT CHANCE" in format_signals([at_plateau])
+    assert by_term({"health/unigram_entropy": 6.497, "mlm/loss": 0.97 * 6.497})["mlm/loss"].learned
+    # the closest learned LM loss of the committed learning-signals results (COCO-LM copy 0.5's generator, 1x)
+    assert by_term({"health/unigram_entropy": 6.2571, "cocolm/gen_loss": 6.077})["cocolm/gen_loss"].learned
