@@ -43,7 +43,8 @@ _LEGACY_SUFFIXES = {".gamma": ".weight", ".beta": ".bias"}
 
 
 class ExportError(ValueError):
-    """The checkpoint's weights cannot be mapped to Hugging Face BERT (names the keys at fault)."""
+    """The checkpoint's weights cannot be mapped to Hugging Face's names (names the keys at fault); raised
+    here by `to_modernbert_hf` and by the conversion in `pipeline.export`."""
 
 
 def to_hf(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -107,8 +108,8 @@ HF_CONFIG_FIELDS = {
 
 
 def encoder_fields_from_hf(config: Mapping[str, Any]) -> dict[str, Any]:
-    """`EncoderConfig` fields from a BERT `config.json` (the inverse of `bert_config`; dropout and the
-    pad id stay the run's). Fields the file does not set are left out."""
+    """`EncoderConfig` fields from a BERT `config.json` (the inverse of `pipeline.export.hf_adapter.bert_config`;
+    dropout and the pad id stay the run's). Fields the file does not set are left out."""
     return {ours: config[theirs] for ours, theirs in HF_CONFIG_FIELDS.items() if theirs in config}
 
 
