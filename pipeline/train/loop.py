@@ -53,6 +53,7 @@ from pipeline.config.run import (
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.eval.health import CollapseMonitor, unigram_counts
 from pipeline.eval.signals import format_signals, learning_signals
+from pipeline.eval.validation import open_validator, validate
 from pipeline.model.build import build_pretrain_model
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.objectives.base import SAMPLED_SOFTMAX, StepProgress
@@ -353,7 +354,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
                MetricsWriter.for_run(cfg, info.is_main, state.step, recipe),  # train.trackers
                ThroughputMeter(info.world_size, device_peak_flops(cfg.deepspeed.precision)),
                NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16",
-                              cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio))
+                              cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio),
+               validator=open_validator(cfg, plan, model, info.rank, info.world_size, device))
 
 
 def open_data(cfg: RunConfig, plan: RunPlan, model: PretrainModel) -> Any:
@@ -400,6 +402,7 @@ class Run:
     guard: NonFiniteGuard
     finisher: CheckpointFinisher = field(default_factory=CheckpointFinisher)  # hashes saved tags off the step
     health: CollapseMonitor = field(default_factory=lambda: CollapseMonitor(log))
+    validator: Any = None  # pipeline.eval.validation.Validator when eval.shards_dir is set
 
     def loop(self, preemption: PreemptionHandler) -> int:
         """Phase 3: steps until `train.total_steps`, a preemption, or the guard stops the run."""
@@ -451,6 +454,8 @@ class Run:
                 if diverged:  # its weights came from step - 1's update: that checkpoint is not good either
                     raise self.guard.loss_divergence_error(state, step, step_loss, self.last_good(step - 1))
                 self.guard.check(state, step)
+                if self.validator is not None and self.validator.due(step, total):  # eval.every (pipeline.eval.validation)
+                    validate(self, step)
                 if step % cfg.train.checkpoint_every == 0 or step == total or preempted:
                     nonfinite_weights, norm_sq = all_reduce_sum(weight_stats(self.model, self.device,
                                                                              self.info.is_main)).tolist()

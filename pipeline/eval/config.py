@@ -1,0 +1,96 @@
+"""`eval.*`: validation during training — which held-out shard set, how often, how much — owned and
+validated here (the measurement itself: `pipeline.eval.validation`).
+
+Stage 1 (`EvalConfig.check`, the config alone): `eval.every` within the run, positive batch counts.
+Stage 2 (`check_eval_set`, before any model is built): the held-out directory is checked by the
+rules training shards are (`pipeline.data.config.check_shard_dir`: complete, listed shards present,
+layout, content hash, special-token ids against its tokenizer), then against the run's data: the
+same tokenizer (hash, vocabulary, special-token ids, `pipeline.data.sources.mixture_mismatches`'
+fields), the same `seq_len` (every phase's: a phase with its own `seq_len` is refused, naming it),
+not the training set itself, and at least one evaluation micro-batch per rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from pipeline.config.checks import ConfigError, check_positive
+from pipeline.data.shards import Manifest
+
+#: `eval.seed` default: a fixed value, not the run seed, so that runs with different seeds evaluated on
+#: the same set see the same masked positions (curves compare across runs).
+DEFAULT_EVAL_SEED = 20240
+
+
+@dataclass
+class EvalConfig:
+    shards_dir: str = ""
+    """Held-out shard directory (e.g. `data_prep.build_shards --holdout-fraction 0.05`'s validation set)
+    built with the run's tokenizer and seq_len; "" switches validation off."""
+    every: int = 0
+    """Evaluate every this many optimizer steps (and at the last step); 0 with `shards_dir` set: only at
+    the last step. Must be <= `train.total_steps`."""
+    batches: int = 8
+    """Micro-batches each rank evaluates per evaluation (bounds the cost; capped at what the set holds)."""
+    micro_batch_size: int = 0
+    """Sequences per evaluation micro-batch on one rank; 0: `data.micro_batch_size`."""
+    seed: int = DEFAULT_EVAL_SEED
+    """Seed of the validation batches' order and corruption (masks, spans, crops, negatives): the same
+    positions at every evaluation of a run and across runs on the same set. Independent of `train.seed`."""
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.shards_dir)
+
+    def micro_batch(self, train_micro: int) -> int:
+        """The evaluation micro-batch size (`micro_batch_size`, or the training one)."""
+        return self.micro_batch_size or train_micro
+
+    def check(self, total_steps: int) -> None:
+        """Stage-1 checks (the config and the run's length)."""
+        check_positive(self.batches, "eval.batches")
+        check_positive(self.micro_batch_size, "eval.micro_batch_size", allow_zero=True)
+        check_positive(self.every, "eval.every", allow_zero=True)
+        if self.every and not self.shards_dir:
+            raise ConfigError(f"eval.every={self.every} but eval.shards_dir is not set: name a held-out shard "
+                              "directory (data_prep.build_shards --holdout-fraction) or leave eval.every at 0")
+        if self.every > total_steps:
+            raise ConfigError(f"eval.every={self.every} exceeds train.total_steps={total_steps}: the run would never "
+                              "evaluate before its end; use a value <= train.total_steps")
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """Is step `step` an evaluation step: every `every` steps and the last (a pure function of the step,
+        so a resumed run continues the same schedule)."""
+        return self.enabled and (step == total_steps or (self.every > 0 and step % self.every == 0))
+
+
+def check_eval_set(cfg: EvalConfig, train: Manifest, train_dir: str, phases: Sequence[tuple[str, int]],
+                   world_size: int, train_micro: int) -> Optional[Manifest]:
+    """Stage 2: the held-out set against the run (module doc); its manifest, None when validation is off.
+    `phases`: (label, seq_len) of each phase of a phased run (empty otherwise)."""
+    if not cfg.enabled:
+        return None
+    from pipeline.data.config import check_shard_dir
+
+    held = check_shard_dir(cfg.shards_dir, "eval.shards_dir", None)
+    where = f"eval.shards_dir={cfg.shards_dir}"
+    for what, mine, theirs in (("tokenizer_hash", held.tokenizer_hash, train.tokenizer_hash),
+                               ("vocab_size", held.vocab_size, train.vocab_size),
+                               ("special_tokens", held.special_tokens, train.special_tokens)):
+        if mine != theirs:
+            raise ConfigError(f"{where} was built with another tokenizer than the training data ({what} {mine} vs "
+                              f"{theirs}); rebuild it with data_prep.build_shards --tokenizer {Path(train_dir) / 'tokenizer'}")
+    for label, seq_len in phases or [("data.seq_len", train.seq_len)]:
+        if held.seq_len != seq_len:
+            raise ConfigError(f"{where} has seq_len={held.seq_len} but {label} has seq_len={seq_len}: validation "
+                              "needs a held-out set of the same seq_len (build one with that --seq-len)")
+    if held.content_hash and held.content_hash == train.content_hash:
+        raise ConfigError(f"{where} is the training data itself ({train_dir}): a validation set must be held out "
+                          "(data_prep.build_shards --holdout-fraction writes one)")
+    micro = cfg.micro_batch(train_micro)
+    if held.total_sequences < micro * world_size:
+        raise ConfigError(f"{where} holds {held.total_sequences} sequences, fewer than one evaluation batch per rank "
+                          f"(eval.micro_batch_size {micro} x {world_size} rank(s) = {micro * world_size}); hold out "
+                          "more documents or lower eval.micro_batch_size")
+    return held
