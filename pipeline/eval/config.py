@@ -29,8 +29,8 @@ class EvalConfig:
     """Held-out shard directory (e.g. `data_prep.build_shards --holdout-fraction 0.05`'s validation set)
     built with the run's tokenizer and seq_len; "" switches validation off."""
     every: int = 0
-    """Evaluate every this many optimizer steps (and at the last step); 0 with `shards_dir` set: only at
-    the last step. Must be <= `train.total_steps`."""
+    """Evaluate every this many optimizer steps, and at the last step (`train.total_steps`: at the last
+    step only); required, in [1, train.total_steps], when `shards_dir` is set."""
     batches: int = 8
     """Micro-batches each rank evaluates per evaluation (bounds the cost; capped at what the set holds)."""
     micro_batch_size: int = 0
@@ -52,6 +52,9 @@ class EvalConfig:
         check_positive(self.batches, "eval.batches")
         check_positive(self.micro_batch_size, "eval.micro_batch_size", allow_zero=True)
         check_positive(self.every, "eval.every", allow_zero=True)
+        if self.shards_dir and not self.every:
+            raise ConfigError(f"eval.every=0 with eval.shards_dir={self.shards_dir}: evaluate every N steps, N in "
+                              f"[1, train.total_steps={total_steps}] (N = train.total_steps: at the last step only)")
         if self.every and not self.shards_dir:
             raise ConfigError(f"eval.every={self.every} but eval.shards_dir is not set: name a held-out shard "
                               "directory (data_prep.build_shards --holdout-fraction) or leave eval.every at 0")
@@ -62,7 +65,7 @@ class EvalConfig:
     def due(self, step: int, total_steps: int) -> bool:
         """Is step `step` an evaluation step: every `every` steps and the last (a pure function of the step,
         so a resumed run continues the same schedule)."""
-        return self.enabled and (step == total_steps or (self.every > 0 and step % self.every == 0))
+        return self.enabled and (step == total_steps or step % self.every == 0)
 
 
 def check_eval_set(cfg: EvalConfig, train: Manifest, train_dir: str, phases: Sequence[tuple[str, int]],

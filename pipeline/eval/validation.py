@@ -45,7 +45,7 @@ from pipeline import seeding
 from pipeline.batch import VIEW_INPUTS, VIEW_LABELS, gather_selected, move_batch, positions_key, seqlens_key
 from pipeline.distributed import all_reduce_sum
 from pipeline.eval.config import EvalConfig
-from pipeline.eval.signals import format_signals, learning_signals
+from pipeline.eval.signals import format_signal, format_signals, learning_signals
 from pipeline.objectives.base import SAMPLED_SOFTMAX, StepProgress
 from pipeline.objectives.registry import mlm_head_training
 
@@ -224,3 +224,30 @@ def val_signals(metrics: dict[str, Any]) -> list:
     inner = {k[len(PREFIX):]: v for k, v in metrics.items() if k.startswith(PREFIX)}
     return [replace(s, term=PREFIX + s.term, reference_key=PREFIX + s.reference_key)
             if s.kind != "collapse" else replace(s, term=PREFIX + s.term) for s in learning_signals(inner)]
+
+
+def validation_summary(records: list[dict]) -> dict[str, Any]:
+    """What a run's `metrics.jsonl` says of its validation (`cpt-status`, the model card): the latest
+    evaluation's step and signals, and for `val/loss` and every `val/` learning signal its latest value
+    and its best (lowest for a loss, highest for an accuracy / AUC) with the step; {} without any."""
+    evaluations = [r for r in records if is_validation_record(r) and isinstance(r.get("step"), int)]
+    if not evaluations:
+        return {}
+    last = evaluations[-1]
+    directions = {s.term: s.direction for s in val_signals(last)}
+    directions.setdefault(f"{PREFIX}loss", "lower")
+    terms = {}
+    for term, direction in sorted(directions.items()):
+        seen = [(r["step"], float(r[term])) for r in evaluations if isinstance(r.get(term), (int, float))]
+        if not seen:
+            continue
+        # the earliest evaluation among equals: min over (value, step), the value negated when higher is better
+        best_step, best = min(seen, key=lambda sv: (sv[1] if direction == "lower" else -sv[1], sv[0]))
+        terms[term] = {"latest": seen[-1][1], "best": best, "best_step": best_step, "direction": direction}
+    return {"step": last["step"], "evaluations": len(evaluations), "terms": terms,
+            "signals": [s.to_dict() | {"text": format_signal(s)} for s in val_signals(last)]}
+
+
+def is_validation_record(record: dict) -> bool:
+    """A `metrics.jsonl` record written by an evaluation (`validate`), not by a training step."""
+    return any(k.startswith(PREFIX) for k in record)
