@@ -84,6 +84,20 @@ class Validator:
         self.collator = CorruptionCollator(views, dataset.special_tokens, dataset.vocab_size, cfg.seed,
                                            plans=model.host_plans(), **corruption)
         self._host_batches: Optional[list[dict[str, Tensor]]] = None
+        #: this run's evaluation records so far (`validation_summary`); None until `remember` first reads the file
+        self.history: Optional[list[dict]] = None
+
+    def remember(self, record: dict, metrics_file: Any) -> dict[str, Any]:
+        """Add an evaluation's record to the run's history and return the run's `validation_summary`. The
+        history starts from the run's `metrics.jsonl` (a resumed run's evaluations before its checkpoint:
+        the writer truncated the file to that step), so the best values survive a preemption."""
+        if self.history is None:
+            from pipeline.train.metrics import read_jsonl
+
+            self.history = [r for r in read_jsonl(metrics_file) if is_validation_record(r)
+                            and isinstance(r.get("step"), int) and r["step"] < record["step"]]
+        self.history.append(record)
+        return validation_summary(self.history)
 
     def due(self, step: int, total_steps: int) -> bool:
         return self.cfg.due(step, total_steps)
@@ -209,6 +223,7 @@ def validate(run: Any, step: int) -> dict[str, float]:
     metrics = run.validator.evaluate(run.engine, run.model, step, total,
                                      run.plan.batch.grad_accum * run.info.world_size)
     run.writer.write(step, metrics)
+    run.meta.validation = run.validator.remember({"step": step, **metrics}, run.writer.path)  # the checkpoint's meta
     if run.info.is_main:
         log.info("validation at step %d/%d: loss %.4f%s", step, total, metrics.get(f"{PREFIX}loss", float("nan")),
                  f" | signals {signals}" if (signals := format_signals(val_signals(metrics))) else "")

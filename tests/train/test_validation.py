@@ -61,6 +61,19 @@ def test_evaluation_changes_nothing_in_training(preset, split_shards, tmp_path):
     expected = {"tiny-mlm": {"mlm"}, "tiny-capt": {"mlm", "capt"}, "tiny-cocolm": {"cocolm"}}[preset]
     assert expected | {"mlm_head", "health"} <= objectives
     assert all(torch.isfinite(torch.tensor(v)) for k, v in vals[5].items() if k.startswith("val/"))
+    # where it shows: the checkpoint's meta (the model card's source), cpt-status, the card's section
+    from pipeline.export.model_card import validation_section
+    from pipeline.status import collect, format_detail
+    from pipeline.train.run_meta import RunMeta
+
+    summary = RunMeta.read(latest(evaluated)).validation
+    assert summary["step"] == 5 and summary["evaluations"] == 3
+    assert summary["terms"]["val/loss"]["latest"] == vals[5]["val/loss"]
+    assert summary["terms"]["val/loss"]["best"] == min(v["val/loss"] for v in vals.values())
+    assert collect(evaluated).validation == summary and "val/mlm_head/accuracy" in format_detail(collect(evaluated))
+    card = "\n".join(validation_section(summary))
+    assert "## Validation (held-out documents, step 5)" in card and "`val/mlm_head/accuracy`" in card
+    assert "vs plateau" in card  # beside its chance level
 
 
 def _validator(preset: str, shards: Path, held: Path, **eval_options):
@@ -124,6 +137,9 @@ def test_kill_and_resume_keeps_the_evaluation_schedule(split_shards, tmp_path):
     steps = [r["step"] for r in read_jsonl(killed / "metrics.jsonl") if any(k.startswith("val/") for k in r)]
     assert steps == [3, 6, 8]
     assert _val_records(killed) == _val_records(whole)
+    from pipeline.train.run_meta import RunMeta  # the best values survived the kill (history from metrics.jsonl)
+
+    assert RunMeta.read(latest(killed)).validation == RunMeta.read(latest(whole)).validation
     assert metric_rows(killed).keys() == metric_rows(whole).keys()
 
 
