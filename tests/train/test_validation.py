@@ -203,3 +203,18 @@ def test_held_out_documents_are_never_in_training(split_shards, tiny_shards_dir,
     assert train.build_args["fingerprint_inputs"]["holdout"]["side"] == "train"
     assert val.build_args["fingerprint_inputs"]["holdout"]["side"] == "validation"
     assert val.tokenizer_hash == train.tokenizer_hash and val.seq_len == train.seq_len
+
+
+def test_a_phase_with_its_own_seq_len_needs_a_matching_set(split_shards, other_sets, tmp_path):
+    shards, held = split_shards
+    phases = [{"name": "short", "steps": 2},
+              {"name": "other", "steps": 2, "shards_dir": str(other_sets["seq_len"]), "seq_len": 32}]
+    out = tmp_path / "run"
+    proc = subprocess.run(train_command("tiny-mlm", shards, out, "train.total_steps=4", f"eval.shards_dir={held}",
+                                        "eval.every=2", "phases=" + json.dumps(phases)),
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=DEADLINE_S)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: eval.shards_dir={held} has seq_len=64 but phases[1] (other) has seq_len=32: validation "
+                      "needs a held-out set of the same seq_len (build one with that --seq-len)"], proc.stderr[-2000:]
+    assert not out.exists()
