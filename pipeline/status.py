@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence
 from pipeline.eval.signals import TAIL_FRACTION, final_signals, format_signal, still_improving, tail_windows
 from pipeline.train import exit_record
 from pipeline.train.checkpoint import CHECKPOINT_DIR, is_complete, list_tags
-from pipeline.train.loop import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_SAVE_FAILED
+from pipeline.train.cli import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_SAVE_FAILED
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from pipeline.train.run_meta import RunMeta
@@ -52,7 +52,7 @@ RECENT = 5
 #: A loss moving less than this (relative) between the two last windows is "flat".
 FLAT = 0.01
 METRICS_FILE = "metrics.jsonl"
-#: What each failure exit code of `cpt-train` means (`pipeline.train.loop`'s module docstring).
+#: What each failure exit code of `cpt-train` means (`pipeline.train.cli`'s module docstring).
 EXIT_MEANINGS = {EXIT_CONFIG_ERROR: "bad config, data or checkpoint", EXIT_NONFINITE: "diverged",
                  EXIT_SAVE_FAILED: "output not writable", EXIT_RANK_LOST: "a rank died or hung",
                  REQUEUE_EXIT_CODE: "stopped for requeue"}

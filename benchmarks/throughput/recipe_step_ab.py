@@ -44,7 +44,7 @@ def worker(tree: Path, argv: list[str]) -> int:
     import types
 
     import pipeline.train.metrics as metrics
-    from pipeline.train.loop import main as train_main
+    from pipeline.train.cli import main as train_main
 
     clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
     clock.perf_counter = time.process_time  # the step timer's clock: this process's CPU time

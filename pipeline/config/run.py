@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence
 
 from pipeline.config.checks import ConfigError
 from pipeline.config.loader import apply_override, describe_config, from_dict, load_raw
+from pipeline.config.phases import check_phases
 from pipeline.data.config import BatchPlan, DataConfig, plan_batches
 from pipeline.data.shards import Manifest
 from pipeline.data.sources import data_directories
@@ -40,7 +41,7 @@ from pipeline.objectives.registry import check_objectives, check_objectives_unde
 from pipeline.train.config import TrainConfig
 from pipeline.train.engine import DeepSpeedConfig, zero_stage_of
 from pipeline.train.optim import OptimConfig
-from pipeline.train.phases import Schedule, check_phases, plan_schedule
+from pipeline.train.phases import Schedule, plan_schedule
 
 __all__ = ["ConfigError", "RunConfig", "RunPlan", "load_config", "check_run", "describe_run_config"]
 
@@ -62,7 +63,8 @@ class RunConfig:
     phases: list = field(default_factory=list)
     """Training phases walked in order by one run (each `{name, steps | tokens | fraction, shards_dir, seq_len,
     micro_batch_size, global_batch_size, model: {global_rope_theta, ...}, optim: {schedule segment}}`; the steps
-    sum to `train.total_steps`): `pipeline.train.phases`. Empty: one phase, the run's `data.*`."""
+    sum to `train.total_steps`): `pipeline.config.phases` (checks), `pipeline.train.phases` (planning). Empty: one
+    implicit phase, the run's `data.*`."""
 
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(dataclasses.asdict(self))
@@ -116,20 +118,23 @@ class RunPlan:
     zero_stage: int
     manifest: Manifest
     manifest_hash: str
-    schedule: Optional[Schedule] = None  # phases and/or batch warm-up (`pipeline.train.phases`); None: neither
+    schedule: Optional[Schedule] = None  # the run's phases (`pipeline.train.phases`); `check_run` always sets it
     eval_manifest: Optional[Manifest] = None  # the held-out set's (`eval.shards_dir`); None: no validation
 
 
 def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start: bool = True) -> RunPlan:
     """Stage 2 (before any model is built): batch split, shards, engine, device switches, and the
     warm-start directory (`model.init_from`; its weights only for a fresh start, `fresh_start`).
-    With `phases`, every phase's data is checked and the plan is phase 0's."""
+    With `phases`, every phase's data is checked and the plan is phase 0's; without, the plan's
+    schedule is the run's one implicit phase (`Schedule.implicit`)."""
     schedule = plan_schedule(cfg, world_size)
     if schedule is not None and schedule.phased:
         plan = _check_run(schedule.run_config(schedule.phases[0]), world_size, cuda_available, fresh_start, schedule)
         phases = [(f"phases[{i}] ({p.name})", p.manifest.seq_len) for i, p in enumerate(schedule.phases)]
     else:
         plan, phases = _check_run(cfg, world_size, cuda_available, fresh_start, schedule), []
+    if plan.schedule is None:
+        plan.schedule = Schedule.implicit(cfg, plan.batch, plan.manifest, plan.manifest_hash)
     plan.eval_manifest = check_eval_set(cfg.eval, plan.manifest, data_directories(cfg.data)[0], phases, world_size,
                                         cfg.data.micro_batch_size)
     return plan
@@ -169,6 +174,8 @@ RESUME_IGNORED_FIELDS = (
     "train.log_every",
     "train.checkpoint_every",
     "train.keep_last",
+    "train.keep_best",
+    "train.keep_best_mode",
     "train.resume",
     "train.allow_config_change",
     "train.max_nonfinite_steps",

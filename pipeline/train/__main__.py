@@ -4,7 +4,7 @@ The preemption handler goes in before anything else, with the standard library o
 torch and DeepSpeed takes seconds, and a SIGTERM/SIGUSR1 in that time must end in the requeue
 exit code, not kill the rank. It stays until `main` has returned its exit code; then both signals
 are ignored so that nothing during interpreter teardown changes that code
-(`pipeline.train.preemption`). The loop itself is `pipeline.train.loop`.
+(`pipeline.train.preemption`). Arguments and exit codes: `pipeline.train.cli`; the loop: `pipeline.train.loop`.
 
 A run that made a process group ends without finalising the interpreter (`exit_without_finalizing`):
 gloo worker threads of groups that outlive `destroy_process_group` (DeepSpeed keeps references to
@@ -47,7 +47,7 @@ def run() -> None:
     made_group = False
     tap = sys.stderr = exit_record.ErrorLineTap(sys.stderr)  # the error line of a failed run, for its exit record
     try:
-        from pipeline.train.loop import main
+        from pipeline.train.cli import main
 
         try:
             code = main()

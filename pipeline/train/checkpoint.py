@@ -50,6 +50,10 @@ still names the previous checkpoint (`pipeline.train.checkpoint_writes`).
 `train.resume=<older tag of this run>` resumes from it in the same output directory: the newer
 tags are moved (not deleted) to `checkpoints/superseded/` once the older one has loaded, and
 `latest` points at it, so the run goes on from there without colliding with them.
+
+`best.json` (`train.keep_best`, `pipeline.train.checkpoint_best`) names the best tag by a logged
+metric; pruning never deletes it. When to save, the health gate before a save, resume and the best
+tag are decided by `pipeline.train.checkpointer.Checkpointer`; this module does what it decides.
 """
 from __future__ import annotations
 
@@ -70,6 +74,7 @@ from pipeline.config.run import config_differences, config_hash
 from pipeline.train.schedule_branch import schedule_branch
 from pipeline.distributed import barrier, broadcast_object, first_problem
 from pipeline.model.arch import arch_of_fields
+from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, read_best, write_best
 from pipeline.train.checkpoint_writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
 from pipeline.train.run_meta import META_FILE, RunMeta
 
@@ -270,10 +275,14 @@ def settle_pending_save(finisher: Optional[CheckpointFinisher], root: Path, is_m
     _fail_together(problem, root, None, is_main)
 
 
-def _complete_or_describe(root: Path, tag_dir: Path, step: int, keep_last: int, healthy: bool = True) -> str:
-    """Rank 0's last stage of a save: flush, record sizes and hashes, move `latest`, prune. Returns ""
-    or what went wrong, after removing the unfinished tag (`latest` still names the previous one)."""
+def _complete_or_describe(root: Path, tag_dir: Path, step: int, keep_last: int, healthy: bool = True,
+                          best: Optional[BestRecord] = None) -> str:
+    """Rank 0's last stage of a save: flush, record sizes and hashes, move `latest`, (`best`: this tag
+    is the new best) `best.json`, prune. Returns "" or what went wrong, after removing the unfinished
+    tag (`latest` still names the previous one)."""
     problem = write_or_describe(tag_dir / COMPLETE_FILE, lambda: _complete(root, tag_dir, step, healthy))
+    if not problem and best is not None:
+        problem = write_or_describe(root / BEST_FILE, lambda: write_best(root, best))
     if problem:
         shutil.rmtree(tag_dir, ignore_errors=True)
         (root / (LATEST_FILE + ".tmp")).unlink(missing_ok=True)  # `latest` is replaced last: never this tag
@@ -283,12 +292,14 @@ def _complete_or_describe(root: Path, tag_dir: Path, step: int, keep_last: int, 
 
 
 def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, keep_last: int, is_main: bool,
-                    finisher: Optional[CheckpointFinisher] = None, healthy: bool = True) -> Path:
+                    finisher: Optional[CheckpointFinisher] = None, healthy: bool = True,
+                    best: Optional[BestRecord] = None) -> Path:
     """Save tag `step_<state.step>` (collective: every rank calls it). Returns the tag directory.
 
     With a `finisher`, rank 0 completes the tag (hashes, `COMPLETE.json`, `latest`) on its thread
     and this returns as soon as every rank's files are written; without, before returning.
-    `healthy` is recorded in `COMPLETE.json` (pruning keeps the newest healthy tag)."""
+    `healthy` is recorded in `COMPLETE.json` (pruning keeps the newest healthy tag); `best`: this
+    tag's record for `best.json`, written once the tag is complete (`pipeline.train.checkpoint_best`)."""
     tag = tag_for_step(state.step)
     tag_dir = root / tag
     skip = False
@@ -307,6 +318,8 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
         move = is_main and (pointer is None or (step_of_tag(pointer.name) or 0) < state.step)
         pointer_file = root / LATEST_FILE
         problem = write_or_describe(pointer_file, lambda: _write_text_atomic(pointer_file, tag)) if move else ""
+        if is_main and best is not None and not problem:
+            problem = write_or_describe(root / BEST_FILE, lambda: write_best(root, best))
         _fail_together(problem, root, None, is_main)  # `latest` names the newest complete tag, as after a save
         return tag_dir
     barrier()
@@ -320,10 +333,10 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
     if finisher is not None:
         if is_main:
             step = state.step  # the loop moves on while the thread runs: bind the value now
-            finisher.start(tag_dir, lambda: _complete_or_describe(root, tag_dir, step, keep_last, healthy))
+            finisher.start(tag_dir, lambda: _complete_or_describe(root, tag_dir, step, keep_last, healthy, best))
         return tag_dir
     if is_main:
-        problem = _complete_or_describe(root, tag_dir, state.step, keep_last, healthy)
+        problem = _complete_or_describe(root, tag_dir, state.step, keep_last, healthy, best)
     _fail_together(problem, root, None, is_main)
     barrier()
     return tag_dir
@@ -331,9 +344,9 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
 
 def write_conversion_readme(root: Path, arch: str) -> str:
     """`checkpoints/README.md`: how to convert these checkpoints of family `arch` (beside DeepSpeed's
-    zero_to_fp32.py, which alone yields no Hugging Face model; `pipeline.export.consolidated`); "" or
+    zero_to_fp32.py, which alone yields no Hugging Face model; `pipeline.train.checkpoint_readme`); "" or
     what went wrong."""
-    from pipeline.export.consolidated import README_FILE, render_checkpoint_readme
+    from pipeline.train.checkpoint_readme import README_FILE, render_checkpoint_readme
 
     path = root / README_FILE
     text = render_checkpoint_readme(root, arch)
@@ -384,12 +397,14 @@ def _fail_together(problem: str, root: Path, tag_dir: Optional[Path], is_main: b
 def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
     """Delete all but the newest `keep_last` complete tags, and partial tags older than `latest`;
     never `latest`, nor the newest healthy tag before the newest one (the newest's weights have not
-    produced a loss yet, so the one before is the newest known good)."""
+    produced a loss yet, so the one before is the newest known good), nor the best tag (`best.json`,
+    `train.keep_best`)."""
     latest = read_latest(root)
     latest_step = step_of_tag(latest.name) if latest is not None else None
     complete = [(s, p) for s, p in list_tags(root) if is_complete(p)]
     confirmed = [p for _, p in complete[:-1] if saved_healthy(p)]
-    keep = {latest, confirmed[-1] if confirmed else None}
+    best = read_best(root)
+    keep = {latest, confirmed[-1] if confirmed else None, root / best.tag if best is not None else None}
     doomed = [p for _, p in complete[:-keep_last] if p not in keep] if keep_last > 0 else []
     if latest_step is not None:
         doomed += [p for s, p in list_tags(root) if s < latest_step and not is_complete(p)]
@@ -434,15 +449,6 @@ def find_resume_checkpoint(resume: str, root: Path) -> Optional[Path]:
                               f"{latest.name}); resume into a new train.output_dir, or name one of {root}'s own tags")
     verify_checkpoint(tag_dir)
     return tag_dir
-
-
-def newer_tags(root: Path, tag_dir: Path) -> list[Path]:
-    """Tags of `root` after `tag_dir` when `tag_dir` is one of `root`'s own (an explicit
-    `train.resume=<older tag>`): they are set aside when that tag is resumed."""
-    step = step_of_tag(tag_dir.name)
-    if step is None or tag_dir.resolve().parent != root.resolve():
-        return []
-    return [p for s, p in list_tags(root) if s > step]
 
 
 def set_aside(root: Path, tags: list[Path], resumed: Path) -> None:
@@ -514,30 +520,6 @@ def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int
             "loading of ZeRO-3 optimizer states does not continue the same trajectory). Resume with "
             f"{meta.world_size} rank(s), or warm-start from the converted weights")
     return ResumeTarget(tag_dir, meta, universal, changed=bool(problems))
-
-
-def check_resume_shapes(target: ResumeTarget, model: torch.nn.Module) -> None:
-    """With a changed config (`train.allow_config_change=true`), refuse a checkpoint whose tensors
-    have other shapes than `model`'s, naming them (before any engine is built)."""
-    if not target.changed:
-        return  # same config and data: same shapes
-    try:
-        saved = torch.load(target.tag_dir / MODEL_STATES_FILE, map_location="cpu", weights_only=False)
-    except Exception as err:
-        raise CheckpointError(f"{target.tag_dir / MODEL_STATES_FILE}: unreadable ({type(err).__name__}: {err})") from err
-    shapes: dict[str, tuple] = {}
-    for group in saved.get("param_shapes") or []:
-        shapes.update({name: tuple(shape) for name, shape in group.items()})
-    if not shapes and isinstance(saved.get("module"), dict):
-        shapes = {name: tuple(t.shape) for name, t in saved["module"].items()}
-    current = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    differ = [f"{n} {list(shapes[n])} -> {list(current[n])}" for n in current if n in shapes and shapes[n] != current[n]]
-    differ += [f"{n} (new)" for n in current if n not in shapes] + [f"{n} (gone)" for n in shapes if n not in current]
-    if differ:
-        raise CheckpointError(
-            f"{target.tag_dir}: this run's model has other tensors than the checkpoint ({len(differ)}: "
-            f"{'; '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}); train.allow_config_change=true resumes "
-            "changed settings, not a changed model shape. Start a new run (train.output_dir) for a new shape")
 
 
 def ensure_universal(tag_dir: Path, is_main: bool) -> Path:

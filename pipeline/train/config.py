@@ -21,6 +21,12 @@ class TrainConfig:
     """Save a checkpoint every this many steps (and on the last step, and on SIGTERM/SIGUSR1)."""
     keep_last: int = 3
     """Complete checkpoints kept in `<output_dir>/checkpoints/` (older ones are deleted)."""
+    keep_best: str = ""
+    """A logged metric (e.g. `val/mlm/loss`) whose best value's checkpoint is kept besides the
+    `keep_last` newest: a new best saves that step's checkpoint, `checkpoints/best.json` names it, and
+    pruning never deletes it (`pipeline.train.checkpoint_best`). "" = off."""
+    keep_best_mode: str = "min"
+    """`min` (a loss) or `max` (an accuracy, a correlation): which direction of `keep_best` is better."""
     resume: str = "auto"
     """`auto` (from `<output_dir>/checkpoints/latest` if present), `never`, or a checkpoint tag directory."""
     allow_config_change: bool = False
@@ -72,6 +78,10 @@ class TrainConfig:
             value = getattr(self, name)
             if value != 0 and value <= 1:
                 raise ConfigError(f"train.{name}={value}: must be > 1 (a ratio to the run's own history), or 0 for off")
+        if self.keep_best_mode not in ("min", "max"):
+            raise ConfigError(f"train.keep_best_mode={self.keep_best_mode!r}: use 'min' or 'max'")
+        if not isinstance(self.keep_best, str):
+            raise ConfigError(f"train.keep_best={self.keep_best!r}: a metric name (e.g. val/mlm/loss), or '' for off")
         if not self.resume:
             raise ConfigError("train.resume: use 'auto', 'never' or a checkpoint directory")
         check_tracker_names(self.trackers)

@@ -1,55 +1,32 @@
-"""`python -m pipeline.train --config PRESET_OR_YAML [section.key=value ...]`: the pretraining loop.
-
-Read top to bottom: `main` parses, `train` validates everything it can before compute and builds
-the model, `start` brings up ranks, engine, resume and data, and `run` is the loop. The same code
-runs with no launcher (one process), under `torchrun`, the `deepspeed` launcher, `srun` or
-`mpirun` (`pipeline.distributed.discover` reads the environment; `--mpi` asks mpi4py when the MPI
-implementation exports nothing we know). `--resume DIR [overrides]` continues a run from the
-configuration saved in its checkpoint (`pipeline.train.resume_run`: extending `train.total_steps`,
-with the learning-rate schedule re-stretched to the new total).
+"""The pretraining run: built (`start`, or `build_run` for callers without the loop), stepped
+(`Run.train_step`, THE step), looped (`Run.loop`). The entry point (arguments, process set-up, exit
+codes) is `pipeline.train.cli`; checkpoint decisions are `pipeline.train.checkpointer.Checkpointer`'s.
 
 A step = `grad_accum` micro-batches, each `engine(batch) -> engine.backward -> engine.step`
 (DeepSpeed averages the gradients over micro-batches and ranks and updates at the boundary). The
-learning rate is set from the step number before every step (`pipeline.train.optim.lr_at`), and
-every random number comes from a stream of `pipeline.seeding`, so a resumed run repeats the
-uninterrupted one bit for bit.
+learning rate is set from the step number before every step, by the run's schedule
+(`pipeline.train.phases.Schedule.lr_at`: the run's one schedule over `train.total_steps`, or a
+phase's own segment), and every random number comes from a stream of `pipeline.seeding`, so a
+resumed run repeats the uninterrupted one bit for bit.
 
-Exit codes (docs/guarantees.md): 0 done; 2 bad config, data or unusable checkpoint (message on
-stderr, before compute); 3 stopped by the non-finite / divergence guard (no checkpoint of
-non-finite or exploded weights is written; the message names the last good one); 4 the run's
-output cannot be written (disk full, quota, I/O error at any save, the first included: the
-previous checkpoint stays `latest`; or, before compute, `train.output_dir` is a file, read-only or
-not creatable); 5 another rank died or hung (the message names it; a dead rank is noticed at the next
-collective, a hung one after `train.dist_timeout_s`);
-75 (`REQUEUE_EXIT_CODE`) SIGTERM/SIGUSR1: checkpointed for requeue (or, during start-up, nothing
-new to save). Signals: `pipeline.train.preemption`.
+Every run walks its phases (`pipeline.train.phases`; one implicit phase without `phases`): before a
+step, `Schedule.at` says what changes (a new phase, a new batch split) and `Run.apply_phase`
+applies it, so the loop itself has no phase branches.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 import logging
 import os
-import sys
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional
 
 import torch
-import yaml
 
 from pipeline import seeding
 from pipeline.batch import move_batch
-from pipeline.config.checks import ConfigError
-from pipeline.config.run import (
-    RunConfig,
-    RunPlan,
-    check_run,
-    config_hash,
-    describe_recipe,
-    describe_run_config,
-    load_config,
-)
+from pipeline.config.run import RunConfig, RunPlan, check_run, config_hash
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.eval.health import CollapseMonitor, unigram_counts
 from pipeline.eval.signals import format_signals, learning_signals
@@ -58,132 +35,17 @@ from pipeline.model.build import build_pretrain_model
 from pipeline.model.pretrainer import PretrainModel
 from pipeline.objectives.base import SAMPLED_SOFTMAX, StepProgress
 from pipeline.objectives.registry import mlm_head_training
-from pipeline.train.checkpoint import (
-    CHECKPOINT_DIR,
-    CheckpointError,
-    CheckpointFinisher,
-    CheckpointWriteError,
-    ResumeTarget,
-    TrainState,
-    check_resume_shapes,
-    find_resume_checkpoint,
-    last_good_tag,
-    load_checkpoint,
-    newer_tags,
-    plan_resume,
-    save_checkpoint,
-    settle_pending_save,
-)
-from pipeline.train.checkpoint_writes import check_output_dir
-from pipeline.train import exit_record
+from pipeline.train.checkpointer import Checkpointer, ResumeTarget, TrainState
 from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded, restore_tf32, set_tf32
-from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, weight_stats
+from pipeline.train.guard import NonFiniteGuard
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
-from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
-from pipeline.train.phases import before_step
-from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, preemption_scope
-from pipeline.train.run_lock import hold_run_dir, released_at_exit
+from pipeline.train.optim import build_optimizer, resolve_impl, set_lr, use_apex_layernorm
+from pipeline.train.phase_switch import apply_model_overrides, set_engine_batch
+from pipeline.train.phases import PhaseView
+from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from pipeline.train.run_meta import RunMeta, corpus_summary
 
 log = logging.getLogger("pipeline.train")
-EXIT_CONFIG_ERROR = 2
-EXIT_NONFINITE = 3
-EXIT_SAVE_FAILED = 4
-EXIT_RANK_LOST = 5
-
-
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", help="preset name in pipeline/config/presets/ (e.g. taco-small) or a YAML file")
-    parser.add_argument("--resume", metavar="DIR",
-                        help="continue a run from its saved configuration (DIR: its output directory, checkpoints/ "
-                             "or a tag); overrides change it, e.g. train.total_steps=N extends it "
-                             "(pipeline.train.resume_run)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.total_steps=1000 data.shards_dir=DIR")
-    parser.add_argument("--check", action="store_true", help="validate config, data and checkpoint, then exit")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
-    parser.add_argument("--help-config", action="store_true", help="list every config field with its documentation")
-    parser.add_argument("--mpi", action="store_true", help="take rank / world size from mpi4py")
-    parser.add_argument("--world-size", type=int, metavar="N",
-                        help="with --check: validate for N ranks instead of this launch's (slurm/submit.sh passes the job's)")
-    parser.add_argument("--gpus", action="store_true",
-                        help="with --check: validate as on a GPU node (bf16/fp16, triton, offload) from a machine without one")
-    # The `deepspeed` launcher passes --local_rank=N (also exported as LOCAL_RANK); older torch
-    # launchers pass --local-rank. The rank itself comes from the environment (pipeline.distributed).
-    parser.add_argument("--local_rank", "--local-rank", type=int, metavar="N",
-                        help="set by the deepspeed launcher; the same as LOCAL_RANK=N")
-    args = parser.parse_args(argv)
-    if args.resume and args.config:
-        parser.error("--resume DIR takes the run's saved config: pass changes as overrides, not --config")
-    if not args.config and not args.resume and not args.help_config:
-        parser.error("--config (or --resume DIR) is required")
-    if args.local_rank is not None:
-        env = os.environ.get("LOCAL_RANK")
-        if env is not None and env != str(args.local_rank):
-            parser.error(f"--local_rank={args.local_rank} but LOCAL_RANK={env}: the launcher disagrees with itself")
-        os.environ["LOCAL_RANK"] = str(args.local_rank)
-    if (args.world_size is not None or args.gpus) and not args.check:
-        parser.error("--world-size and --gpus only go with --check")
-    if args.world_size is not None and args.world_size < 1:
-        parser.error(f"--world-size {args.world_size}: must be >= 1")
-    return args
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.help_config:
-        print(describe_run_config())
-        return 0
-    cfg: Optional[RunConfig] = None
-    try:
-        if args.resume:
-            from pipeline.train.resume_run import load_resumed_config
-
-            cfg, recipe = load_resumed_config(args.resume, args.overrides)
-        else:
-            cfg = load_config(args.config, args.overrides)
-            recipe = describe_recipe(args.config, cfg)
-        if args.print_config:
-            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-            return 0
-        if args.mpi:
-            export_mpi4py_ranks()
-        return train(cfg, check_only=args.check, recipe=recipe,
-                     check_world_size=args.world_size, check_gpus=args.gpus)
-    except (ConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_CONFIG_ERROR
-    except NonFiniteLossError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except CheckpointWriteError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return EXIT_SAVE_FAILED
-    except RuntimeError as err:  # a dead or hung rank: one line naming it, not gloo's traceback
-        from pipeline.distributed import lost_ranks_message
-
-        message = lost_ranks_message(err, cfg.train.dist_timeout_s) if cfg is not None else ""
-        if not message:
-            raise
-        print(f"error: {message}", file=sys.stderr)
-        return EXIT_RANK_LOST
-
-
-def export_mpi4py_ranks() -> None:
-    """`--mpi`: rank / world size / local rank from mpi4py, exported as torch's env variables, with
-    rank 0's host and a free port as the rendezvous (`pipeline.distributed`'s MPI rendezvous)."""
-    from mpi4py import MPI
-
-    from pipeline.distributed import _mpi_rendezvous
-
-    comm = MPI.COMM_WORLD
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED).Get_rank()
-    os.environ.update(RANK=str(comm.Get_rank()), WORLD_SIZE=str(comm.Get_size()), LOCAL_RANK=str(local))
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
-        addr, port = _mpi_rendezvous()  # collective: every rank calls it
-        os.environ.setdefault("MASTER_ADDR", addr)
-        os.environ.setdefault("MASTER_PORT", port)
 
 
 def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> PretrainModel:
@@ -215,67 +77,6 @@ def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> P
                                 mlm_bias_init=bias_init)
 
 
-def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = None,
-          check_world_size: Optional[int] = None, check_gpus: bool = False) -> int:
-    """Run (or, with `check_only`, just validate) the training described by `cfg`; returns the exit code.
-    `recipe` (`describe_recipe`: preset and overrides) is recorded in the checkpoints for the model card;
-    `check_world_size` / `check_gpus`: validate for that many ranks / as on a GPU node (`--check` only)."""
-    # a signal from here on is a flag (pipeline.train.preemption); the run directory's lock ends with the run
-    with preemption_scope() as preemption, released_at_exit():
-        return _train(cfg, check_only, preemption, recipe, check_world_size, check_gpus)
-
-
-def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, recipe: Optional[dict] = None,
-           check_world_size: Optional[int] = None, check_gpus: bool = False) -> int:
-    from pipeline.capabilities import use_private_extensions_dir
-    from pipeline.distributed import discover
-
-    # ---- 1. everything that can be checked before compute ------------------------------------
-    use_private_extensions_dir()
-    world = discover()
-    world_size = check_world_size or world.world_size
-    cfg.train.output_dir = cfg.train.output_dir or str(Path("runs") / cfg.name)
-    ckpt_root = Path(cfg.train.output_dir) / CHECKPOINT_DIR
-    resume_dir = find_resume_checkpoint(cfg.train.resume, ckpt_root)
-    # A resumed run takes its weights from the checkpoint: model.init_from's weights are neither
-    # checked nor read then (its config.json still gives the shape).
-    plan = check_run(cfg, world_size, torch.cuda.is_available() or check_gpus, fresh_start=resume_dir is None)
-    config_dict = cfg.to_dict()
-    target = None
-    if resume_dir is not None:
-        from pipeline.data.shards import manifest_file_sha256
-
-        data_hash, data_dir = plan.manifest_hash, cfg.data.shards_dir
-        if plan.schedule is not None:  # the data of the checkpoint's own phase
-            data_hash, data_dir = plan.schedule.data_identity(resume_dir, data_hash, data_dir)
-        target = plan_resume(resume_dir, config_dict, data_hash, world_size, plan.zero_stage,
-                             cfg.train.allow_config_change, manifest_file_sha256(data_dir) if data_dir else "")
-        if cfg.train.resume not in ("auto", "never"):  # an explicit tag: this run's newer ones are set aside
-            target.set_aside = newer_tags(ckpt_root, resume_dir)
-    if not check_only:  # a file, read-only or full location: one line and exit 4 now, not at the first save
-        check_output_dir(Path(cfg.train.output_dir), world.rank)
-        hold_run_dir(cfg.train.output_dir, world.rank)  # one writer per run directory (exit 2 naming the holder)
-        exit_record.begin(Path(cfg.train.output_dir), world.rank == 0, name=cfg.name,  # run_state.json (cpt-status)
-                          total_steps=cfg.train.total_steps)
-    # identical initial weights on every rank, for any world size
-    run_cfg, run_plan = cfg, plan
-    if plan.schedule is not None:  # the phase of the next step: its data, seed and batch (pipeline.train.phases)
-        run_cfg, run_plan = plan.schedule.start_view(plan, target.meta.step if target is not None else 0)
-    model = build_run_model(plan.schedule.run_config(plan.schedule.phases[0]) if plan.schedule else cfg, plan,
-                            warm_start=target is None)
-    if target is not None:
-        check_resume_shapes(target, model)
-    if check_only:
-        start_from = f"warm start from {cfg.model.init_from}" if cfg.model.init_from else "fresh start"
-        newer = f" (newer tags to set aside: {[p.name for p in target.set_aside]})" if target and target.set_aside else ""
-        print(f"ok: {cfg.name}: {plan.batch}, ZeRO {plan.zero_stage}, "
-              f"{'resume from ' + str(resume_dir) if resume_dir else start_from}{newer}")
-        return 0
-    with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
-        run = start(run_cfg, run_plan, model, target, config_dict, recipe)
-        return run.loop(preemption)
-
-
 @contextlib.contextmanager
 def torch_process_state(deterministic: bool, tf32: bool = True) -> Iterator[None]:
     """Process-wide torch settings of one run, restored afterwards (so runs can follow each other in
@@ -305,8 +106,10 @@ def torch_process_state(deterministic: bool, tf32: bool = True) -> Iterator[None
 
 
 def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[ResumeTarget],
-          config_dict: dict, recipe: Optional[dict] = None) -> "Run":
-    """Phase 2: ranks, engine, resume, data and metrics — everything the loop needs."""
+          config_dict: dict, recipe: Optional[dict] = None, checkpointer: Optional[Checkpointer] = None) -> "Run":
+    """Ranks, engine, resume (`target`, loaded by `checkpointer`; a fresh one for the run's output
+    directory when None), data and metrics — everything the loop needs. `cfg` and `plan`: those of
+    the phase of the next step (`Schedule.start_view`)."""
     import deepspeed
 
     from pipeline.distributed import init_distributed
@@ -329,14 +132,14 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
                                        load_universal=bool(target and target.universal))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
-    state = TrainState()
-    if target is not None:
-        state = load_checkpoint(engine, target, info.is_main)
-        model.load_extra_state_from_checkpoint(state.objective_state)
-        log.info("resumed from %s at step %d (%d samples)", target.tag_dir, state.step, state.consumed_samples)
-
-    if plan.schedule is not None:  # a checkpoint at a phase boundary: the next phase starts here
-        plan.schedule.resume_into(state, model)
+    checkpointer = checkpointer or Checkpointer(cfg.train, info.is_main)
+    state = checkpointer.load(engine, target, model)
+    # The phase of the next step: entered here when it starts with it (a checkpoint at a phase
+    # boundary, or step 1), and its live-model overrides set (also mid-phase: a fresh model has none).
+    view = plan.schedule.at(state.step + 1, state, plan.batch)
+    if view is not None and view.entered:
+        state.phase, state.phase_start_samples = view.phase.name, view.start_samples
+    apply_model_overrides(model, plan.schedule.phase_at(state.step + 1).model)
     batches = open_batches(cfg, plan, model, info.rank, state.consumed_samples - state.phase_start_samples, cuda,
                            dataset)
     meta = RunMeta(
@@ -344,7 +147,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
         objective_options=dict(cfg.objective_options), special_tokens=dict(dataset.special_tokens),
         tokenizer_dir=str(dataset.tokenizer_dir.resolve()), data_dir=str(dataset.directory.resolve()),
         manifest_hash=plan.manifest_hash, config_hash=config_hash(config_dict), config=config_dict,
-        zero_stage=plan.zero_stage, world_size=info.world_size, corpus=corpus_summary(plan.manifest),
+        zero_stage=plan.zero_stage, world_size=info.world_size,
+        corpus=plan.schedule.corpus(corpus_summary(plan.manifest)),
         base_model=describe_base(cfg.model.init_from) if cfg.model.init_from else {}, recipe=dict(recipe or {}))
     if info.is_main:
         log.info("%s: %s, ZeRO %d, %s, optimizer %s, %d parameters", cfg.name, plan.batch, plan.zero_stage,
@@ -354,8 +158,32 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
                MetricsWriter.for_run(cfg, info.is_main, state.step, recipe),  # train.trackers
                ThroughputMeter(info.world_size, device_peak_flops(cfg.deepspeed.precision)),
                NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16",
-                              cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio),
+                              cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio), checkpointer,
                validator=open_validator(cfg, plan, model, info.rank, info.world_size, device))
+
+
+def build_run(cfg: RunConfig, recipe: Optional[dict] = None) -> "Run":
+    """A started run of `cfg` from a fresh start, without the loop: what `train` builds before its
+    first step (stage-2 checks for this launch's world size, the model, ranks, engine, data, metrics
+    writer), for callers that drive `Run.train_step` themselves (benchmarks). No run directory lock,
+    no resume, no exit record; nothing is saved unless the caller asks `run.checkpointer`. Call it inside `torch_process_state(cfg.train.deterministic,
+    cfg.deepspeed.tf32)`, as `train` does, and end with `run.close()`:
+
+        with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
+            run = build_run(cfg)
+            try:
+                for step in range(1, cfg.train.total_steps + 1):
+                    result = run.train_step(step, record_metrics=False)
+            finally:
+                run.close()
+    """
+    from pipeline.capabilities import use_private_extensions_dir
+    from pipeline.distributed import discover
+
+    use_private_extensions_dir()
+    plan = check_run(cfg, discover().world_size, torch.cuda.is_available(), fresh_start=True)
+    model = build_run_model(plan.schedule.run_config(plan.schedule.phases[0]), plan)
+    return start(*plan.schedule.start_view(plan, 0), model, None, cfg.to_dict(), recipe)
 
 
 def open_data(cfg: RunConfig, plan: RunPlan, model: PretrainModel) -> Any:
@@ -383,11 +211,30 @@ def open_batches(cfg: RunConfig, plan: RunPlan, model: PretrainModel, rank: int,
 
 
 @dataclass
-class Run:
-    """A started run: what `loop` reads and updates."""
+class StepResult:
+    """What one optimizer step gave (`Run.train_step`). Every field but `sums` is all-reduced, so the
+    same on every rank."""
 
-    cfg: RunConfig
-    plan: RunPlan
+    step: int
+    lr: float  # the learning rate the step's update used
+    loss: float  # mean loss over the step's micro-batches and ranks (0.0 when no objective reports "loss")
+    tokens: int  # non-pad tokens of the step, all ranks
+    flops: float  # model FLOPs of the step, all ranks (`FlopCounter`)
+    nonfinite: int  # micro-batch losses that were not finite, all ranks
+    stop_requested: bool  # some rank's `stop_requested` (a preemption signal)
+    bad: bool  # non-finite loss or a dropped update (`NonFiniteGuard.observe`)
+    diverged: bool  # the loss exploded against its running mean (`NonFiniteGuard.loss_diverged`)
+    logged: bool  # the objectives recorded their metrics-only values (`record_metrics`)
+    accum: int  # micro-batches per rank of the step (`grad_accum` of its batch split)
+    sums: dict[str, torch.Tensor] = field(repr=False)  # this rank's per-metric sums over its micro-batches
+
+
+@dataclass
+class Run:
+    """A started run: what `loop` and `train_step` read and update."""
+
+    cfg: RunConfig  # the config of the current phase (its data and seed; `Schedule.run_config`)
+    plan: RunPlan  # ... and its plan (batch split, data identity); `plan.schedule`: the run's phases
     info: DistInfo
     device: torch.device
     model: PretrainModel
@@ -400,12 +247,14 @@ class Run:
     writer: MetricsWriter
     meter: ThroughputMeter
     guard: NonFiniteGuard
-    finisher: CheckpointFinisher = field(default_factory=CheckpointFinisher)  # hashes saved tags off the step
+    checkpointer: Checkpointer
     health: CollapseMonitor = field(default_factory=lambda: CollapseMonitor(log))
     validator: Any = None  # pipeline.eval.validation.Validator when eval.shards_dir is set
 
     def loop(self, preemption: PreemptionHandler) -> int:
-        """Phase 3: steps until `train.total_steps`, a preemption, or the guard stops the run."""
+        """Steps until `train.total_steps`, a preemption, or the guard stops the run; returns the exit
+        code (0, or `REQUEUE_EXIT_CODE` after a preemption). Each step: `train_step`, its metrics
+        on logged steps, the guard's verdicts, then the checkpointer's (`Checkpointer.step_end`)."""
         from tqdm.auto import tqdm
 
         cfg, state = self.cfg, self.state
@@ -422,82 +271,114 @@ class Run:
                 log.info("the run is already complete at step %d (train.total_steps=%d): nothing to train; to extend "
                          "it: cpt-train --resume %s train.total_steps=N (N > %d)", state.step, total, cfg.train.output_dir, state.step)
             while state.step < total:
-                step = state.step + 1
-                if self.plan.schedule is not None:  # a new phase or batch split (pipeline.train.phases)
-                    before_step(self, step, open_batches)
-                    cfg = self.cfg
-                accum = self.plan.batch.grad_accum
-                seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
-                lr = self.plan.schedule.lr_at(step, cfg.optim) if self.plan.schedule else lr_at(step, cfg.optim, total)
-                set_lr(self.optimizer, lr)
-
-                logged = step % cfg.train.log_every == 0 or step == total  # metrics-only work on these steps
-                sums, nonfinite_local, tokens_local = self.forward_backward(
-                    StepProgress(step, total, accum * self.info.world_size, record_metrics=logged), accum)
-
-                # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
-                host = torch.tensor([preemption.requested, tokens_local, self.flop_counter.pop()], dtype=torch.float64)
-                loss_local = sums["loss"].double().reshape(1) if "loss" in sums else torch.zeros(1, dtype=torch.float64)
-                status = torch.cat([nonfinite_local.reshape(1), loss_local.to(self.device), host.to(self.device)])
-                nonfinite, loss_sum, preempted, tokens, flops = all_reduce_sum(status).tolist()
-                bad = self.guard.observe(state, step, nonfinite, self.engine.was_step_applied())
-                step_loss = loss_sum / (accum * self.info.world_size)
-                diverged = self.guard.loss_diverged(state, step_loss)  # every rank alike: all-reduced values
-                state.step, state.consumed_samples = step, state.phase_start_samples + self.batches.consumed_samples
-                state.tokens_seen += int(tokens)
-                self.meter.add_step(self.plan.batch.global_batch_size, int(tokens), flops)
+                result = self.train_step(state.step + 1, stop_requested=preemption.requested)
+                step, lr = result.step, result.lr
                 bar.update(1)
-
-                if step % cfg.train.log_every == 0 or step == total or bad or diverged:
-                    last_metrics = self.log_step(step, lr, sums, accum)
+                if result.logged or result.bad or result.diverged:
+                    last_metrics = self.log_step(step, lr, result.sums, result.accum)
                     bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}", lr=f"{lr:.2e}")
-                if diverged:  # its weights came from step - 1's update: that checkpoint is not good either
-                    raise self.guard.loss_divergence_error(state, step, step_loss, self.last_good(step - 1))
+                if result.diverged:  # its weights came from step - 1's update: that checkpoint is not good either
+                    raise self.guard.loss_divergence_error(state, step, result.loss,
+                                                           self.checkpointer.last_good(step - 1))
                 self.guard.check(state, step)
                 if self.validator is not None and self.validator.due(step, total):  # eval.every (pipeline.eval.validation)
-                    validate(self, step)
-                if step % cfg.train.checkpoint_every == 0 or step == total or preempted:
-                    nonfinite_weights, norm_sq = all_reduce_sum(weight_stats(self.model, self.device,
-                                                                             self.info.is_main)).tolist()
-                    self.guard.check_savable(state, step, step == total, nonfinite_weights)
-                    if state.nonfinite_in_row and not preempted:  # these weights just gave a non-finite loss
-                        log.warning("step %d: not saving a checkpoint inside a streak of %d non-finite step(s)",
-                                    step, state.nonfinite_in_row)
-                    else:
-                        if not state.nonfinite_in_row:  # a preemption save inside a streak judges nothing
-                            self.guard.check_weight_norm(state, step, norm_sq ** 0.5, lambda: self.last_good(step))
-                        self.checkpoint(last_metrics, healthy=not state.nonfinite_in_row)
+                    validate(self, step)  # before the save: train.keep_best judges this step's values
+                if self.checkpointer.step_end(self, step, result.stop_requested, last_metrics):
                     self.meter.reset()  # keep the save time out of the throughput numbers
-                if preempted and step == total:
+                if result.stop_requested and step == total:
                     log.info("%s after the last step: the run is complete (final checkpoint written); exiting 0",
                              preemption.signal_name or "preemption signal on another rank")
-                elif preempted:
-                    self.settle_saves()
+                elif result.stop_requested:
                     log.info("preempted (%s): checkpoint at step %d written; exiting with %d",
                              preemption.signal_name or "signal on another rank", step, REQUEUE_EXIT_CODE)
                     outcome = "stopped"
                     return REQUEUE_EXIT_CODE
-            self.settle_saves()  # the last checkpoint is complete (hashes, `latest`) before the run ends
-            outcome = "finished"
+            outcome = "finished"  # (the last step's save was settled by `step_end`)
         finally:
             bar.close()
             self.writer.close(outcome)
             self.flop_counter.remove()
-            if self.info.is_main and (problem := self.finisher.wait()):  # an error is on its way out: no collective
-                log.error("the last checkpoint's completion failed too: %s", problem)
+            self.checkpointer.close()  # an error may be on its way out: no collective
         return 0
 
-    def last_good(self, before_step: int) -> str:
-        """Collective: once the last save is complete, the newest healthy checkpoint below
-        `before_step` (for the divergence guard's message)."""
-        self.settle_saves()
-        tag = last_good_tag(Path(self.cfg.train.output_dir) / CHECKPOINT_DIR, before_step)
-        return str(tag) if tag is not None else "none (this run saved no checkpoint before it)"
+    def train_step(self, step: int, stop_requested: bool = False, record_metrics: Optional[bool] = None) -> "StepResult":
+        """THE optimizer step `step` (1-based) of this run, as the loop runs it and as benchmarks time it:
 
-    def settle_saves(self) -> None:
-        """Collective: the background completion of the last save has finished; if it failed, every
-        rank raises `CheckpointWriteError` (exit 4, `latest` names the checkpoint before)."""
-        settle_pending_save(self.finisher, Path(self.cfg.train.output_dir) / CHECKPOINT_DIR, self.info.is_main)
+        1. the phase of `step` (`Schedule.at` -> `apply_phase`: a new phase's data, seed and live-model
+           overrides, a new batch split), when it differs from the previous step's;
+        2. the learning rate from the run's schedule (a phase's own LR segment where it has one);
+        3. dropout reseeded from (seed, step, rank) (`pipeline.seeding`);
+        4. `grad_accum` micro-batches of forward, backward and `engine.step()` (`forward_backward`);
+        5. ONE all-reduce of [non-finite losses, loss sum, stop flag, tokens, FLOPs] over the ranks;
+        6. the guard's counters (`NonFiniteGuard.observe`, `loss_diverged`), the state's counters
+           (step, consumed samples, tokens seen) and the throughput meter.
+
+        `stop_requested`: this rank's preemption flag, or-ed over the ranks in step 5 (the result's
+        `stop_requested`). `record_metrics`: whether the objectives compute their metrics-only values
+        this step (None: on logged steps, every `train.log_every`-th and the last). Raises nothing of
+        the guard's: the caller decides (`loop`: log, stop on divergence, `guard.check`, save)."""
+        state = self.state
+        self.apply_phase(self.plan.schedule.at(step, state, self.plan.batch))
+        cfg = self.cfg
+        total = cfg.train.total_steps
+        accum = self.plan.batch.grad_accum
+        seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
+        lr = self.plan.schedule.lr_at(step, cfg.optim)
+        set_lr(self.optimizer, lr)
+
+        logged = step % cfg.train.log_every == 0 or step == total if record_metrics is None else record_metrics
+        sums, nonfinite_local, tokens_local = self.forward_backward(
+            StepProgress(step, total, accum * self.info.world_size, record_metrics=logged), accum)
+
+        # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
+        host = torch.tensor([stop_requested, tokens_local, self.flop_counter.pop()], dtype=torch.float64)
+        loss_local = sums["loss"].double().reshape(1) if "loss" in sums else torch.zeros(1, dtype=torch.float64)
+        status = torch.cat([nonfinite_local.reshape(1), loss_local.to(self.device), host.to(self.device)])
+        nonfinite, loss_sum, preempted, tokens, flops = all_reduce_sum(status).tolist()
+        bad = self.guard.observe(state, step, nonfinite, self.engine.was_step_applied())
+        step_loss = loss_sum / (accum * self.info.world_size)
+        diverged = self.guard.loss_diverged(state, step_loss)  # every rank alike: all-reduced values
+        state.step, state.consumed_samples = step, state.phase_start_samples + self.batches.consumed_samples
+        state.tokens_seen += int(tokens)
+        self.meter.add_step(self.plan.batch.global_batch_size, int(tokens), flops)
+        return StepResult(step, lr, step_loss, int(tokens), flops, int(nonfinite), bool(preempted), bad, diverged,
+                          logged, accum, sums)
+
+    def apply_phase(self, view: Optional[PhaseView]) -> None:
+        """Make the run what `view` (`Schedule.at`) says before its step; None: nothing changes. A new
+        phase: its config view (data, seed), data identity and live-model overrides, the state's phase
+        and its first sample, the meta's encoder and data; then (a new phase or split) the reader
+        reopened at the phase's current sample with the step's batch split, and the engine's split."""
+        if view is None:
+            return
+        state, phase = self.state, view.phase
+        dataset = self.batches.dataset
+        if view.entered:
+            state.phase, state.phase_start_samples = phase.name, view.start_samples
+            log.info("step %d: phase %r starts (%s, seq_len %d, %d steps, global batch %d)", state.step + 1, phase.name,
+                     phase.data.shards_dir or "data.sources", phase.manifest.seq_len, phase.steps,
+                     phase.batch.global_batch_size)
+            self.cfg = self.plan.schedule.run_config(phase)
+            self.plan = dataclasses.replace(self.plan, manifest=phase.manifest, manifest_hash=phase.manifest_hash)
+            apply_model_overrides(self.model, phase.model)
+            dataset = None  # the phase's own data, opened (and checked) by open_batches
+            self.meta.encoder_config = self.model.config.to_dict()
+            self.meta.manifest_hash = phase.manifest_hash
+        self.plan = dataclasses.replace(self.plan, batch=view.batch)
+        self.batches = open_batches(self.cfg, self.plan, self.model, self.info.rank,
+                                    state.consumed_samples - state.phase_start_samples, self.device.type == "cuda",
+                                    dataset)
+        self.meta.data_dir = str(self.batches.dataset.directory.resolve())
+        set_engine_batch(self.engine, view.batch)
+
+    def close(self, outcome: str = "finished") -> None:
+        """End a run built by `build_run` and driven without `loop`: the trackers closed (`outcome`:
+        `pipeline.train.trackers.OUTCOMES`), the FLOP counter's hooks removed, a pending checkpoint
+        completion waited for, the engine destroyed."""
+        self.writer.close(outcome)
+        self.flop_counter.remove()
+        self.checkpointer.close()
+        self.engine.destroy()
 
     def preempted_during_startup(self, preemption: PreemptionHandler) -> bool:
         """Did any rank get SIGTERM/SIGUSR1 before the first step (imports, checks, engine, resume)?
@@ -519,8 +400,8 @@ class Run:
         nonfinite = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0
         for micro in range(accum):
-            if self.plan.schedule is not None:  # the split may have changed: mark the boundary (set_engine_batch)
-                self.engine.set_gradient_accumulation_boundary(micro == accum - 1)
+            # marked here, not counted by DeepSpeed: the split may change (warm-up, phases; `set_engine_batch`)
+            self.engine.set_gradient_accumulation_boundary(micro == accum - 1)
             batch = next(self.batches)
             # Host-side values first (no device sync): the token count and the sampling stream.
             tokens += int(batch["attention_mask"].sum())
@@ -535,7 +416,8 @@ class Run:
         return sums, nonfinite, tokens
 
     def log_step(self, step: int, lr: float, sums: dict[str, torch.Tensor], accum: int) -> dict[str, float]:
-        """Mean metrics of the step over micro-batches and ranks, plus run counters; written and returned."""
+        """Mean metrics of the step over micro-batches and ranks, plus run counters; written, offered to
+        the checkpointer (`train.keep_best`) and returned."""
         state = self.state
         metrics = mean_over_ranks(sums, accum * self.info.world_size, self.device)
         grad_norm = self.engine.get_global_grad_norm()
@@ -544,11 +426,12 @@ class Run:
             consumed_samples=state.consumed_samples, tokens_seen=state.tokens_seen,
             skipped_steps=state.skipped_steps, nonfinite_steps=state.nonfinite_steps,
             **self.meter.report(), **peak_memory_gb(), **self.batches.source_metrics(),
-            **(self.plan.schedule.metrics(step, self.plan.batch) if self.plan.schedule else {}))
+            **self.plan.schedule.metrics(step, self.plan.batch))
         metrics.update(self.health.observe(step, metrics, announce=self.info.is_main))
         if self.cfg.deepspeed.precision == "fp16":
             metrics["loss_scale"] = float(getattr(self.engine.optimizer, "loss_scale", float("nan")))
         self.writer.write(step, metrics)
+        self.checkpointer.observe_metric(step, metrics)  # train.keep_best (validation offers its own values too)
         if self.info.is_main:
             # each learning signal against its chance level (pipeline.eval.signals): on the step line, or,
             # under a progress bar (no step lines), once at the end of the run
@@ -560,14 +443,6 @@ class Run:
             elif step == self.cfg.train.total_steps and signals:
                 log.info("learning signals at step %d (this step only; noisy): %s", step, signals)
         return metrics
-
-    def checkpoint(self, last_metrics: dict, healthy: bool = True) -> None:
-        state, meta = self.state, self.meta
-        state.objective_state = self.model.extra_state_for_checkpoint()
-        meta.step, meta.consumed_samples, meta.tokens_seen = state.step, state.consumed_samples, state.tokens_seen
-        meta.last_metrics = {k: v for k, v in last_metrics.items() if isinstance(v, (int, float))}
-        save_checkpoint(self.engine, Path(self.cfg.train.output_dir) / CHECKPOINT_DIR, state, meta,
-                        self.cfg.train.keep_last, self.info.is_main, self.finisher, healthy)
 
 
 def mean_over_ranks(sums: dict[str, torch.Tensor], count: int, device: torch.device) -> dict[str, float]:

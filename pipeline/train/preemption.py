@@ -15,7 +15,7 @@ all-reduce before the first step), so every rank makes the same decision.
 thing, with the standard library only (importing torch and DeepSpeed takes seconds), keeps it
 until `main` returns, then ignores both signals: the exit code is decided, and CPython's own
 teardown restores default handlers before the process ends, which would otherwise turn a late
-signal into "killed by SIGUSR1" (exit 138). In-process callers of `pipeline.train.loop.train`
+signal into "killed by SIGUSR1" (exit 138). In-process callers of `pipeline.train.cli.train`
 get a handler for the duration of the run (`preemption_scope`).
 
 This module imports nothing but the standard library (it runs before torch is imported).

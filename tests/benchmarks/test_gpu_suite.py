@@ -260,7 +260,7 @@ def test_a_throughput_row_writes_no_checkpoint_and_times_only_unlogged_steps(tmp
     """COCO-LM (its no-grad corrective-LM projection runs only on logged steps): every micro-batch of
     the row runs with record_metrics=False, nothing is saved, and the row reports its timed steps."""
     import pipeline.train.checkpoint as checkpoint
-    import pipeline.train.loop as loop
+    import pipeline.train.checkpointer as checkpointer_module
     from benchmarks.gpu_suite import train_rows
     from benchmarks.gpu_suite.runner import StageContext
     from pipeline.model.pretrainer import PretrainModel
@@ -278,7 +278,7 @@ def test_a_throughput_row_writes_no_checkpoint_and_times_only_unlogged_steps(tmp
 
     save = checkpoint.save_checkpoint
     monkeypatch.setattr(PretrainModel, "forward", recording_forward)
-    monkeypatch.setattr(loop, "save_checkpoint", recording_save)
+    monkeypatch.setattr(checkpointer_module, "save_checkpoint", recording_save)
     monkeypatch.setattr(checkpoint, "save_checkpoint", recording_save)
     ctx = StageContext(plan.stage_named("headline"), tmp_path / "out", True, None, tmp_path / "work")
     row = train_rows.train_row(ctx, plan.train_row("cocolm", 128))

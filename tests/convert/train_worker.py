@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     from pipeline.objectives.mlm_nce import log_proposal_samplers
     from pipeline.train.checkpoint import CHECKPOINT_DIR, load_checkpoint, plan_resume, read_latest
     from pipeline.train.engine import build_deepspeed_config
-    from pipeline.train.loop import main as train_main
+    from pipeline.train.cli import main as train_main
     from pipeline.train.optim import build_optimizer
 
     reference_file, preset, overrides = argv[0], argv[1], argv[2:]

@@ -90,7 +90,7 @@ def _fewer_sequences(directory: Path) -> str:
 
 @pytest.mark.parametrize("damage", [_truncate, _more_rows, _longer_rows, _bigger_vocabulary, _fewer_sequences])
 def test_truncated_shards_and_edited_manifests_are_refused_before_compute(damage, tiny_shards_dir, tmp_path, capsys):
-    from pipeline.train.loop import main
+    from pipeline.train.cli import main
 
     shards = _copy(tiny_shards_dir, tmp_path)
     expected = damage(shards)

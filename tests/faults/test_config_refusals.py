@@ -3,7 +3,7 @@ before any compute, the checkpoint untouched (it still resumes)."""
 from __future__ import annotations
 
 from pipeline.train.checkpoint import list_tags
-from pipeline.train.loop import EXIT_CONFIG_ERROR
+from pipeline.train.cli import EXIT_CONFIG_ERROR
 from tests.faults.faults import error_line, resumes_to_the_end
 from tests.train.runs import losses, run_inprocess, tag_dir
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.train.checkpoint import list_tags
-from pipeline.train.loop import EXIT_NONFINITE
+from pipeline.train.cli import EXIT_NONFINITE
 from tests.faults.faults import error_line, resumes_to_the_end
 from tests.train.runs import latest, losses, run_inprocess, tag_dir
 
@@ -51,7 +51,7 @@ def test_keep_last_1_also_keeps_the_newest_confirmed_checkpoint(tiny_shards_dir,
 
 
 def test_the_guard_ratios_are_checked_and_do_not_stop_a_healthy_run(tiny_shards_dir, tmp_path, capsys):
-    from pipeline.train.loop import main
+    from pipeline.train.cli import main
 
     assert main(["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", "train.max_loss_ratio=0.5",
                  "--check"]) == 2

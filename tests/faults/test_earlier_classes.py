@@ -10,11 +10,11 @@ import time
 
 import pytest
 
-import pipeline.train.loop as loop
+import pipeline.train.checkpointer as checkpointer
 
 from pipeline.data.shards import read_manifest
 from pipeline.model.pretrainer import PretrainModel
-from pipeline.train.loop import EXIT_CONFIG_ERROR, EXIT_NONFINITE
+from pipeline.train.cli import EXIT_CONFIG_ERROR, EXIT_NONFINITE
 from pipeline.train.checkpoint import verify_checkpoint
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.faults.faults import copy_shards, error_line, resumes_to_the_end
@@ -80,19 +80,19 @@ def test_signal_during_a_save(monkeypatch, tiny_shards_dir, tmp_path):
     corrupted); the signal is acted on at the next step boundary, as at any other moment (the ranks
     agree on it in the step's all-reduce): step 5 is checkpointed, the run exits 75, and it resumes
     to the end."""
-    original = loop.save_checkpoint
+    original = checkpointer.save_checkpoint
 
     def save_with_a_signal(engine, root, state, *args, **kwargs):
         if state.step == 4:
             os.kill(os.getpid(), signal.SIGTERM)  # arrives in the middle of the save
         return original(engine, root, state, *args, **kwargs)
 
-    monkeypatch.setattr(loop, "save_checkpoint", save_with_a_signal)
+    monkeypatch.setattr(checkpointer, "save_checkpoint", save_with_a_signal)
     out = tmp_path / "run"
     assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *STEPS) == REQUEUE_EXIT_CODE
     assert latest(out) == tag_dir(out, 5) and max(losses(out)) == 5
     verify_checkpoint(tag_dir(out, 4), check_hashes=True)  # the save the signal interrupted is whole
-    monkeypatch.setattr(loop, "save_checkpoint", original)
+    monkeypatch.setattr(checkpointer, "save_checkpoint", original)
     resumes_to_the_end("tiny-mlm", tiny_shards_dir, out, *STEPS)
     assert max(losses(out)) == 8
 

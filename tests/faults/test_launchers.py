@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.train.loop import EXIT_RANK_LOST
+from pipeline.train.cli import EXIT_RANK_LOST
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.faults.faults import error_line
 from tests.gloo_ranks import free_port

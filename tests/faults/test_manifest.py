@@ -11,7 +11,7 @@ from pathlib import Path
 from data_prep.build_shards import build_shards
 from data_prep.verify import main as verify_main
 from pipeline.data.shards import MANIFEST_FILE, Manifest, content_hash, hash_directory, manifest_file_sha256, manifest_hash, read_manifest
-from pipeline.train.loop import EXIT_CONFIG_ERROR
+from pipeline.train.cli import EXIT_CONFIG_ERROR
 from pipeline.train.run_meta import RunMeta
 from tests.faults.faults import copy_shards, error_line
 from tests.fixtures_data import TINY_SEQ_LEN

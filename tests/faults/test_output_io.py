@@ -12,7 +12,7 @@ import pytest
 
 import deepspeed.runtime.engine as ds_engine
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
-from pipeline.train.loop import EXIT_SAVE_FAILED
+from pipeline.train.cli import EXIT_SAVE_FAILED
 from tests.faults.faults import error_line
 from tests.train.runs import latest, losses, run_inprocess, tag_dir
 

@@ -17,7 +17,7 @@ import threading
 import pytest
 
 from pipeline.train import run_lock
-from pipeline.train.loop import EXIT_CONFIG_ERROR
+from pipeline.train.cli import EXIT_CONFIG_ERROR
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.faults.faults import error_line, resumes_to_the_end

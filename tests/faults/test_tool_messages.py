@@ -29,7 +29,7 @@ from data_prep.build_shards import SLEEP_AFTER_SHARD_ENV, STATE_FILE
 from data_prep.build_shards import main as build_main
 from pipeline.eval.finetune import main as finetune_main
 from pipeline.export import convert as convert_module
-from pipeline.train.loop import main as train_main
+from pipeline.train.cli import main as train_main
 from tests.convert.conftest import save_tiny_bert
 from tests.faults.faults import error_line
 from tests.faults.test_tool_refusals import TOKENIZER_FILES, _task

@@ -28,7 +28,7 @@ from data_prep.build_shards import main as build_main
 from data_prep.train_tokenizer import train_tokenizer
 from pipeline.eval.finetune import main as finetune_main
 from pipeline.export.convert import main as convert_main
-from pipeline.train.loop import main as train_main
+from pipeline.train.cli import main as train_main
 from tests.faults.faults import copy_shards, error_line
 from tests.fixtures_data import TINY_SEQ_LEN, TINY_SHARD_MB, TINY_VOCAB_SIZE, stdlib_documents, write_corpus
 from tests.train.runs import run_inprocess, tag_dir

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.loop import parse_args
+from pipeline.train.cli import parse_args
 from tests.gloo_ranks import LAUNCHER_VARIABLES, free_port
 
 REPO = Path(__file__).resolve().parents[2]

@@ -38,7 +38,7 @@ def run_inprocess(preset: str, shards: Path, out: Path, *extra: str) -> int:
     The thread count is set here, not only by the conftest's per-test fixture: a module-scoped fixture
     (a reference run) is built before any function-scoped fixture, so it would otherwise run with the
     process's default threads and differ in the last bits from the runs it is compared with."""
-    from pipeline.train.loop import main
+    from pipeline.train.cli import main
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         os.environ.pop(key, None)

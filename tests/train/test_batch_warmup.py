@@ -65,7 +65,7 @@ def test_the_sample_sequence_is_the_run_without_warmup(tiny_shards_dir):
 
     plain_cfg = load_config("tiny-mlm", [*base, "data.micro_batch_size=2", "data.global_batch_size=8"])
     plain_plan = check_run(plain_cfg, 1, False)
-    assert plain_plan.schedule is None
+    assert [(p.name, p.ramp) for p in plain_plan.schedule.phases] == [("", None)]  # one implicit phase, no ramp
     plain = open_batches(plain_cfg, plain_plan, model, 0, 0, False)
     plain_index, plain_ids = [], []
     while sum(len(i) for i in plain_index) < consumed:

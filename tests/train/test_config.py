@@ -210,7 +210,7 @@ def test_learning_rate_schedule():
 
 
 def test_cli_reports_config_errors_before_compute(tiny_shards_dir, tmp_path, capsys):
-    from pipeline.train.loop import main
+    from pipeline.train.cli import main
 
     out = tmp_path / "run"
     code = main(["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", f"train.output_dir={out}",
@@ -235,7 +235,7 @@ def test_zero_stage_set_through_deepspeed_extra_is_named_in_the_error(tiny_shard
 
 def test_check_for_another_world_size_and_for_gpu_nodes(tiny_shards_dir, tmp_path, capsys):
     """What slurm/submit.sh runs on a login node: the job's rank count, and GPU-only settings accepted."""
-    from pipeline.train.loop import main
+    from pipeline.train.cli import main
 
     base = ["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", f"train.output_dir={tmp_path / 'run'}"]
     assert main([*base, "data.micro_batch_size=8", "--check"]) == 0
@@ -249,7 +249,7 @@ def test_check_for_another_world_size_and_for_gpu_nodes(tiny_shards_dir, tmp_pat
 
 def test_deepspeed_ops_build_in_a_directory_of_this_environment(tiny_shards_dir, tmp_path, monkeypatch):
     from pipeline.capabilities import private_extensions_dir
-    from pipeline.train.loop import main
+    from pipeline.train.cli import main
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     mine = private_extensions_dir()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 
-from pipeline.train.loop import EXIT_SAVE_FAILED
+from pipeline.train.cli import EXIT_SAVE_FAILED
 from tests.train.runs import latest, metric_rows, output_of, run_inprocess, start_ranks, tag_dir, wait_all
 
 STEPS = ["train.total_steps=6", "train.checkpoint_every=2", "train.keep_last=5"]

@@ -12,7 +12,7 @@ PROBE = textwrap.dedent("""
     import torch.distributed as dist
 
     import pipeline.train.__main__ as entry
-    import pipeline.train.loop as loop
+    import pipeline.train.cli as cli
     from pipeline.distributed import init_distributed
 
     class Finalised:  # a module global: its __del__ runs only if the interpreter is finalised
@@ -33,7 +33,7 @@ PROBE = textwrap.dedent("""
 
     atexit.register(lambda: print("atexit ran; process group left", dist.is_initialized()))
     print("buffered line, never flushed by hand", end="")
-    loop.main = a_run_that_made_a_process_group
+    cli.main = a_run_that_made_a_process_group
     entry.run()
     print("not reached")
 """)

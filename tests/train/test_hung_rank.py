@@ -6,7 +6,7 @@ from __future__ import annotations
 import signal
 import time
 
-from pipeline.train.loop import EXIT_RANK_LOST
+from pipeline.train.cli import EXIT_RANK_LOST
 from tests.train.runs import DEADLINE_S, output_of, start_ranks, wait_for_step
 
 TIMEOUT_S = 20

@@ -63,7 +63,7 @@ def test_mixture_logs_each_source_and_resumes_bitwise_after_kill_9(sources, tmp_
 
 
 def test_a_resume_with_other_weights_is_a_config_change(sources, tmp_path: Path, capsys) -> None:
-    from pipeline.train.loop import EXIT_CONFIG_ERROR
+    from pipeline.train.cli import EXIT_CONFIG_ERROR
 
     wiki, books = sources
     out = tmp_path / "run"

@@ -301,7 +301,7 @@ def test_zero3_phases_with_batch_warmup_resume_bitwise(tiny_shards_dir, long_sha
 def test_extending_a_phased_run_lengthens_its_last_phase(reference, tmp_path, capsys):
     """`--resume DIR train.total_steps=N` must lengthen a phase too (the steps must sum: said so),
     and with `phases.1.steps=M` the run goes on in its last phase from its checkpoint."""
-    from pipeline.train.loop import main
+    from pipeline.train.cli import main
 
     run = shutil.copytree(reference, tmp_path / "run")
     assert main(["--resume", str(run), "train.total_steps=10"]) == 2

@@ -140,13 +140,13 @@ def test_signals_after_the_final_checkpoint_leave_the_run_successful(tiny_shards
     args = train_command("tiny-mlm", tiny_shards_dir, out, "train.total_steps=3")[3:]  # after `python -m pipeline.train`
     wrapper = textwrap.dedent(f"""
         import atexit, os, runpy, signal, sys
-        import pipeline.train.loop as loop
-        main = loop.main
+        import pipeline.train.cli as cli
+        main = cli.main
         def main_then_signal(argv=None):
             code = main(argv)
             os.kill(os.getpid(), signal.SIGUSR1)
             return code
-        loop.main = main_then_signal
+        cli.main = main_then_signal
         atexit.register(os.kill, os.getpid(), signal.SIGTERM)
         sys.argv = ["pipeline.train", *{args!r}]
         runpy.run_module("pipeline.train", run_name="__main__", alter_sys=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.config.run import load_config
-from pipeline.train.loop import main
+from pipeline.train.cli import main
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.optim import lr_at
 from pipeline.train.run_meta import RunMeta

@@ -8,7 +8,7 @@ import logging
 import shutil
 from pathlib import Path
 
-from pipeline.train.loop import main
+from pipeline.train.cli import main
 from tests.train.runs import run_inprocess
 
 FIRST = ["train.total_steps=2", "optim.warmup_steps=1"]

@@ -1,0 +1,66 @@
+"""The best checkpoint by a logged metric (`train.keep_best`, `train.keep_best_mode`): `checkpoints/best.json`.
+
+    train.keep_best: val/mlm/loss      # a metric name the run logs (validation, `pipeline.eval`)
+    train.keep_best_mode: min          # min (losses) or max (accuracies, correlations)
+
+`best.json` = `{"metric", "mode", "value", "step", "tag"}`: the tag whose metric was the best seen so
+far. It is written (atomically, rank 0) when that tag's save completes, in the same stage that
+writes its `COMPLETE.json` and moves `latest`, so it never names a tag that is not complete; a
+crash before leaves the previous best in charge. Pruning (`keep_last`) never deletes the tag it
+names, so a run keeps its `keep_last` newest checkpoints plus its best. The best tag is an ordinary
+complete tag: resume from it or convert it like any other (`cpt-convert RUN/checkpoints/<tag> OUT`).
+
+"Better" is strict (`<` for min, `>` for max): a tie keeps the earlier tag. A non-finite value is
+never a best. The record survives resume (it is read back from `checkpoints/`), except when it
+belongs to another metric or direction (a changed `train.keep_best`: the new one starts afresh) or
+to a step after the one resumed (`train.resume=<older tag>`: that future was set aside).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+BEST_FILE = "best.json"
+MODES = ("min", "max")
+
+
+@dataclass(frozen=True)
+class BestRecord:
+    metric: str
+    mode: str
+    value: float
+    step: int
+    tag: str
+
+    def improved_by(self, value: float) -> bool:
+        """Whether `value` is strictly better than this record's (in its direction)."""
+        return value < self.value if self.mode == "min" else value > self.value
+
+
+def better(record: Optional[BestRecord], metric: str, mode: str, value: float) -> bool:
+    """Whether `value` of `metric` would be a new best over `record` (None: none yet)."""
+    if not math.isfinite(value):
+        return False
+    if record is None or (record.metric, record.mode) != (metric, mode):
+        return True
+    return record.improved_by(value)
+
+
+def read_best(root: Path) -> Optional[BestRecord]:
+    """The record of `root/best.json`, or None when there is none (or it is unreadable: then no tag is
+    protected, and the next best value writes a fresh one)."""
+    try:
+        raw = json.loads((root / BEST_FILE).read_text())
+        return BestRecord(str(raw["metric"]), str(raw["mode"]), float(raw["value"]), int(raw["step"]), str(raw["tag"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_best(root: Path, record: BestRecord) -> None:
+    """Replace `root/best.json` atomically (a reader sees the old record or the new one)."""
+    from pipeline.data.shards import write_atomic
+
+    write_atomic(root / BEST_FILE, json.dumps(asdict(record), indent=1, sort_keys=True))
