@@ -35,7 +35,7 @@ from pipeline.config.phases import check_phases
 from pipeline.data.config import BatchPlan, DataConfig, plan_batches
 from pipeline.data.shards import Manifest
 from pipeline.data.sources import data_directories
-from pipeline.eval.config import EvalConfig, check_eval_set
+from pipeline.eval.config import EvalConfig, check_eval_set, check_keep_best
 from pipeline.model.config import ModelConfig
 from pipeline.objectives.registry import check_objectives, check_objectives_under_stage
 from pipeline.train.config import TrainConfig
@@ -78,6 +78,7 @@ class RunConfig:
         self.deepspeed.check()
         self.train.check()
         self.eval.check(self.train.total_steps)
+        check_keep_best(self.train.keep_best, self.train.keep_best_mode, self.objectives, self.eval)
         if self.phases:
             check_phases(self)
         if self.objectives and not any(float(w) != 0 for w in self.objectives.values()):

@@ -97,3 +97,36 @@ def check_eval_set(cfg: EvalConfig, train: Manifest, train_dir: str, phases: Seq
                           f"(eval.micro_batch_size {micro} x {world_size} rank(s) = {micro * world_size}); hold out "
                           "more documents or lower eval.micro_batch_size")
     return held
+
+
+#: First name segments every run logs besides its objectives' (`pipeline.model.pretrainer`, `pipeline.eval.health`).
+COMMON_PREFIXES = ("loss", "health")
+
+
+def check_keep_best(keep_best: str, mode: str, objectives: dict, eval_cfg: EvalConfig) -> None:
+    """Stage 1 of `train.keep_best` against what the run can log (before compute): a `val/` metric needs
+    `eval.shards_dir`; the name's first segment must be the total `loss`, `health`, one of the run's
+    objectives, or (`val/` only) `mlm_head` when an objective trains the shared MLM head; a metric whose
+    name says its direction (`..._loss` lower, `..._accuracy` / `..._auc` higher, `pipeline.eval.signals`)
+    must agree with `train.keep_best_mode`. A `val/` name these rules let through but that the evaluation
+    does not log is refused at the first evaluation (`pipeline.eval.validation.check_best_metric`)."""
+    if not keep_best:
+        return
+    from pipeline.config.checks import did_you_mean
+    from pipeline.eval.signals import direction_of
+    from pipeline.objectives.registry import mlm_head_training
+
+    where = f"train.keep_best={keep_best}"
+    validation = keep_best.startswith("val/")
+    if validation and not eval_cfg.enabled:
+        raise ConfigError(f"{where}: a validation metric, but eval.shards_dir is not set, so no evaluation logs it; "
+                          "set eval.shards_dir and eval.every")
+    name = keep_best[len("val/"):] if validation else keep_best
+    known = [*COMMON_PREFIXES, *objectives, *(["mlm_head"] if validation and mlm_head_training(objectives) else [])]
+    if name.split("/", 1)[0] not in known:
+        raise ConfigError(f"{where}: no objective logs it{did_you_mean(name.split('/', 1)[0], known)}; metric names "
+                          f"start with {', '.join(('val/' if validation else '') + k for k in known)}")
+    direction = direction_of(name)
+    if direction is not None and {"lower": "min", "higher": "max"}[direction] != mode:
+        raise ConfigError(f"{where} with train.keep_best_mode={mode}: {direction} is better for it; set "
+                          f"train.keep_best_mode={'min' if direction == 'lower' else 'max'}")

@@ -210,9 +210,11 @@ def open_validator(cfg: Any, plan: Any, model: Any, rank: int, world_size: int,
         return None
     from pipeline.data.reader import open_dataset
 
+    # the run's own data.* (not a phase's view): the same evaluation batches in every phase and after a resume
+    root = getattr(plan.schedule, "root", None) or cfg
     dataset = open_dataset(cfg.eval.shards_dir, cfg.data.verify_shards, where="eval.shards_dir")
-    return Validator(cfg.eval, dataset, model, dict(cfg.data.corruption), rank, world_size, cfg.data.micro_batch_size,
-                     device)
+    return Validator(cfg.eval, dataset, model, dict(root.data.corruption), rank, world_size,
+                     root.data.micro_batch_size, device)
 
 
 def validate(run: Any, step: int) -> dict[str, float]:
@@ -224,12 +226,25 @@ def validate(run: Any, step: int) -> dict[str, float]:
                                      run.plan.batch.grad_accum * run.info.world_size)
     run.writer.write(step, metrics)
     run.meta.validation = run.validator.remember({"step": step, **metrics}, run.writer.path)  # the checkpoint's meta
+    check_best_metric(run.cfg.train.keep_best, metrics)
+    if run.checkpointer.observe_metric(step, metrics) and run.info.is_main:  # train.keep_best: saved at this step
+        log.info("step %d: new best %s = %.4f", step, run.cfg.train.keep_best, metrics[run.cfg.train.keep_best])
     if run.info.is_main:
         log.info("validation at step %d/%d: loss %.4f%s", step, total, metrics.get(f"{PREFIX}loss", float("nan")),
                  f" | signals {signals}" if (signals := format_signals(val_signals(metrics))) else "")
     run.flop_counter.pop()
     run.meter.reset()
     return metrics
+
+
+def check_best_metric(name: str, metrics: dict[str, float]) -> None:
+    """The backstop of `check_keep_best` (which knows names only by their shape): `train.keep_best` naming a
+    `val/` metric that the first evaluation did not log is a `ConfigError` listing the ones it did."""
+    from pipeline.config.checks import ConfigError, did_you_mean
+
+    if name.startswith(PREFIX) and name not in metrics:
+        raise ConfigError(f"train.keep_best={name}: no evaluation logs it{did_you_mean(name, list(metrics))}; "
+                          f"logged: {', '.join(sorted(metrics))}")
 
 
 def val_signals(metrics: dict[str, Any]) -> list:

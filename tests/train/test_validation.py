@@ -125,7 +125,7 @@ def test_kill_and_resume_keeps_the_evaluation_schedule(split_shards, tmp_path):
     """kill -9 after a checkpoint, resume: the evaluations are at the same steps, each once, with the values of
     the uninterrupted run."""
     shards, held = split_shards
-    extra = ["train.total_steps=8", "train.checkpoint_every=2", *_eval(held, 3)]
+    extra = ["train.total_steps=8", "train.checkpoint_every=2", "train.keep_best=val/mlm_head/loss", *_eval(held, 3)]
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     assert run_inprocess("tiny-mlm", shards, whole, *extra) == 0
     proc = start_subprocess("tiny-mlm", shards, killed, *extra)
@@ -140,7 +140,24 @@ def test_kill_and_resume_keeps_the_evaluation_schedule(split_shards, tmp_path):
     from pipeline.train.run_meta import RunMeta  # the best values survived the kill (history from metrics.jsonl)
 
     assert RunMeta.read(latest(killed)).validation == RunMeta.read(latest(whole)).validation
+    best = json.loads((whole / "checkpoints" / "best.json").read_text())  # train.keep_best: the same tag kept
+    assert best["metric"] == "val/mlm_head/loss" and best["step"] in (3, 6, 8)
+    assert json.loads((killed / "checkpoints" / "best.json").read_text()) == best
+    assert (killed / "checkpoints" / best["tag"]).is_dir()
     assert metric_rows(killed).keys() == metric_rows(whole).keys()
+
+
+def test_keep_best_naming_a_metric_the_evaluation_does_not_log(split_shards, tmp_path):
+    """A `val/` name of a known objective but no such term: refused at the first evaluation, listing the names."""
+    shards, held = split_shards
+    out = tmp_path / "run"
+    proc = subprocess.run(train_command("tiny-mlm", shards, out, "train.total_steps=4", *_eval(held),
+                                        "train.keep_best=val/mlm/accurcy", "train.keep_best_mode=max"),
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=DEADLINE_S)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: train.keep_best=val/mlm/accurcy: no evaluation logs it (did you mean 'val/mlm/accuracy'?)"), errors
 
 
 @pytest.fixture(scope="module")
@@ -168,15 +185,21 @@ def other_sets(tmp_path_factory, tiny_corpus_file, tiny_tokenizer_dir) -> dict[s
     ("every0", "eval.every=0 with eval.shards_dir={held}"),
     ("every_above", "eval.every=9 exceeds train.total_steps=4"),
     ("missing", "eval.shards_dir={held}: no such directory"),
+    ("best_typo", "train.keep_best=val/mlmx/loss: no objective logs it (did you mean 'mlm'?)"),
+    ("best_mode", "train.keep_best=val/mlm_head/accuracy with train.keep_best_mode=min: higher is better for it"),
+    ("best_no_eval", "train.keep_best=val/loss: a validation metric, but eval.shards_dir is not set"),
 ])
 def test_bad_validation_input_is_one_line_before_compute(case, message, split_shards, other_sets, tmp_path):
     shards, good = split_shards
     held = {"itself": shards, "missing": tmp_path / "nowhere"}.get(case) or other_sets.get(case) or good
     every = {"every0": 0, "every_above": 9}.get(case, 2)
-    extra = ["eval.micro_batch_size=64"] if case == "small" else []
+    extra = {"small": ["eval.micro_batch_size=64"], "best_typo": ["train.keep_best=val/mlmx/loss"],
+             "best_mode": ["train.keep_best=val/mlm_head/accuracy"]}.get(case, [])
+    evaluation = [f"eval.shards_dir={held}", f"eval.every={every}"]
+    if case == "best_no_eval":
+        evaluation = ["train.keep_best=val/loss"]
     out = tmp_path / "run"
-    proc = subprocess.run(train_command("tiny-mlm", shards, out, "train.total_steps=4", f"eval.shards_dir={held}",
-                                        f"eval.every={every}", *extra),
+    proc = subprocess.run(train_command("tiny-mlm", shards, out, "train.total_steps=4", *evaluation, *extra),
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=DEADLINE_S)
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
