@@ -262,3 +262,24 @@ def test_held_out_masked_accuracy_leaves_the_plateau(split_shards, tmp_path):
     assert final["val/mlm_head/loss"] < final["val/health/unigram_entropy"]
     verdicts = {s.term: s.learned for s in val_signals(final)}
     assert verdicts["val/mlm_head/accuracy"] and verdicts["val/mlm_head/loss"] and verdicts["val/mlm/loss"]
+
+
+def test_two_ranks_evaluate_their_slices_as_one_rank_evaluates_all(split_shards, tmp_path):
+    """2 ranks under ZeRO-3 (gloo) x 2 evaluation batches read the 4 micro-batches 1 rank reads with 4: the
+    same positions, masks and samples (keyed by position), reduced once, so the same val/ values within the
+    fp32 reduction-order tolerance of training across rank counts (`test_multirank.py`); dropout off."""
+    from tests.train.runs import run_torchrun
+
+    shards, held = split_shards
+    run = ["train.total_steps=4", "deepspeed.config=zero3", "model.dropout=0.0", "model.attention_dropout=0.0",
+           f"eval.shards_dir={held}", "eval.every=2"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    run_torchrun("tiny-mlm", shards, two, *run, "eval.batches=2")
+    assert run_inprocess("tiny-mlm", shards, one, *run, "eval.batches=4") == 0
+    a, b = _val_records(two), _val_records(one)
+    assert sorted(a) == sorted(b) == [2, 4]
+    for step in (2, 4):
+        assert a[step].keys() == b[step].keys() and a[step]["val/mlm_head/positions"] == b[step]["val/mlm_head/positions"]
+        keys = sorted(k for k in a[step] if k.startswith("val/"))
+        torch.testing.assert_close(torch.tensor([a[step][k] for k in keys]), torch.tensor([b[step][k] for k in keys]),
+                                   rtol=1e-4, atol=1e-5)
