@@ -118,10 +118,12 @@ def record(work: Path, only: list[str]) -> dict[str, Any]:
     import torch
 
     from pipeline.train.__main__ import __file__ as entry  # noqa: F401 - the tree under test is importable
+    import importlib
+
     try:
-        from pipeline.train.cli import main
-    except ImportError:  # the tree before the redesign
-        from pipeline.train.cli import main
+        main = importlib.import_module("pipeline.train.cli").main
+    except ModuleNotFoundError:  # the tree before the redesign: the entry point was in loop.py
+        main = importlib.import_module("pipeline.train.loop").main
 
     torch.set_num_threads(1)
     shards, long_shards = build_data(work)

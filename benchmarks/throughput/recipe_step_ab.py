@@ -5,9 +5,10 @@ time of the default recipe unchanged").
 `--before DIR` / `--after DIR` are extracted copies of the code (`git archive <commit> | tar -x -C DIR`,
 then `echo <commit> > DIR/.commit` so the report names it).
 Each measurement is a fresh process that runs that tree's training entry point
-(`pipeline.train.loop.main(["--config", <recipe>, ...])`, `PYTHONPATH` and the working directory set
-to the tree, `OMP_NUM_THREADS=1`) on the same shards for `--steps` steps; its step time is the median
-of `metrics.jsonl`'s `step_time_s` after `--warmup` steps — one optimizer step: collation, forward,
+(`pipeline.train.cli.main(["--config", <recipe>, ...])`; `pipeline.train.loop.main` in trees before
+issue 48; `PYTHONPATH` and the working directory set to the tree, `OMP_NUM_THREADS=1`) on the same
+shards for `--steps` steps; its step time is the median of `metrics.jsonl`'s `step_time_s` after
+`--warmup` steps — one optimizer step: collation, forward,
 backward, LR schedule, optimizer step. The worker points the metrics module's clock at
 `time.process_time`, so `step_time_s` is this process's CPU time per step, not wall time: the
 machine is shared, and other processes inflate wall time, not this process's CPU time.
@@ -40,11 +41,16 @@ def tree_commit(tree: Path) -> str:
 
 def worker(tree: Path, argv: list[str]) -> int:
     """Inside the tree under test: its training entry point, step times measured in CPU time."""
+    import importlib
     import time
     import types
 
     import pipeline.train.metrics as metrics
-    from pipeline.train.cli import main as train_main
+
+    try:  # the entry point's home since issue 48; before, `pipeline.train.loop`
+        train_main = importlib.import_module("pipeline.train.cli").main
+    except ModuleNotFoundError:
+        train_main = importlib.import_module("pipeline.train.loop").main
 
     clock = types.SimpleNamespace(**{k: getattr(time, k) for k in dir(time) if not k.startswith("_")})
     clock.perf_counter = time.process_time  # the step timer's clock: this process's CPU time

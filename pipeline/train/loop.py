@@ -166,8 +166,9 @@ def build_run(cfg: RunConfig, recipe: Optional[dict] = None) -> "Run":
     """A started run of `cfg` from a fresh start, without the loop: what `train` builds before its
     first step (stage-2 checks for this launch's world size, the model, ranks, engine, data, metrics
     writer), for callers that drive `Run.train_step` themselves (benchmarks). No run directory lock,
-    no resume, no exit record; nothing is saved unless the caller asks `run.checkpointer`. Call it inside `torch_process_state(cfg.train.deterministic,
-    cfg.deepspeed.tf32)`, as `train` does, and end with `run.close()`:
+    no resume, no exit record; nothing is saved unless the caller asks `run.checkpointer`. Call it
+    inside `torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32)`, as `train` does, and
+    end with `run.close()`:
 
         with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
             run = build_run(cfg)

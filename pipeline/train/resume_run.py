@@ -21,7 +21,7 @@ run: warm-start one from the converted checkpoint (`model.init_from`).
 
 Which changes are accepted: the overrides given are deliberate, so when they change a field that
 matters for resuming (`pipeline.config.run.config_differences`) the resume is allowed as with
-`train.allow_config_change=true`; a model-shape change is still refused (`check_resume_shapes`).
+`train.allow_config_change=true`; a model-shape change is still refused (`Checkpointer.check_shapes`).
 Changes that were NOT asked for still stop the run: shards rewritten in place since the
 checkpoint (a different manifest hash with the same `data.shards_dir`) need an explicit
 `train.allow_config_change=true`.
