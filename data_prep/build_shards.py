@@ -30,7 +30,6 @@ shard written but not recorded) is removed, and the same command resumes once th
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import json
 import multiprocessing
@@ -50,6 +49,7 @@ from tqdm import tqdm
 from data_prep.packing import PACKING_MODES, Packer
 from data_prep.readers import InputError, ReadOptions, Source, check_source, iter_documents, resolve_inputs
 from data_prep.encode import DocumentEncoder
+from data_prep.holdout import DEFAULT_SUBDIR, DocumentSplit
 from data_prep.tokenizer_io import LoadedTokenizer, load_tokenizer
 from pipeline.tokenizer_checks import SAMPLE_DOCUMENTS, coverage_problem, unknown_share
 from pipeline.data.shards import (
@@ -70,7 +70,16 @@ from pipeline.data.shards import (
     xxh3_file,
 )
 
-STATE_FILE = "build_state.json"
+from data_prep.output_state import (  # STATE_FILE and EXIT_WRITE_FAILED are imported from here by callers
+    EXIT_WRITE_FAILED,
+    STATE_FILE,
+    _recorded_shards,
+    _remove_unrecorded,
+    is_write_failure,
+    remove_leftovers,
+    write_failed_message,
+)
+
 #: Test hook: seconds to sleep after each shard is recorded, so a test can kill the build mid-way.
 SLEEP_AFTER_SHARD_ENV = "DATA_PREP_SLEEP_AFTER_SHARD"
 CHUNK_DOCUMENTS = 512
@@ -78,11 +87,7 @@ CHUNK_CHARS = 4 << 20
 #: How the tokenizer workers start: from a clean server process, not by forking the (maybe threaded) caller.
 POOL_START_METHOD = "forkserver"
 EXIT_INTERRUPTED = 130
-#: Exit code when --out cannot be written (training's `EXIT_SAVE_FAILED`, `cpt-convert`'s `EXIT_WRITE_FAILED`).
-EXIT_WRITE_FAILED = 4
-#: errno values that mean "the output cannot take this write" whatever the file (pyarrow's write errors
-#: carry the errno but no file name).
-WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS)
+
 
 
 class BuildRefused(RuntimeError):
@@ -100,6 +105,7 @@ class BuildStats:
     text_tokens: int = 0  # tokens of the documents themselves (no [CLS]/[SEP])
     per_source_raw: list[int] = field(default_factory=list)
     per_source_documents: list[int] = field(default_factory=list)
+    other_side: int = 0  # non-empty documents the held-out rule gives to the other set (`data_prep.holdout`)
 
 
 def _source_record(source: Source) -> dict[str, Any]:
@@ -182,51 +188,6 @@ def _valid_prefix(out: Path, recorded: list[dict[str, Any]]) -> list[dict[str, A
     return valid
 
 
-def _remove_unrecorded(out: Path, keep: set[str]) -> None:
-    """Delete temporary files and shards the state does not vouch for (possibly partial)."""
-    for path in out.iterdir():
-        if path.is_file() and (path.name.endswith(".tmp") or (path.name.startswith("shard_") and path.name not in keep)):
-            path.unlink()
-
-
-def _recorded_shards(out: Path) -> list[str]:
-    """Names of the shards `build_state.json` records (those a re-run keeps); [] when it is unreadable."""
-    try:
-        return [entry["name"] for entry in json.loads((out / STATE_FILE).read_text())["shards"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
-
-
-def remove_leftovers(out: Path) -> None:
-    """After a failed write: delete what it left (`*.tmp` files, the tokenizer's staging copy, shards
-    not recorded), keeping the recorded shards and the state a re-run resumes from."""
-    if not out.is_dir():
-        return
-    _remove_unrecorded(out, set(_recorded_shards(out)))
-    shutil.rmtree(out / (TOKENIZER_SUBDIR + ".tmp"), ignore_errors=True)
-
-
-def is_write_failure(err: OSError, out: Path) -> bool:
-    """Whether `err` is a write of the output failing (a `WRITE_ERRNOS` code, or any error on a path
-    under `out`), rather than an input that cannot be read."""
-    if err.errno in WRITE_ERRNOS:
-        return True
-    try:
-        return err.filename is not None and Path(err.filename).resolve().is_relative_to(out.resolve())
-    except (OSError, ValueError, TypeError):
-        return False
-
-
-def write_failed_message(out: Path, err: OSError) -> str:
-    """One line: why --out could not be written, what is kept, how to go on."""
-    reason = os.strerror(err.errno).lower() if err.errno else str(err)
-    where = f": {err.filename}" if err.filename else ""
-    shards = len(_recorded_shards(out))
-    kept = (f"the {shards} shard(s) recorded in {out / STATE_FILE} are kept" if shards else "no shard was complete yet")
-    return (f"--out {out}: cannot write the shards ({reason}{where}); {kept} and the temporary files are removed; "
-            "free space (or make it writable) and re-run the same command to resume")
-
-
 _WORKER_TOKENIZER: DocumentEncoder | None = None
 
 
@@ -251,8 +212,10 @@ def _tokenize_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarra
     return _WORKER_TOKENIZER.encode(texts)
 
 
-def _chunks(sources: list[Source], options: ReadOptions, skip: int) -> Iterator[list[tuple[int, str, int]]]:
-    """(source index, text, replaced chars) in chunks, after skipping the first `skip` raw documents."""
+def _chunks(sources: list[Source], options: ReadOptions, skip: int,
+            split: DocumentSplit | None = None) -> Iterator[list[tuple[int, str | None, int]]]:
+    """(source index, text, replaced chars) in chunks, after skipping the first `skip` raw documents;
+    a document `split` gives to the other set comes as text None (counted, not tokenized)."""
     chunk: list[tuple[int, str, int]] = []
     chars = 0
     seen = 0
@@ -260,6 +223,9 @@ def _chunks(sources: list[Source], options: ReadOptions, skip: int) -> Iterator[
         for doc in iter_documents(source, options):
             seen += 1
             if seen <= skip:
+                continue
+            if split is not None and doc.text.strip() and not split.keeps(doc.text):
+                chunk.append((index, None, 0))
                 continue
             chunk.append((index, doc.text, doc.replaced))
             chars += len(doc.text)
@@ -298,7 +264,7 @@ def check_coverage(tokenizer: LoadedTokenizer, sources: list[Source], options: R
 def _tokenized(chunks: Iterator[list[tuple[int, str, int]]], tokenizer: LoadedTokenizer, num_proc: int):
     """Yield (chunk, tokenized non-empty texts) in input order, using `num_proc` processes."""
     def texts_of(chunk: list[tuple[int, str, int]]) -> list[str]:
-        return [text for _, text, _ in chunk if text.strip()]
+        return [text for _, text, _ in chunk if text is not None and text.strip()]
 
     if num_proc <= 1:
         _set_tokenizer(tokenizer.backend_json)  # in this process: its own signal handlers stay
@@ -357,13 +323,25 @@ def build_shards(
     shard_size_mb: float = 256.0,
     num_proc: int = 1,
     progress: bool = True,
+    holdout_fraction: float = 0.0,
+    holdout_dir: str | os.PathLike | None = None,
+    split: DocumentSplit | None = None,
 ) -> Manifest:
     """Build (or resume, or confirm) a shard directory; returns its manifest.
 
+    `holdout_fraction` > 0: that share of the documents (`data_prep.holdout`) goes to a validation shard
+    directory of its own, `holdout_dir` (default `<out>/validation`), built after `out` with the same
+    tokenizer and seq_len (`split`: the side one build packs, set by that recursion).
     Raises `InputError` for bad inputs, `ValueError` for bad arguments, `BuildRefused` when `out`
     holds a different build.
     """
     out = Path(out)
+    if holdout_fraction:
+        train_side = build_shards(inputs, tokenizer, out, seq_len, packing, read_options, shard_size_mb, num_proc,
+                                  progress, split=DocumentSplit(holdout_fraction, "train"))
+        build_shards(inputs, tokenizer, holdout_dir or out / DEFAULT_SUBDIR, seq_len, packing, read_options,
+                     shard_size_mb, num_proc, progress, split=DocumentSplit(holdout_fraction, "validation"))
+        return train_side
     if packing not in PACKING_MODES:
         raise ValueError(f"--packing {packing!r}: expected one of {PACKING_MODES}")
     if seq_len < 8:
@@ -387,6 +365,7 @@ def build_shards(
         "read_options": asdict(read_options),
         "tokenizer_hash": tokenizer_hash,
         "sources": [[r["path"], r["sha256"]] for r in records],
+        **({"holdout": split.record()} if split is not None else {}),
     }
     fingerprint = _fingerprint(fingerprint_inputs)
     previous = _check_out_dir(out, fingerprint, fingerprint_inputs)
@@ -426,13 +405,17 @@ def build_shards(
                 writer.flush({"stats": asdict(stats), "packer": packer.state()})
 
     with tqdm(desc="tokenizing", unit=" tok", unit_scale=True, disable=not progress, file=sys.stderr) as bar:
-        for chunk, (ids, starts, lengths) in _tokenized(_chunks(sources, read_options, stats.raw_documents), loaded, num_proc):
+        chunks = _chunks(sources, read_options, stats.raw_documents, split)
+        for chunk, (ids, starts, lengths) in _tokenized(chunks, loaded, num_proc):
             offsets = np.concatenate([[0], np.cumsum(lengths)])
             encoded = 0
             for source_index, text, replaced in chunk:
                 stats.raw_documents += 1
                 stats.per_source_raw[source_index] += 1
                 stats.replaced_chars += replaced
+                if text is None:
+                    stats.other_side += 1
+                    continue
                 if not text.strip():
                     stats.skipped_empty += 1
                     continue
@@ -487,6 +470,7 @@ def build_shards(
             "replaced_chars": stats.replaced_chars,
             "empty_inputs": sum(1 for raw in stats.per_source_raw if raw == 0),
             "padding_tokens": stats.sequences * seq_len - stats.tokens,
+            **({"other_side_documents": stats.other_side} if split is not None else {}),
         },
         fingerprint=fingerprint,
     )
@@ -531,6 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", default="train", help="datasets DatasetDict: split to read")
     parser.add_argument("--shard-size-mb", type=float, default=256.0, help="upper bound on one shard's size in MiB")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or summary")
+    parser.add_argument("--holdout-fraction", type=float, default=0.0,
+                        help="hold out this share of the documents (by document, data_prep.holdout) into a validation "
+                             "shard directory of its own, for eval.shards_dir; 0: none")
+    parser.add_argument("--holdout-dir", metavar="DIR", help="the validation set's directory (default: OUT/validation)")
     return parser
 
 
@@ -554,6 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             shard_size_mb=args.shard_size_mb,
             num_proc=args.num_proc,
             progress=not args.no_progress,
+            holdout_fraction=args.holdout_fraction,
+            holdout_dir=args.holdout_dir,
         )
     except (InputError, ValueError, BuildRefused) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -568,6 +558,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {write_failed_message(Path(args.out), err)}", file=sys.stderr)
         return EXIT_WRITE_FAILED
     print(f"{args.out}: {manifest.total_sequences:,} sequences in {len(manifest.shards)} shard(s)")
+    if args.holdout_fraction:
+        held = read_manifest(args.holdout_dir or Path(args.out) / DEFAULT_SUBDIR)
+        print(f"{args.holdout_dir or Path(args.out) / DEFAULT_SUBDIR}: {held.total_sequences:,} held-out sequences "
+              f"({held.stats['documents']:,} documents) for eval.shards_dir")
     return 0
 
 

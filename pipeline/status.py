@@ -100,6 +100,7 @@ class RunStatus:
     trackers: dict[str, dict[str, str]] = field(default_factory=dict)  # trackers.json: W&B / MLflow run ids
     wandb_offline_runs: int = 0  # offline-run-* directories under wandb/ (what `wandb sync` uploads)
     metrics_skipped: list[str] = field(default_factory=list)  # unreadable metrics.jsonl lines ("line 7: ...")
+    validation: dict[str, Any] = field(default_factory=dict)  # latest and best val/ values (`validation_summary`)
 
     @property
     def signals_learned(self) -> str:
@@ -228,8 +229,11 @@ def state_of(record: Optional[dict], step: int, total: Optional[int], checkpoint
 
 def collect(run_dir: Path) -> RunStatus:
     """The status of one run directory."""
+    from pipeline.train.validation import is_validation_record, validation_summary
+
     skipped: list[str] = []
-    records = [r for r in read_jsonl(run_dir / METRICS_FILE, skipped) if isinstance(r.get("step"), int)]
+    everything = [r for r in read_jsonl(run_dir / METRICS_FILE, skipped) if isinstance(r.get("step"), int)]
+    records = [r for r in everything if not is_validation_record(r)]  # training steps (val/ records: eval.every)
     record, damage = exit_record.read_checked(run_dir)
     newest = newest_checkpoint(run_dir)
     meta_config: dict = {}
@@ -261,6 +265,7 @@ def collect(run_dir: Path) -> RunStatus:
         status.checkpoint_step, status.checkpoint = newest[0], str(newest[1])
         status.convert_command = f"cpt-convert {newest[1]} {run_dir / EXPORT_SUBDIR / f'step{newest[0]}'}"
     status.checkpoint_bytes = disk_bytes(run_dir / CHECKPOINT_DIR)
+    status.validation = validation_summary(everything)
     status.trackers = read_ids(run_dir)
     status.wandb_offline_runs = len(list((run_dir / "wandb").glob("offline-run-*")))
     metrics = run_dir / METRICS_FILE
@@ -329,6 +334,13 @@ def format_detail(s: RunStatus) -> str:
     if s.signals:
         lines.append(f"  signals     {s.signals_learned} learned")
         lines += [f"    {sig['text']}{' (still improving)' if sig['still_improving'] else ''}" for sig in s.signals]
+    if s.validation:
+        lines.append(f"  validation  {s.validation['evaluations']} evaluation(s), latest at step {s.validation['step']} "
+                     "(held-out set, eval.shards_dir)")
+        texts = {sig["term"]: sig["text"] for sig in s.validation["signals"]}  # each beside its chance level
+        for term, v in s.validation["terms"].items():
+            latest = texts.get(term, f"{term} {v['latest']:.4f}")
+            lines.append(f"    {latest} (best {v['best']:.4f} at step {v['best_step']})")
     if s.checkpoint:
         lines.append(f"  checkpoint  {s.checkpoint} (step {s.checkpoint_step}); {human_bytes(s.checkpoint_bytes)} "
                      "in checkpoints/")

@@ -205,6 +205,21 @@ def signals_section(signals: list[Signal]) -> list[str]:
 _REFERENCES = {"chance": "chance", "plateau": "unigram plateau", "entropy": "unigram entropy"}
 
 
+def validation_section(summary: dict[str, Any]) -> list[str]:
+    """The held-out set's values (`eval.shards_dir`, `pipeline.train.validation.validation_summary`): each
+    `val/` term at the checkpoint's latest evaluation beside its chance level, and its best over the run."""
+    if not summary or not summary.get("terms"):
+        return []
+    against = {s["term"]: s["text"] for s in summary.get("signals", [])}
+    rows = [(f"`{term}`", f"{v['latest']:.4f}", f"{v['best']:.4f} (step {v['best_step']})",
+             against.get(term, "").split(" ", 1)[-1] if term in against else "")
+            for term, v in summary["terms"].items()]
+    return ["", f"## Validation (held-out documents, step {summary['step']})", "",
+            f"{summary['evaluations']} evaluation(s) during training on documents never trained on, with masks fixed "
+            "by `eval.seed` (the same positions at every evaluation):", "",
+            _table(rows, ("metric", "latest", "best", "against its chance level"))]
+
+
 _FAMILY_ROWS = {
     "bert": f"BERT (`{HF_MASKED_LM['bert']}`): learned absolute positions, post-LayerNorm, GELU FFN",
     "modernbert": f"ModernBERT (`{HF_MASKED_LM['modernbert']}`, `model.arch=modernbert`): rotary positions, "
@@ -310,6 +325,7 @@ def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, gener
               _table([(k, format_metric(v)) for k, v in sorted(meta.last_metrics.items())])
               if meta.last_metrics else "(none recorded)"]
     if not generator_card:
+        lines += validation_section(meta.validation)
         usage = modernbert_usage_section() if is_modernbert(enc) else usage_section(meta)
         lines += head_section(export) + health_section(inputs.health) + usage
     lines += ["", "## Architecture", "", _table([

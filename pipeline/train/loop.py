@@ -30,6 +30,7 @@ from pipeline.train.run_config import RunConfig, RunPlan, check_run, config_hash
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.monitor.health import CollapseMonitor, unigram_counts
 from pipeline.monitor.signals import format_signals, learning_signals
+from pipeline.train.validation import open_validator, validate
 from pipeline.pretrain.build import build_pretrain_model
 from pipeline.pretrain.pretrainer import PretrainModel
 from pipeline.objectives.base import SAMPLED_SOFTMAX, StepProgress
@@ -157,7 +158,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
                MetricsWriter.for_run(cfg, info.is_main, state.step, recipe),  # train.trackers
                ThroughputMeter(info.world_size, device_peak_flops(cfg.deepspeed.precision)),
                NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16",
-                              cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio), checkpointer)
+                              cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio), checkpointer,
+               validator=open_validator(cfg, plan, model, info.rank, info.world_size, device))
 
 
 def build_run(cfg: RunConfig, recipe: Optional[dict] = None) -> "Run":
@@ -248,6 +250,7 @@ class Run:
     guard: NonFiniteGuard
     checkpointer: Checkpointer
     health: CollapseMonitor = field(default_factory=lambda: CollapseMonitor(log))
+    validator: Any = None  # pipeline.train.validation.Validator when eval.shards_dir is set
 
     def loop(self, preemption: PreemptionHandler) -> int:
         """Steps until `train.total_steps`, a preemption, or the guard stops the run; returns the exit
@@ -279,6 +282,8 @@ class Run:
                     raise self.guard.loss_divergence_error(state, step, result.loss,
                                                            self.checkpointer.last_good(step - 1))
                 self.guard.check(state, step)
+                if self.validator is not None and self.validator.due(step, total):  # eval.every (pipeline.train.validation)
+                    validate(self, step)  # before the save: train.keep_best judges this step's values
                 if self.checkpointer.step_end(self, step, result.stop_requested, last_metrics):
                     self.meter.reset()  # keep the save time out of the throughput numbers
                 if result.stop_requested and step == total:

@@ -10,6 +10,7 @@
 | `optim`               | `pipeline.train.optim`           | optimizer and learning-rate schedule      |
 | `deepspeed`           | `pipeline.train.engine`          | engine file, precision                    |
 | `train`               | `pipeline.train.config`          | length, seed, output, checkpoints, guards |
+| `eval`                | `pipeline.train.eval_config`           | held-out set, how often, how much         |
 
 Validation happens in two stages, both before any model is built:
   `load_config` -> `check`   each section's own `check()` (types, enums, ranges, option names)
@@ -34,6 +35,7 @@ from pipeline.train.phase_config import check_phases
 from pipeline.data.config import BatchPlan, DataConfig, plan_batches
 from pipeline.data.shards import Manifest
 from pipeline.data.sources import data_directories
+from pipeline.train.eval_config import EvalConfig, check_eval_set, check_keep_best
 from pipeline.model.config import ModelConfig
 from pipeline.objectives.registry import check_objectives, check_objectives_under_stage
 from pipeline.train.config import TrainConfig
@@ -57,6 +59,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     deepspeed: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     phases: list = field(default_factory=list)
     """Training phases walked in order by one run (each `{name, steps | tokens | fraction, shards_dir, seq_len,
     micro_batch_size, global_batch_size, model: {global_rope_theta, ...}, optim: {schedule segment}}`; the steps
@@ -74,6 +77,8 @@ class RunConfig:
         self.optim.check()
         self.deepspeed.check()
         self.train.check()
+        self.eval.check(self.train.total_steps)
+        check_keep_best(self.train.keep_best, self.train.keep_best_mode, self.objectives, self.eval)
         if self.phases:
             check_phases(self)
         if self.objectives and not any(float(w) != 0 for w in self.objectives.values()):
@@ -115,6 +120,7 @@ class RunPlan:
     manifest: Manifest
     manifest_hash: str
     schedule: Optional[Schedule] = None  # the run's phases (`pipeline.train.phases`); `check_run` always sets it
+    eval_manifest: Optional[Manifest] = None  # the held-out set's (`eval.shards_dir`); None: no validation
 
 
 def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start: bool = True) -> RunPlan:
@@ -124,10 +130,14 @@ def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start
     schedule is the run's one implicit phase (`Schedule.implicit`)."""
     schedule = plan_schedule(cfg, world_size)
     if schedule is not None and schedule.phased:
-        return _check_run(schedule.run_config(schedule.phases[0]), world_size, cuda_available, fresh_start, schedule)
-    plan = _check_run(cfg, world_size, cuda_available, fresh_start, schedule)
+        plan = _check_run(schedule.run_config(schedule.phases[0]), world_size, cuda_available, fresh_start, schedule)
+        phases = [(f"phases[{i}] ({p.name})", p.manifest.seq_len) for i, p in enumerate(schedule.phases)]
+    else:
+        plan, phases = _check_run(cfg, world_size, cuda_available, fresh_start, schedule), []
     if plan.schedule is None:
         plan.schedule = Schedule.implicit(cfg, plan.batch, plan.manifest, plan.manifest_hash)
+    plan.eval_manifest = check_eval_set(cfg.eval, plan.manifest, data_directories(cfg.data)[0], phases, world_size,
+                                        cfg.data.micro_batch_size)
     return plan
 
 
@@ -182,6 +192,11 @@ RESUME_IGNORED_FIELDS = (
     "train.tracker_run_name",
     "train.tracker_tags",
     "train.mlflow_tracking_uri",
+    "eval.shards_dir",  # validation reads the model, never changes a step (pipeline.train.validation)
+    "eval.every",
+    "eval.batches",
+    "eval.micro_batch_size",
+    "eval.seed",
 )
 _SECTIONS = {f.name for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(f.default_factory)}  # type: ignore[arg-type]
 

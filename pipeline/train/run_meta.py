@@ -32,6 +32,7 @@ class RunMeta:
     zero_stage: int = 0
     world_size: int = 1
     last_metrics: dict[str, float] = field(default_factory=dict)
+    validation: dict[str, Any] = field(default_factory=dict)  # held-out set: `pipeline.train.validation.validation_summary`
     base_model: dict[str, Any] = field(default_factory=dict)  # warm start: name, config_sha256, license
     corpus: dict[str, Any] = field(default_factory=dict)  # `corpus_summary` of the shards' manifest
     recipe: dict[str, Any] = field(default_factory=dict)  # preset and overrides (`describe_recipe`)

@@ -163,7 +163,7 @@ def kill_after_a_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeou
 
 
 def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl")}
+    return {r["step"]: r["loss"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r}  # not val/ records
 
 
 def metric_rows(out: Path) -> dict[int, dict]:
