@@ -81,7 +81,7 @@ from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, 
 from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
 from pipeline.train.phases import before_step
 from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, preemption_scope
-from pipeline.train.run_lock import hold_run_dir, released_at_exit
+from pipeline.train.run_lock import check_still_held, hold_run_dir, released_at_exit
 from pipeline.train.run_meta import RunMeta, corpus_summary
 
 log = logging.getLogger("pipeline.train")
@@ -561,6 +561,7 @@ class Run:
         state.objective_state = self.model.extra_state_for_checkpoint()
         meta.step, meta.consumed_samples, meta.tokens_seen = state.step, state.consumed_samples, state.tokens_seen
         meta.last_metrics = {k: v for k, v in last_metrics.items() if isinstance(v, (int, float))}
+        check_still_held(self.cfg.train.output_dir, self.info.is_main)  # no second writer since (run_lock)
         save_checkpoint(self.engine, Path(self.cfg.train.output_dir) / CHECKPOINT_DIR, state, meta,
                         self.cfg.train.keep_last, self.info.is_main, self.finisher, healthy)
 
