@@ -44,3 +44,19 @@ def test_micro_batch_change_on_resume(tiny_shards_dir, tmp_path, capsys):
     message = error_line(capsys.readouterr().err)
     assert "was written with a different config or data: data.micro_batch_size: 4 -> 2" in message
     assert "train.allow_config_change=true" in message
+
+
+def test_a_batch_warmup_longer_than_the_run_is_refused(tiny_shards_dir, tmp_path, capsys):
+    """Without phases as with them: a warm-up that would not reach `data.global_batch_size` before the
+    run ends is refused naming the field (it used to train every step at a smaller batch than the
+    start-up line printed). Micro 2, target 8, from 2 over 24 samples' tokens: the warm-up takes 8 steps."""
+    out = tmp_path / "run"
+    warmup = ["data.micro_batch_size=2", "data.global_batch_size=8",
+              'data.batch_warmup={"start_global_batch_size": 2, "tokens": 1536}']
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=7", *warmup) == EXIT_CONFIG_ERROR
+    assert error_line(capsys.readouterr().err) == (
+        "data.batch_warmup.tokens=1536: the warm-up does not end inside the run (8 steps > train.total_steps=7); "
+        "shorten it or lengthen the run")
+    assert not (out / "checkpoints").exists()
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=8", "train.checkpoint_every=8",
+                         *warmup) == 0  # one that ends on the last step runs
