@@ -324,8 +324,9 @@ def plan_schedule(cfg: RunConfig, world_size: int) -> Optional[Schedule]:
         manifest, data_hash = cfg.data.check_shards(batch)
         ramp = plan_ramp(cfg.data, batch, manifest.seq_len, "data.batch_warmup")
         if (needs := tokens_to_steps(ramp.tokens, ramp.seq_len, batch, ramp)) > cfg.train.total_steps:  # as a phase's
-            raise ConfigError(f"data.batch_warmup.tokens={ramp.tokens}: the warm-up does not end inside the run ({needs} "
-                              f"steps > train.total_steps={cfg.train.total_steps}); shorten it or lengthen the run")
+            raise ConfigError(f"data.batch_warmup.tokens={ramp.tokens}: the warm-up does not end inside the run "
+                              f"({needs} steps > train.total_steps={cfg.train.total_steps}); shorten it or lengthen "
+                              "the run")
         phase = Phase(0, "", 0, cfg.train.total_steps, cfg.data, batch, manifest, data_hash, cfg.train.seed, {}, None,
                       ramp)
         return Schedule([phase], cfg.train.total_steps, cfg)
