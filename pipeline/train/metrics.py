@@ -222,10 +222,13 @@ class MetricsWriter:
         self.trackers = TrackerSet.open(names, identity or RunIdentity(Path(output_dir)), resume_step)
 
     @classmethod
-    def for_run(cls, cfg: Any, enabled: bool, resume_step: int, recipe: Optional[dict] = None) -> "MetricsWriter":
+    def for_run(cls, cfg: Any, enabled: bool, resume_step: int, recipe: Optional[dict] = None,
+                rewound: bool = False) -> "MetricsWriter":
         """The writer of a run (`cfg`: its `RunConfig`): `train.trackers` (less `tensorboard` when
-        `train.tensorboard=false`), named and tagged from `train.tracker_*`, config + recipe attached."""
+        `train.tensorboard=false`), named and tagged from `train.tracker_*`, config + recipe attached;
+        `rewound` (a resume from an older tag): new W&B / MLflow runs linked to their parents."""
         identity = open_identity(cfg.train.output_dir, cfg.to_dict(), recipe, cfg.train, cfg.name)
+        identity.rewound_to = resume_step if rewound else None
         return cls(cfg.train.output_dir, enabled, resume_step, trackers=cfg.train.active_trackers(), identity=identity)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
