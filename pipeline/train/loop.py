@@ -78,7 +78,7 @@ from pipeline.train import exit_record
 from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded, restore_tf32, set_tf32
 from pipeline.train.guard import NonFiniteGuard, NonFiniteLossError, weight_stats
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
-from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
+from pipeline.train.optim import build_optimizer, check_optimizer_kept, lr_at, resolve_impl, set_lr, use_apex_layernorm
 from pipeline.train.phases import before_step
 from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, preemption_scope
 from pipeline.train.run_lock import check_still_held, hold_run_dir, released_at_exit
@@ -249,6 +249,7 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
             data_hash, data_dir = plan.schedule.data_identity(resume_dir, data_hash, data_dir)
         target = plan_resume(resume_dir, config_dict, data_hash, world_size, plan.zero_stage,
                              cfg.train.allow_config_change, manifest_file_sha256(data_dir) if data_dir else "")
+        check_optimizer_kept(target.meta.config, config_dict)  # its moments are the saved optimizer's
         if cfg.train.resume not in ("auto", "never"):  # an explicit tag: this run's newer ones are set aside
             target.set_aside = newer_tags(ckpt_root, resume_dir)
     if not check_only:  # a file, read-only or full location: one line and exit 4 now, not at the first save

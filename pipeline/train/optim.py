@@ -108,6 +108,9 @@ class OptimConfig:
             raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be < {where}={total_steps}")
         if self.schedule == "wsd":
             start, length = decay_window(self, total_steps)
+            if self.decay_steps > total_steps:
+                raise ConfigError(f"optim.decay_steps={self.decay_steps} exceeds the run ({where}={total_steps}): the "
+                                  f"WSD decay is the run's last decay_steps steps; set it to at most {total_steps}")
             if start < self.warmup_steps:
                 field = f"optim.decay_steps={self.decay_steps}" if self.decay_steps else \
                     f"optim.decay_fraction={self.decay_fraction} ({length} steps)"
@@ -125,6 +128,18 @@ class OptimConfig:
             raise ConfigError("optim.name=lamb needs a GPU (DeepSpeed FusedLamb or apex FusedLAMB); use optim.name=adamw")
         if self.impl == "deepspeed" and not cuda:
             raise ConfigError("optim.impl=deepspeed (FusedAdam) needs a GPU; use optim.impl=auto or torch")
+
+
+def check_optimizer_kept(saved: dict, config: dict) -> None:
+    """A resume keeps the optimizer (`saved`, `config`: the checkpoint's and this run's config dicts): the
+    checkpoint's moments are that optimizer's own (AdamW stores m and v bias-uncorrected, StableAdamW
+    debiased; LAMB's fused kernels their own layout), and another would silently reinterpret them, so
+    a change of `optim.name` is refused even with `train.allow_config_change` (no conversion is made)."""
+    old, new = (saved.get("optim") or {}).get("name", "adamw"), (config.get("optim") or {}).get("name", "adamw")
+    if old != new:
+        raise ConfigError(f"optim.name={new}: the checkpoint was trained with optim.name={old}, whose optimizer state "
+                          f"(moments) {new} would misread; a resume keeps the optimizer. Resume with optim.name={old}, "
+                          "or start a new train.output_dir warm-started from the converted weights (model.init_from)")
 
 
 def group_weight_decay(cfg: OptimConfig) -> float:
@@ -152,8 +167,8 @@ def ineffective_decay_warning(cfg: OptimConfig) -> Optional[str]:
         f"lr x weight_decay = {cfg.lr:g} x {cfg.weight_decay:g}"
     hint = "" if cfg.decoupled_wd else ", or set optim.decoupled_wd=true (decay λ per step)"
     return (f"optim.weight_decay={cfg.weight_decay:g} does nothing: the decay per step at the peak rate ({convention} "
-            f"= {per_step:.3g}) is below float32's resolution at 1 ({FLOAT32_HALF_ULP_BELOW_ONE:.3g}), so 1 - it == 1.0 "
-            f"and float32 weights never change by it; raise it{hint}")
+            f"= {per_step:.3g}) is below float32's resolution at 1 ({FLOAT32_HALF_ULP_BELOW_ONE:.3g}), so "
+            f"1 - it == 1.0 and float32 weights never change by it; raise it{hint}")
 
 
 def warn_ineffective_decay(cfg: OptimConfig) -> None:
