@@ -30,6 +30,7 @@ by device name and precision (`PEAK_FLOPS`); no MFU on CPU or unknown devices.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import sys
@@ -44,6 +45,8 @@ from pipeline.model.encoder import BertLayerStack
 from pipeline.model.heads import PredictionHeadTransform, TiedVocabProjection
 from pipeline.model.modernbert import ModernBertHeadTransform, ModernBertLayerStack
 from pipeline.train.trackers import RunIdentity, TrackerSet, open_identity, scalars_of
+
+log = logging.getLogger(__name__)
 
 
 def layer_work_flops(tokens: int, sum_sq_len: int, hidden: int, ffn: int) -> float:
@@ -248,28 +251,42 @@ class MetricsWriter:
         self.trackers.close(outcome)
 
 
-def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Records of a metrics file; a torn last line (killed mid-write) is ignored."""
-    records = []
+def read_jsonl(path: str | os.PathLike, skipped: Optional[list[str]] = None) -> list[dict]:
+    """The metrics records (JSON objects) of a metrics file. A line that is not one — a torn last line
+    (killed mid-write), a bare number, invalid UTF-8, a hand edit — is skipped, never fatal: resume and
+    `cpt-status` do not depend on the file's history; `skipped` gets "line N: why" for each (the last
+    line included only when it is complete, i.e. newline-terminated: a torn one is routine)."""
+    records: list[dict] = []
     p = Path(path)
     if not p.is_file():
         return records
-    for line in p.read_text(encoding="utf-8").splitlines():
+    data = p.read_bytes()
+    lines = data.splitlines()
+    for number, raw in enumerate(lines, 1):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+            record = json.loads(raw.decode("utf-8"))
+            why = "" if isinstance(record, dict) else f"a JSON {type(record).__name__}, not a metrics record"
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            record, why = None, f"{type(err).__name__}: {err}"
+        if not why:
+            records.append(record)
+        elif skipped is not None and (number < len(lines) or data.endswith(b"\n")):
+            skipped.append(f"line {number}: {why}")
     return records
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Keep only records with step <= last_step (atomic rewrite; nothing to do if none is dropped)."""
+    """Keep only records with step <= last_step (atomic rewrite; nothing to do if none is dropped);
+    lines that are not records are dropped too, each reported in one warning."""
     if not path.is_file():
         return
-    records = read_jsonl(path)
-    kept = [r for r in records if r.get("step", 0) <= last_step]
-    raw_lines = path.read_text(encoding="utf-8").splitlines()
-    if len(kept) == len(raw_lines):
+    skipped: list[str] = []
+    records = read_jsonl(path, skipped)
+    kept = [r for r in records if not isinstance(r.get("step"), (int, float)) or r["step"] <= last_step]
+    if skipped:
+        log.warning("%s: %d line(s) that are not metrics records dropped on resume (%s)", path, len(skipped),
+                    "; ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
+    if len(kept) == len(path.read_bytes().splitlines()):
         return
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
