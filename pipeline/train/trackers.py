@@ -44,6 +44,7 @@ line of its extra (`pip install ".[wandb]"`, `".[mlflow]"`).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -54,7 +55,7 @@ import string
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from pipeline.train.preemption import REQUEUE_EXIT_CODE  # standard library only: nothing heavy imported
 
@@ -239,6 +240,10 @@ class MlflowTracker(Tracker):
         if uri.startswith("file:") or "://" not in uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: file stores are opt-in
         self.client = MlflowClient(tracking_uri=uri)
+        with _mlflow_startup_limits():  # a server that does not answer: a warning in seconds, not minutes
+            self._start(identity, uri, resume_step)
+
+    def _start(self, identity: RunIdentity, uri: str, resume_step: int) -> None:
         previous = read_ids(identity.output_dir).get(self.name, {})
         same_store = previous.get("tracking_uri") == uri
         branch = branch_fields(previous, identity) if same_store else {}
@@ -281,6 +286,25 @@ class MlflowTracker(Tracker):
 
     def close(self, outcome: str = "finished") -> None:
         self.client.set_terminated(self.run_id, status=_MLFLOW_STATUS[outcome])
+
+
+#: MLflow's HTTP settings while a tracker starts (its own defaults retry for minutes): variable -> value
+MLFLOW_STARTUP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+@contextlib.contextmanager
+def _mlflow_startup_limits() -> Iterator[None]:
+    """MLflow's request retries and timeout bounded (`MLFLOW_STARTUP_LIMITS`: about 13 s for a server that
+    refuses connections, 30 s for one that never answers) for the start-up's requests, each variable
+    only where the user has not set it; logging mid-run keeps MLflow's own (a brief outage is ridden out)."""
+    unset = [k for k in MLFLOW_STARTUP_LIMITS if k not in os.environ]
+    os.environ.update({k: MLFLOW_STARTUP_LIMITS[k] for k in unset})
+    try:
+        yield
+    finally:
+        for key in unset:
+            os.environ.pop(key, None)
 
 
 def branch_fields(previous: dict[str, str], identity: RunIdentity) -> dict[str, Any]:

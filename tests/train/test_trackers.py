@@ -341,3 +341,27 @@ def test_a_rewind_starts_new_tracker_runs_linked_to_their_parents(offline, tiny_
     assert sorted(runs[first["wandb"]["run_id"]]["history"]) == list(range(1, 9))
     assert sorted(runs[ids["wandb"]["run_id"]]["history"]) == list(range(5, 9))
     assert runs[ids["wandb"]["run_id"]]["config"]["parent_run_id"] == first["wandb"]["run_id"]
+
+
+def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(offline, caplog, monkeypatch):
+    """A closed local port held step 1 for 247 s of MLflow's retries: the start-up's requests are bounded
+    (`MLFLOW_STARTUP_LIMITS`), then the usual warning; the user's own settings and the rest of the run
+    keep MLflow's values."""
+    import logging
+
+    from pipeline.train.trackers import MLFLOW_STARTUP_LIMITS, RunIdentity, TrackerSet
+    from tests.gloo_ranks import free_port
+
+    for key in MLFLOW_STARTUP_LIMITS:
+        monkeypatch.delenv(key, raising=False)
+    identity = RunIdentity(offline / "run", mlflow_tracking_uri=f"http://127.0.0.1:{free_port()}")
+    (offline / "run").mkdir()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.trackers"):
+        trackers = TrackerSet.open(["mlflow"], identity, 0)
+    elapsed = time.monotonic() - started
+    assert trackers.trackers == [] and elapsed < 60, elapsed
+    warned = [r.getMessage() for r in caplog.records if r.name == "pipeline.train.trackers"]
+    assert len(warned) == 1 and warned[0].startswith("tracker mlflow could not start ("), warned
+    assert warned[0].endswith("; the run goes on without it"), warned
+    assert not any(key in os.environ for key in MLFLOW_STARTUP_LIMITS)  # restored: mid-run logging keeps MLflow's
