@@ -50,6 +50,7 @@ from pipeline.config.run import (
     describe_run_config,
     load_config,
 )
+from pipeline.data.sources import check_mixture_kept
 from pipeline.distributed import DistInfo, all_reduce_sum
 from pipeline.eval.health import CollapseMonitor, unigram_counts
 from pipeline.eval.signals import format_signals, learning_signals
@@ -250,6 +251,7 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
         target = plan_resume(resume_dir, config_dict, data_hash, world_size, plan.zero_stage,
                              cfg.train.allow_config_change, manifest_file_sha256(data_dir) if data_dir else "")
         check_optimizer_kept(target.meta.config, config_dict)  # its moments are the saved optimizer's
+        check_mixture_kept(target.meta.config, config_dict)  # the interleave follows the saved shares
         if cfg.train.resume not in ("auto", "never"):  # an explicit tag: this run's newer ones are set aside
             target.set_aside = newer_tags(ckpt_root, resume_dir)
     if not check_only:  # a file, read-only or full location: one line and exit 4 now, not at the first save
