@@ -116,3 +116,14 @@ def test_the_allow_list_covers_the_loss_scalers_deepspeed_saves_in_fp16_and_bf16
     assert loaded["zero_stage"] is ZeroStageEnum.gradients
     assert loaded["param_slice_mappings"][0]["w"] == fragment_address(numel=4, start=0)
     assert len(ALLOWED_GLOBAL_NAMES) == 4  # exactly these types: a new one is a decision, not a default
+
+
+def test_every_file_of_a_universal_conversion_passes(small_run, tmp_path):
+    """The universal conversion (`ds_to_universal`, written when a resume changes the rank count) is
+    scanned too once it exists: every file it writes is within the allow-list."""
+    from pipeline.train.checkpoint import ensure_universal
+
+    run = Path(shutil.copytree(small_run, tmp_path / "run"))
+    ensure_universal(latest(run), is_main=True)
+    assert len(list((latest(run) / "universal").rglob("*.pt"))) > 10
+    assert unsafe_checkpoint_problem(latest(run)) is None
