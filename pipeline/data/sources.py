@@ -304,3 +304,47 @@ def mixture_mismatches(named: Sequence[tuple[str, str, Manifest]]) -> list[str]:
                 problems.append(f"{label} has seq_len={manifest.seq_len}, {first_label} has {ref.seq_len}; a mixture "
                                 "needs one seq_len: rebuild one of them")
     return problems
+
+
+def _realised_quotas(data: dict, total_steps: int, paths: Sequence[str]) -> tuple[int, list[tuple[str, int]]]:
+    """(block, [(name, quota)]) a config dict's mixture realises, its sources' sizes read from `paths`."""
+    block = int(data.get("mixture_block") or DEFAULT_MIXTURE_BLOCK)
+    specs = parse_sources(data.get("sources"), block)
+    manifests = [read_manifest(path) for path in paths]
+    plan = plan_mixture(specs, [m.total_sequences for m in manifests], [m.total_tokens for m in manifests], block,
+                        total_steps * int(data.get("global_batch_size") or 0) or None)
+    return block, [(spec.name, q) for spec, q in zip(plan.sources, plan.quotas)]
+
+
+def check_mixture_kept(saved: dict, config: dict) -> None:
+    """A resume keeps the mixture's realised shares (`saved`, `config`: the checkpoint's and this run's
+    config dicts). The interleave is a function of the per-block quotas from step 1 (the module doc):
+    with other quotas the resumed position p would be read as if they had held all along — each
+    source's counter jumps (even backwards) and its read position is re-based, skipping rows of one
+    source and repeating rows of another. So a change of the quotas (other weights, token budgets, a
+    new total for budgets, the block, sources added or removed) is refused naming the field, even with
+    `train.allow_config_change`; weights scaled alike, or moved directories, realise the same quotas."""
+    old, new = saved.get("data") or {}, config.get("data") or {}
+    if not old.get("sources") or not new.get("sources"):
+        return  # a directory on either side: the data identity check refuses a switch
+    old_steps, new_steps = (int((c.get("train") or {}).get("total_steps") or 0) for c in (saved, config))
+    paths = [entry.get("path") for entry in new["sources"] if isinstance(entry, dict)]
+    fields = []
+    if len(old["sources"]) != len(new["sources"]):
+        fields.append(f"data.sources: {len(old['sources'])} -> {len(new['sources'])} sources")
+    elif _realised_quotas(old, old_steps, paths) != _realised_quotas(new, new_steps, paths):
+        for i, (a, b) in enumerate(zip(old["sources"], new["sources"])):
+            fields += [f"data.sources[{i}].{key}: {a.get(key)} -> {b.get(key)}" for key in ("weight", "tokens", "name")
+                       if a.get(key) != b.get(key)]
+        if old.get("mixture_block") != new.get("mixture_block"):
+            fields.append(f"data.mixture_block: {old.get('mixture_block')} -> {new.get('mixture_block')}")
+        if not fields and old_steps != new_steps:
+            fields.append(f"train.total_steps: {old_steps} -> {new_steps} (a data.sources[i].tokens budget is a share "
+                          "of the run's length)")
+        fields = fields or ["data.sources (the realised shares)"]
+    if fields:
+        raise ConfigError(f"{'; '.join(fields)}: a resume continues the mixture's interleave, which follows its "
+                          "per-source shares from step 1, so other shares would re-base each source's read position "
+                          "(rows skipped in one source, repeated in another) and its counters. Resume with the "
+                          "checkpoint's data.sources, or start a new train.output_dir from the converted weights "
+                          "(model.init_from) for the new mixture")

@@ -77,6 +77,7 @@ from pipeline.model.warm_start import tokenizer_difference
 from pipeline.tokenizer_checks import no_tokenizer_message
 from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
+from pipeline.train.safe_load import load_pt
 
 GENERATOR_SUBDIR = "generator"
 #: Exit code when OUT_DIR cannot be written (training's `EXIT_SAVE_FAILED`); 2 for every other refusal.
@@ -151,7 +152,7 @@ def consolidate_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], st
             f"{tag_dir}: no ZeRO optimizer partitions and no {model_file.name}; not a DeepSpeed checkpoint"
         )
     try:
-        module = torch.load(model_file, map_location="cpu", weights_only=False)["module"]
+        module = load_pt(model_file)["module"]
     except Exception as err:
         raise CheckpointError(f"{model_file}: unreadable: {type(err).__name__}: {err}") from err
     half = sorted({str(v.dtype) for v in module.values() if v.is_floating_point() and v.dtype != torch.float32})
@@ -169,7 +170,7 @@ def tag_weights(tag_dir: Path) -> dict[str, torch.Tensor]:
     model_file = tag_dir / "mp_rank_00_model_states.pt"
     if model_file.is_file():
         try:
-            module = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True).get("module") or {}
+            module = load_pt(model_file, mmap=True).get("module") or {}
         except Exception as err:  # torch.load raises many types for a broken file
             raise CheckpointError(f"{model_file}: unreadable: {type(err).__name__}: {err}") from err
         tensors = {k: v for k, v in module.items() if isinstance(v, torch.Tensor)}

@@ -77,6 +77,7 @@ from pipeline.model.arch import arch_of_fields
 from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, read_best, write_best
 from pipeline.train.checkpoint_writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
 from pipeline.train.run_meta import META_FILE, RunMeta
+from pipeline.train.safe_load import load_pt, unsafe_checkpoint_problem
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ def verify_checkpoint(tag_dir: Path, check_hashes: bool = False) -> dict:
     for required in (TRAIN_STATE_FILE, META_FILE):
         if required not in files:
             raise CheckpointError(f"{tag_dir}: {required} missing from the checkpoint")
+    if check_hashes and (unsafe := unsafe_checkpoint_problem(tag_dir)):  # before anything unpickles (safe_load)
+        raise CheckpointError(unsafe)
     return record
 
 
@@ -565,7 +568,7 @@ def load_checkpoint(engine: Any, target: ResumeTarget, is_main: bool) -> TrainSt
     try:
         path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
                                          load_lr_scheduler_states=False)
-        raw = torch.load(target.tag_dir / TRAIN_STATE_FILE, map_location="cpu", weights_only=False)
+        raw = load_pt(target.tag_dir / TRAIN_STATE_FILE)
     except Exception as err:
         raise CheckpointError(f"{target.tag_dir}: failed to load ({type(err).__name__}: {err}); the checkpoint is "
                               "corrupt — resume from an older tag with train.resume=<tag dir>") from err

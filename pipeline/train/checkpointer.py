@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import torch
 
+from pipeline.data.sources import check_mixture_kept
 from pipeline.distributed import all_reduce_sum, broadcast_object
 from pipeline.train.checkpoint import (
     CHECKPOINT_DIR,
@@ -50,6 +51,9 @@ from pipeline.train.checkpoint import (
 from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, better, read_best
 from pipeline.train.config import TrainConfig
 from pipeline.train.guard import weight_stats
+from pipeline.train.optim import check_optimizer_kept
+from pipeline.train.run_lock import check_still_held
+from pipeline.train.safe_load import load_pt
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +85,8 @@ class Checkpointer:
         data_hash, data_dir = plan.schedule.data_identity(resume_dir, plan.manifest_hash, data_dir)
         target = plan_resume(resume_dir, config, data_hash, world_size, plan.zero_stage, self.allow_config_change,
                              manifest_file_sha256(data_dir) if data_dir else "")
+        check_optimizer_kept(target.meta.config, config)  # its moments are the saved optimizer's
+        check_mixture_kept(target.meta.config, config)  # the interleave follows the saved shares
         step = step_of_tag(resume_dir.name)
         if self.resume not in ("auto", "never") and step is not None and resume_dir.resolve().parent == self.root.resolve():
             target.set_aside = [p for s, p in list_tags(self.root) if s > step]  # moved away once it loaded
@@ -93,7 +99,7 @@ class Checkpointer:
         if not target.changed:
             return  # same config and data: same shapes
         try:
-            saved = torch.load(target.tag_dir / MODEL_STATES_FILE, map_location="cpu", weights_only=False)
+            saved = load_pt(target.tag_dir / MODEL_STATES_FILE)  # weights_only, allow-listed (safe_load)
         except Exception as err:
             raise CheckpointError(f"{target.tag_dir / MODEL_STATES_FILE}: unreadable ({type(err).__name__}: {err})") from err
         shapes: dict[str, tuple] = {}
@@ -185,6 +191,7 @@ class Checkpointer:
         state.objective_state = run.model.extra_state_for_checkpoint()
         meta.step, meta.consumed_samples, meta.tokens_seen = state.step, state.consumed_samples, state.tokens_seen
         meta.last_metrics = {k: v for k, v in last_metrics.items() if isinstance(v, (int, float))}
+        check_still_held(self.root.parent, self.is_main)  # no second writer took the directory (run_lock)
         best = self.pending_best if healthy and self.pending_best and self.pending_best.step == state.step else None
         tag_dir = save_checkpoint(run.engine, self.root, state, meta, self.keep_last, self.is_main, self.finisher,
                                   healthy, best)

@@ -155,7 +155,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
                  cfg.deepspeed.precision, resolve_impl(cfg.optim, device.type, offload),
                  sum(p.numel() for p in model.parameters()))
     return Run(cfg, plan, info, device, model, engine, optimizer, batches, state, meta, flop_counter,
-               MetricsWriter.for_run(cfg, info.is_main, state.step, recipe),  # train.trackers
+               MetricsWriter.for_run(cfg, info.is_main, state.step, recipe,  # train.trackers; a rewind: new runs
+                                     rewound=bool(target and target.set_aside)),
                ThroughputMeter(info.world_size, device_peak_flops(cfg.deepspeed.precision)),
                NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16",
                               cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio), checkpointer,

@@ -30,6 +30,7 @@ by device name and precision (`PEAK_FLOPS`); no MFU on CPU or unknown devices.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import resource
 import sys
@@ -44,6 +45,8 @@ from pipeline.model.encoder import BertLayerStack
 from pipeline.model.heads import PredictionHeadTransform, TiedVocabProjection
 from pipeline.model.modernbert import ModernBertHeadTransform, ModernBertLayerStack
 from pipeline.train.trackers import RunIdentity, TrackerSet, open_identity, scalars_of
+
+log = logging.getLogger(__name__)
 
 
 def layer_work_flops(tokens: int, sum_sq_len: int, hidden: int, ffn: int) -> float:
@@ -222,10 +225,13 @@ class MetricsWriter:
         self.trackers = TrackerSet.open(names, identity or RunIdentity(Path(output_dir)), resume_step)
 
     @classmethod
-    def for_run(cls, cfg: Any, enabled: bool, resume_step: int, recipe: Optional[dict] = None) -> "MetricsWriter":
+    def for_run(cls, cfg: Any, enabled: bool, resume_step: int, recipe: Optional[dict] = None,
+                rewound: bool = False) -> "MetricsWriter":
         """The writer of a run (`cfg`: its `RunConfig`): `train.trackers` (less `tensorboard` when
-        `train.tensorboard=false`), named and tagged from `train.tracker_*`, config + recipe attached."""
+        `train.tensorboard=false`), named and tagged from `train.tracker_*`, config + recipe attached;
+        `rewound` (a resume from an older tag): new W&B / MLflow runs linked to their parents."""
         identity = open_identity(cfg.train.output_dir, cfg.to_dict(), recipe, cfg.train, cfg.name)
+        identity.rewound_to = resume_step if rewound else None
         return cls(cfg.train.output_dir, enabled, resume_step, trackers=cfg.train.active_trackers(), identity=identity)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -277,13 +283,17 @@ def read_jsonl(path: str | os.PathLike, skipped: Optional[list[str]] = None) -> 
 
 
 def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Keep only records with step <= last_step (atomic rewrite; nothing to do if none is dropped)."""
+    """Keep only records with step <= last_step (atomic rewrite; nothing to do if none is dropped);
+    lines that are not records are dropped too, each reported in one warning."""
     if not path.is_file():
         return
-    records = read_jsonl(path)
-    kept = [r for r in records if r.get("step", 0) <= last_step]
-    raw_lines = path.read_bytes().splitlines()  # bytes: a line of invalid UTF-8 is dropped, not fatal
-    if len(kept) == len(raw_lines):
+    skipped: list[str] = []
+    records = read_jsonl(path, skipped)
+    kept = [r for r in records if not isinstance(r.get("step"), (int, float)) or r["step"] <= last_step]
+    if skipped:
+        log.warning("%s: %d line(s) that are not metrics records dropped on resume (%s)", path, len(skipped),
+                    "; ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
+    if len(kept) == len(path.read_bytes().splitlines()):
         return
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")

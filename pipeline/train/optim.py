@@ -48,7 +48,12 @@ class OptimConfig:
     eps: float = 1e-8
     """Adam epsilon."""
     weight_decay: float = 0.01
-    """Decoupled weight decay; never applied to biases and LayerNorm weights."""
+    """Decoupled weight decay λ; never applied to biases and LayerNorm weights. Per step, θ ← θ (1 - η_t λ)
+    (AdamW's convention, scaled by the rate), or θ ← θ (1 - λ η_t / lr) with `decoupled_wd`."""
+    decoupled_wd: bool = False
+    """Fully decoupled weight decay (Loshchilov & Hutter 2019's schedule multiplier; torch-optimi's
+    `decouple_lr=True`, ModernBERT's convention): the decay per step is λ η_t / `lr`, i.e. λ itself at the
+    peak and following the schedule's shape, independent of the peak rate. false: AdamW's λ η_t."""
     warmup_steps: int = 0
     """Linear warm-up from 0 to `lr` over this many steps."""
     min_lr_ratio: float = 0.0
@@ -90,6 +95,9 @@ class OptimConfig:
                 if getattr(self, key) != default:
                     raise ConfigError(f"optim.{key}={getattr(self, key)!r} applies to optim.schedule=wsd only "
                                       f"(optim.schedule={self.schedule!r})")
+        if self.decoupled_wd and self.name == "lamb":
+            raise ConfigError("optim.decoupled_wd=true: LAMB adds the decay to the update before its trust ratio, "
+                              "so it cannot be decoupled from the rate; use optim.name=adamw or stable_adamw")
         if self.name == "stable_adamw" and self.impl not in ("auto", "torch"):
             raise ConfigError(f"optim.impl={self.impl} has no StableAdamW; optim.name=stable_adamw runs with "
                               "optim.impl=auto or torch (pipeline.train.stable_adamw)")
@@ -100,6 +108,9 @@ class OptimConfig:
             raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be < {where}={total_steps}")
         if self.schedule == "wsd":
             start, length = decay_window(self, total_steps)
+            if self.decay_steps > total_steps:
+                raise ConfigError(f"optim.decay_steps={self.decay_steps} exceeds the run ({where}={total_steps}): the "
+                                  f"WSD decay is the run's last decay_steps steps; set it to at most {total_steps}")
             if start < self.warmup_steps:
                 field = f"optim.decay_steps={self.decay_steps}" if self.decay_steps else \
                     f"optim.decay_fraction={self.decay_fraction} ({length} steps)"
@@ -117,6 +128,53 @@ class OptimConfig:
             raise ConfigError("optim.name=lamb needs a GPU (DeepSpeed FusedLamb or apex FusedLAMB); use optim.name=adamw")
         if self.impl == "deepspeed" and not cuda:
             raise ConfigError("optim.impl=deepspeed (FusedAdam) needs a GPU; use optim.impl=auto or torch")
+
+
+def check_optimizer_kept(saved: dict, config: dict) -> None:
+    """A resume keeps the optimizer (`saved`, `config`: the checkpoint's and this run's config dicts): the
+    checkpoint's moments are that optimizer's own (AdamW stores m and v bias-uncorrected, StableAdamW
+    debiased; LAMB's fused kernels their own layout), and another would silently reinterpret them, so
+    a change of `optim.name` is refused even with `train.allow_config_change` (no conversion is made)."""
+    old, new = (saved.get("optim") or {}).get("name", "adamw"), (config.get("optim") or {}).get("name", "adamw")
+    if old != new:
+        raise ConfigError(f"optim.name={new}: the checkpoint was trained with optim.name={old}, whose optimizer state "
+                          f"(moments) {new} would misread; a resume keeps the optimizer. Resume with optim.name={old}, "
+                          "or start a new train.output_dir warm-started from the converted weights (model.init_from)")
+
+
+def group_weight_decay(cfg: OptimConfig) -> float:
+    """The `weight_decay` handed to the optimizer, whose update is θ ← θ (1 - η_t · it) in every
+    implementation here: λ (AdamW's convention), or λ / lr with `decoupled_wd` (so that the decay is
+    λ η_t / lr, torch-optimi's `decouple_lr`, with any AdamW kernel)."""
+    return cfg.weight_decay / cfg.lr if cfg.decoupled_wd else cfg.weight_decay
+
+
+#: float32's half-ulp below 1: 1 - x rounds to exactly 1.0 in float32 for every x <= this (ties to even)
+FLOAT32_HALF_ULP_BELOW_ONE = 2.0 ** -25
+
+
+def ineffective_decay_warning(cfg: OptimConfig) -> Optional[str]:
+    """The warning for a weight decay that cannot change a float32 weight, else None: the decay factor
+    at the peak rate, 1 - x with x = lr λ (or λ with `decoupled_wd`), is exactly 1.0 in float32
+    (x <= 2^-25), so every multiplication by it leaves the weight as it was (and earlier in warm-up,
+    with a smaller rate, too)."""
+    if cfg.weight_decay == 0.0:
+        return None
+    per_step = cfg.weight_decay if cfg.decoupled_wd else cfg.lr * cfg.weight_decay
+    if float(torch.tensor(1.0 - per_step, dtype=torch.float32)) != 1.0:
+        return None
+    convention = "optim.decoupled_wd=true: λ" if cfg.decoupled_wd else \
+        f"lr x weight_decay = {cfg.lr:g} x {cfg.weight_decay:g}"
+    hint = "" if cfg.decoupled_wd else ", or set optim.decoupled_wd=true (decay λ per step)"
+    return (f"optim.weight_decay={cfg.weight_decay:g} does nothing: the decay per step at the peak rate ({convention} "
+            f"= {per_step:.3g}) is below float32's resolution at 1 ({FLOAT32_HALF_ULP_BELOW_ONE:.3g}), so "
+            f"1 - it == 1.0 and float32 weights never change by it; raise it{hint}")
+
+
+def warn_ineffective_decay(cfg: OptimConfig) -> None:
+    """Log `ineffective_decay_warning`, if any (once per run, before compute: `check_run`)."""
+    if (message := ineffective_decay_warning(cfg)) is not None:
+        log.warning("%s", message)
 
 
 def decay_window(cfg: OptimConfig, total_steps: int) -> tuple[int, int]:
@@ -184,7 +242,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device_type: str, offload: bool = False) -> torch.optim.Optimizer:
     """The optimizer for `model` per `optim.name`/`optim.impl` (see the module docstring)."""
-    groups = param_groups(model, cfg.weight_decay)
+    groups = param_groups(model, group_weight_decay(cfg))
     common = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     impl = resolve_impl(cfg, device_type, offload)
     if cfg.name == "stable_adamw":

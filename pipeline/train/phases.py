@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 from pipeline.config.checks import ConfigError
 from pipeline.train.phase_config import check_step_sum, phase_data, phase_label, phase_optim, phase_steps_without_data
-from pipeline.data.config import BatchPlan, BatchRamp, plan_batches, plan_ramp
+from pipeline.data.config import BatchPlan, BatchRamp, DataConfig, plan_batches, plan_ramp
 from pipeline.data.shards import Manifest
 from pipeline.train.optim import OptimConfig, lr_at
 
@@ -213,6 +213,10 @@ def plan_schedule(cfg: RunConfig, world_size: int) -> Optional[Schedule]:
         batch = plan_batches(cfg.data, world_size)
         manifest, data_hash = cfg.data.check_shards(batch)
         ramp = plan_ramp(cfg.data, batch, manifest.seq_len, "data.batch_warmup")
+        if (needs := tokens_to_steps(ramp.tokens, ramp.seq_len, batch, ramp)) > cfg.train.total_steps:  # as a phase's
+            raise ConfigError(f"data.batch_warmup.tokens={ramp.tokens}: the warm-up does not end inside the run "
+                              f"({needs} steps > train.total_steps={cfg.train.total_steps}); shorten it or lengthen "
+                              "the run")
         return Schedule.implicit(cfg, batch, manifest, data_hash, ramp)
     phases, start = [], 0
     fixed = phase_steps_without_data(cfg) if all(r.get("tokens") is None for r in cfg.phases) else None

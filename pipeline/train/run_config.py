@@ -40,7 +40,7 @@ from pipeline.model.config import ModelConfig
 from pipeline.objectives.registry import check_objectives, check_objectives_under_stage
 from pipeline.train.config import TrainConfig
 from pipeline.train.engine import DeepSpeedConfig, zero_stage_of
-from pipeline.train.optim import OptimConfig
+from pipeline.train.optim import OptimConfig, warn_ineffective_decay
 from pipeline.train.phases import Schedule, plan_schedule
 
 __all__ = ["ConfigError", "RunConfig", "RunPlan", "load_config", "check_run", "describe_run_config"]
@@ -152,6 +152,7 @@ def _check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_star
     check_objectives_under_stage(cfg.objectives, stage, cfg.deepspeed.stage_source())
     cfg.model.check_device(cuda_available)
     cfg.optim.check_device(cuda_available)
+    warn_ineffective_decay(cfg.optim)  # a decay too small for float32 (pipeline.train.optim)
     return RunPlan(batch, engine, stage, manifest, data_hash, schedule)
 
 

@@ -28,6 +28,12 @@ refuses with one line naming the holder (exit 2, `ConfigError`).
   holder and how to break it: once that run is known to be gone, delete `OUTPUT_DIR/run.lock`
   (docs/guarantees.md, "two runs on one directory").
 
+* A lock file deleted while its run holds it (by hand, or by a tool that cleans the directory) lets a
+  second run lock a new file of the same name: two writers. So before every checkpoint the holder
+  checks that `run.lock` is still the file it locked (`check_still_held`: same device and inode, a
+  stat, never an open, which could drop the record lock); if not, every rank stops with exit 4
+  (`RunLockLost`) naming what happened, before writing anything more.
+
 Only the global rank 0 locks: the ranks of one run share the directory. The other ranks of a run
 refused here are ended by their launcher when rank 0 exits (torchrun, `srun` within `EXIT_WAIT`).
 """
@@ -46,6 +52,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from pipeline.config.checks import ConfigError
+from pipeline.distributed import first_problem
+from pipeline.train.checkpoint_writes import CheckpointWriteError
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +72,10 @@ _HELD: dict[Path, "RunLock"] = {}
 
 class RunLockHeld(ConfigError):
     """Another run holds the run directory (exit 2, before any compute)."""
+
+
+class RunLockLost(CheckpointWriteError):
+    """The lock file was deleted or replaced while this run held it (exit 4, like a save that cannot be written)."""
 
 
 def holder_record() -> dict[str, Any]:
@@ -199,6 +211,24 @@ class RunLock:
         os.pwrite(fd, data, 0)
         os.fsync(fd)
 
+    def lost(self) -> str:
+        """"" while `run.lock` is still the file this process locked (same device and inode: our open
+        descriptor keeps the inode alive, so a new file never reuses it); else why not, naming the new holder."""
+        if self.fd is None:
+            return ""
+        mine = os.fstat(self.fd)
+        try:
+            now = os.stat(self.path)
+        except FileNotFoundError:
+            return (f"{self.path} was deleted while this run held it, so another run can take train.output_dir="
+                    f"{self.directory} too")
+        if (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino):
+            return ""
+        other = _read_record(self.path)  # another file: reading it cannot drop our lock on ours
+        held = f" ({describe_holder(other)})" if other else ""
+        return (f"{self.path} was deleted while this run held it and is now another file{held}: another run writes "
+                f"to train.output_dir={self.directory}")
+
     def release(self) -> None:
         """Remove the lock file (while still holding the lock, so no one else can have taken it) and unlock."""
         if self.fd is None:
@@ -224,6 +254,16 @@ def hold_run_dir(directory: str | os.PathLike, rank: int) -> Optional[RunLock]:
     lock = RunLock(path).acquire(wait_s)
     _HELD[path] = lock
     return lock
+
+
+def check_still_held(output_dir: str | os.PathLike, is_main: bool) -> None:
+    """Collective, before a save: `RunLockLost` on every rank when rank 0's lock on `output_dir` is no
+    longer the lock file's (`RunLock.lost`); nothing when this process holds no lock there."""
+    lock = _HELD.get(Path(output_dir).resolve()) if is_main else None
+    problem = first_problem(lock.lost() if lock is not None else "")
+    if problem:
+        raise RunLockLost(f"{problem}; stopping before saving (two writers would mix checkpoints and metrics). "
+                          "Make sure only one run uses the directory, then resume")
 
 
 @contextlib.contextmanager

@@ -23,6 +23,15 @@ resumed or requeued run continues those runs instead of opening new ones. W&B st
 `trainer/step` axis (`STEP_KEY`), so re-logging the steps after the last checkpoint on resume is
 not refused as "step went backwards".
 
+A rewind starts new tracker runs: a resume from an older tag of the run (`train.resume=<tag>`, its
+newer tags set aside, usually with `train.allow_config_change`) re-runs steps the tracker runs
+already hold from the abandoned trajectory, and MLflow and W&B cannot cut a run back as
+`metrics.jsonl` and TensorBoard are cut. So such a resume opens a new W&B run and a new MLflow run
+(`RunIdentity.rewound_to`), linked to the one they branch from: MLflow tags `parent_run_id`,
+`branched_at_step` and `mlflow.parentRunId` (shown nested under its parent), W&B config
+`parent_run_id` and `branched_at_step`; `trackers.json` then names the new runs (with the same two
+fields), which later requeues continue.
+
 How the run ended reaches the trackers at close (`OUTCOMES`): `finished` (exit 0), `failed` (an
 error or a divergence: MLflow status FAILED, W&B exit code 1) or `stopped` (preempted for requeue,
 exit 75: MLflow KILLED, W&B marked preempting with exit code 75); the requeued run sets the same
@@ -35,6 +44,7 @@ line of its extra (`pip install ".[wandb]"`, `".[mlflow]"`).
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import logging
@@ -45,7 +55,7 @@ import string
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 from pipeline.train.preemption import REQUEUE_EXIT_CODE  # standard library only: nothing heavy imported
 
@@ -111,6 +121,7 @@ class RunIdentity:
     recipe: dict[str, Any] = field(default_factory=dict)  # `describe_recipe`: preset and overrides
     default_project: str = "contrastive-pretrain"
     mlflow_tracking_uri: str = ""
+    rewound_to: Optional[int] = None  # a rewind resumed at this step: new tracker runs, linked to their parents
 
     def name(self, env: str) -> str:
         return self.run_name or os.environ.get(env, "") or self.output_dir.resolve().name
@@ -190,13 +201,15 @@ class WandbTracker(Tracker):
         import wandb
 
         previous = read_ids(identity.output_dir).get(self.name, {})
-        run_id = previous.get("run_id") or new_run_id()
-        write_ids(identity.output_dir, self.name, {"run_id": run_id})  # before init: a crash in it keeps the id
+        branch = branch_fields(previous, identity)
+        run_id = (None if branch else previous.get("run_id")) or new_run_id()
+        ids = {"run_id": run_id, **branch} if branch else {"run_id": run_id, **_branch_of(previous)}
+        write_ids(identity.output_dir, self.name, ids)  # before init: a crash in it keeps the id
         tags = identity.tags or None  # None: wandb reads WANDB_TAGS itself
         self.run = wandb.init(
             project=identity.project_name("WANDB_PROJECT"), name=identity.name("WANDB_NAME"), tags=tags,
             id=run_id, resume="allow", dir=str(identity.output_dir), reinit="create_new",
-            config={"config": identity.config, "recipe": identity.recipe},
+            config={"config": identity.config, "recipe": identity.recipe, **_branch_of(ids)},
             # the run's console output stays the job's (stdout/stderr untouched: SLURM logs, exit-record tap)
             settings=wandb.Settings(console="off"))
         self.run.define_metric(STEP_KEY)
@@ -227,8 +240,14 @@ class MlflowTracker(Tracker):
         if uri.startswith("file:") or "://" not in uri:
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3: file stores are opt-in
         self.client = MlflowClient(tracking_uri=uri)
+        with _mlflow_startup_limits():  # a server that does not answer: a warning in seconds, not minutes
+            self._start(identity, uri, resume_step)
+
+    def _start(self, identity: RunIdentity, uri: str, resume_step: int) -> None:
         previous = read_ids(identity.output_dir).get(self.name, {})
-        if previous.get("run_id") and previous.get("tracking_uri") == uri:
+        same_store = previous.get("tracking_uri") == uri
+        branch = branch_fields(previous, identity) if same_store else {}
+        if previous.get("run_id") and same_store and not branch:
             self.run_id = previous["run_id"]
             self.client.update_run(self.run_id, status="RUNNING")
             logged = set(self.client.get_run(self.run_id).data.params)
@@ -238,10 +257,15 @@ class MlflowTracker(Tracker):
             found = self.client.get_experiment_by_name(experiment)
             experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
             tags = {t: "true" for t in identity.tags}
+            if branch:  # nested under the run it branches from
+                tags.update({k: str(v) for k, v in branch.items()})
+                tags["mlflow.parentRunId"] = branch["parent_run_id"]
+                log.info("mlflow: rewound to step %d: new run, branched from %s", identity.rewound_to,
+                         branch["parent_run_id"])
             run = self.client.create_run(experiment_id, run_name=identity.name("MLFLOW_RUN_NAME"), tags=tags)
             self.run_id, logged = run.info.run_id, set()
             write_ids(identity.output_dir, self.name, {"run_id": self.run_id, "tracking_uri": uri,
-                                                       "experiment_id": experiment_id})
+                                                       "experiment_id": experiment_id, **branch})
         self._log_params({**flat_params(identity.config), **flat_params({"recipe": identity.recipe})}, logged)
 
     def _log_params(self, params: dict[str, str], logged: set[str]) -> None:
@@ -262,6 +286,38 @@ class MlflowTracker(Tracker):
 
     def close(self, outcome: str = "finished") -> None:
         self.client.set_terminated(self.run_id, status=_MLFLOW_STATUS[outcome])
+
+
+#: MLflow's HTTP settings while a tracker starts (its own defaults retry for minutes): variable -> value
+MLFLOW_STARTUP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                         "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
+@contextlib.contextmanager
+def _mlflow_startup_limits() -> Iterator[None]:
+    """MLflow's request retries and timeout bounded (`MLFLOW_STARTUP_LIMITS`: about 13 s for a server that
+    refuses connections, 30 s for one that never answers) for the start-up's requests, each variable
+    only where the user has not set it; logging mid-run keeps MLflow's own (a brief outage is ridden out)."""
+    unset = [k for k in MLFLOW_STARTUP_LIMITS if k not in os.environ]
+    os.environ.update({k: MLFLOW_STARTUP_LIMITS[k] for k in unset})
+    try:
+        yield
+    finally:
+        for key in unset:
+            os.environ.pop(key, None)
+
+
+def branch_fields(previous: dict[str, str], identity: RunIdentity) -> dict[str, Any]:
+    """{parent_run_id, branched_at_step} when this start is a rewind of a run a tracker already holds
+    (a new tracker run then begins); {} otherwise (a fresh run, or a resume that continues the run)."""
+    if identity.rewound_to is None or not previous.get("run_id"):
+        return {}
+    return {"parent_run_id": previous["run_id"], "branched_at_step": identity.rewound_to}
+
+
+def _branch_of(ids: dict[str, Any]) -> dict[str, Any]:
+    """The branch fields a run's ids carry (kept when a requeue continues a branched run)."""
+    return {k: ids[k] for k in ("parent_run_id", "branched_at_step") if k in ids}
 
 
 def new_run_id() -> str:

@@ -2,6 +2,9 @@
 before any compute, the checkpoint untouched (it still resumes)."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from pipeline.train.checkpoint import list_tags
 from pipeline.train.cli import EXIT_CONFIG_ERROR
 from tests.faults.faults import error_line, resumes_to_the_end
@@ -44,3 +47,54 @@ def test_micro_batch_change_on_resume(tiny_shards_dir, tmp_path, capsys):
     message = error_line(capsys.readouterr().err)
     assert "was written with a different config or data: data.micro_batch_size: 4 -> 2" in message
     assert "train.allow_config_change=true" in message
+
+
+def test_a_batch_warmup_longer_than_the_run_is_refused(tiny_shards_dir, tmp_path, capsys):
+    """Without phases as with them: a warm-up that would not reach `data.global_batch_size` before the
+    run ends is refused naming the field (it used to train every step at a smaller batch than the
+    start-up line printed). Micro 2, target 8, from 2 over 24 samples' tokens: the warm-up takes 8 steps."""
+    out = tmp_path / "run"
+    warmup = ["data.micro_batch_size=2", "data.global_batch_size=8",
+              'data.batch_warmup={"start_global_batch_size": 2, "tokens": 1536}']
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=7", *warmup) == EXIT_CONFIG_ERROR
+    assert error_line(capsys.readouterr().err) == (
+        "data.batch_warmup.tokens=1536: the warm-up does not end inside the run (8 steps > train.total_steps=7); "
+        "shorten it or lengthen the run")
+    assert not (out / "checkpoints").exists()
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=8", "train.checkpoint_every=8",
+                         *warmup) == 0  # one that ends on the last step runs
+
+
+def test_a_wsd_decay_longer_than_the_run_names_the_field():
+    """It used to say the decay "would start at step -21, inside the warm-up"."""
+    from pipeline.config.checks import ConfigError
+    from pipeline.train.run_config import load_config
+
+    try:
+        load_config("tiny-mlm", ["optim.schedule=wsd", "optim.decay_steps=42", "train.total_steps=20"])
+    except ConfigError as err:
+        assert str(err) == ("optim.decay_steps=42 exceeds the run (train.total_steps=20): the WSD decay is the run's "
+                            "last decay_steps steps; set it to at most 20")
+    else:
+        raise AssertionError("accepted")
+
+
+def test_switching_the_optimizer_on_resume_is_refused(small_run, tmp_path, capsys):
+    """AdamW keeps its moments bias-uncorrected, StableAdamW debiased: a switch on resume would
+    reinterpret them, so it is refused (no conversion), by `--resume` overrides and by hand alike."""
+    import shutil
+
+    from pipeline.train.cli import main
+
+    run = Path(shutil.copytree(small_run, tmp_path / "run"))
+    expected = ("optim.name=stable_adamw: the checkpoint was trained with optim.name=adamw, whose optimizer state "
+                "(moments) stable_adamw would misread; a resume keeps the optimizer. Resume with optim.name=adamw, "
+                "or start a new train.output_dir warm-started from the converted weights (model.init_from)")
+    assert main(["--resume", str(run), "train.total_steps=6", "optim.name=stable_adamw"]) == EXIT_CONFIG_ERROR
+    assert error_line(capsys.readouterr().err) == expected
+    shards = json.loads((run / "checkpoints" / "step_00000004" / "pipeline_meta.json").read_text())["config"]["data"]
+    assert run_inprocess("tiny-mlm", Path(shards["shards_dir"]), run, "train.total_steps=6", "optim.name=stable_adamw",
+                         "train.allow_config_change=true", "train.checkpoint_every=2", "train.keep_last=5") \
+        == EXIT_CONFIG_ERROR
+    assert error_line(capsys.readouterr().err) == expected
+    assert [s for s, _ in list_tags(run / "checkpoints")] == [2, 4]

@@ -5,8 +5,10 @@ as `latest`, and once the cause is gone the run goes on."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -96,3 +98,25 @@ def test_read_only_output_dir(read_only_dir, tiny_shards_dir, tmp_path, capsys):
                                                    "system); make it writable or choose another train.output_dir")
     other = tmp_path / "run"
     assert run_inprocess("tiny-mlm", tiny_shards_dir, other, *STEPS) == 0 and max(losses(other)) == 4
+
+
+def test_bad_lines_in_metrics_jsonl_do_not_stop_a_resume(small_run, tmp_path, caplog):
+    """A bare number and invalid UTF-8 in metrics.jsonl (hand edits, a disk error) made the resume
+    raise: resume does not depend on the metrics file, so such lines are dropped and reported, the
+    run resumes to its end, and every record it had is kept (issue 49)."""
+    import logging
+    import shutil
+
+    from pipeline.train.metrics import read_jsonl
+
+    run = Path(shutil.copytree(small_run, tmp_path / "run"))
+    metrics = run / "metrics.jsonl"
+    good = metrics.read_bytes().splitlines(keepends=True)
+    metrics.write_bytes(good[0] + b"5\n" + good[1] + b"\xff\xfe not utf-8\n" + b"".join(good[2:]))
+    shards = Path(json.loads((latest(run) / "pipeline_meta.json").read_text())["config"]["data"]["shards_dir"])
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.metrics"):
+        assert run_inprocess("tiny-mlm", shards, run, "train.total_steps=6", "train.checkpoint_every=2",
+                             "train.keep_last=5", "train.allow_config_change=true") == 0
+    warned = [r.getMessage() for r in caplog.records if "not metrics records" in r.getMessage()]
+    assert len(warned) == 1 and "line 2: a JSON int, not a metrics record; line 4: UnicodeDecodeError" in warned[0]
+    assert [r["step"] for r in read_jsonl(metrics)] == [1, 2, 3, 4, 5, 6]

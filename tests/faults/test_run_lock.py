@@ -111,3 +111,40 @@ def test_without_record_locks_the_file_is_the_lock_and_deleting_it_breaks_it(mon
     (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": int(dead.stdout)}))
     with run_lock.released_at_exit():
         run_lock.hold_run_dir(tmp_path, 0)
+
+
+@pytest.mark.parametrize("second_writer", [False, True], ids=["deleted", "deleted-and-taken"])
+def test_a_run_whose_lock_file_is_deleted_stops_at_its_next_save(second_writer, tiny_shards_dir, tmp_path):
+    """Deleting `run.lock` under a running run lets a second run lock a new file of the same name: the
+    holder sees at its next save that the file is no longer the one it locked and stops, exit 4, naming
+    what happened (and the new holder); it writes no more checkpoints, and leaves the other run's file."""
+    from pipeline.train.cli import EXIT_SAVE_FAILED
+
+    out = tmp_path / "run"
+    first = start_subprocess("tiny-mlm", tiny_shards_dir, out, "train.total_steps=40", "train.checkpoint_every=2")
+    second = None
+    try:
+        wait_for_step(out, 3, first)
+        (out / "run.lock").unlink()
+        second = run_lock.RunLock(out).acquire(0) if second_writer else None  # at once: before the next save
+        code = first.wait(timeout=600)
+        output = first.stdout.read()
+    finally:
+        first.kill()
+    try:
+        assert code == EXIT_SAVE_FAILED, output
+        message = error_line(output)
+        if second_writer:
+            assert message.startswith(f"{out / 'run.lock'} was deleted while this run held it and is now another file "
+                                      f"(host {socket.gethostname()}, pid {os.getpid()}"), message
+            assert second.record()["pid"] == os.getpid()  # the other run's file stays, its lock too
+        else:
+            assert message.startswith(f"{out / 'run.lock'} was deleted while this run held it, so another run can "
+                                      f"take train.output_dir={out} too"), message
+        assert message.endswith("; stopping before saving (two writers would mix checkpoints and metrics). Make sure "
+                                "only one run uses the directory, then resume"), message
+        last_step = max(r["step"] for r in read_jsonl(out / "metrics.jsonl"))
+        assert int(latest(out).name.split("_")[-1]) < last_step  # the step it stopped at was not saved
+    finally:
+        if second is not None:
+            second.release()

@@ -306,3 +306,62 @@ def test_tracker_runs_end_as_the_training_run_ended(offline, tiny_shards_dir):
     table, _ = mlflow_run(diverged_uri)
     assert list(table["status"]) == ["FAILED"]
     assert wandb_endings(diverged) == [(0, False), (1, False)]
+
+
+def test_a_rewind_starts_new_tracker_runs_linked_to_their_parents(offline, tiny_shards_dir):
+    """A branch from an older tag with another learning rate (`train.allow_config_change`): the first
+    trajectory's steps 5-8 stay in the first tracker runs, the branch's go to new runs tagged with their
+    parent and the branch step, so no tracker run holds two losses at one step (issue 49, item 5)."""
+    from tests.train.runs import tag_dir
+
+    out, uri = offline / "run", (offline / "mlruns").as_uri()
+    args = ["train.total_steps=8", "train.checkpoint_every=4", "train.keep_last=5",
+            "train.trackers=[jsonl,wandb,mlflow]", f"train.mlflow_tracking_uri={uri}"]
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *args) == 0
+    first, first_losses = json.loads((out / IDS_FILE).read_text()), losses(out)
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *args, f"train.resume={tag_dir(out, 4)}", "optim.lr=5e-4",
+                         "train.allow_config_change=true") == 0
+    ids, branch_losses = json.loads((out / IDS_FILE).read_text()), losses(out)
+    assert branch_losses[6] != first_losses[6]  # another trajectory (step 5 updates at the new rate)
+    for name in ("wandb", "mlflow"):
+        assert ids[name]["run_id"] != first[name]["run_id"]
+        assert (ids[name]["parent_run_id"], ids[name]["branched_at_step"]) == (first[name]["run_id"], 4)
+    table, client = mlflow_run(uri)
+    assert sorted(table["run_id"]) == sorted([first["mlflow"]["run_id"], ids["mlflow"]["run_id"]])
+    branch = client.get_run(ids["mlflow"]["run_id"]).data.tags
+    assert (branch["parent_run_id"], branch["branched_at_step"], branch["mlflow.parentRunId"]) == (
+        first["mlflow"]["run_id"], "4", first["mlflow"]["run_id"])
+
+    def history(run_id: str) -> list[tuple[int, float]]:
+        return sorted((m.step, m.value) for m in client.get_metric_history(run_id, "loss"))
+
+    assert history(first["mlflow"]["run_id"]) == [(s, pytest.approx(first_losses[s])) for s in range(1, 9)]
+    assert history(ids["mlflow"]["run_id"]) == [(s, pytest.approx(branch_losses[s])) for s in range(5, 9)]
+    runs = wandb_runs(out)
+    assert sorted(runs[first["wandb"]["run_id"]]["history"]) == list(range(1, 9))
+    assert sorted(runs[ids["wandb"]["run_id"]]["history"]) == list(range(5, 9))
+    assert runs[ids["wandb"]["run_id"]]["config"]["parent_run_id"] == first["wandb"]["run_id"]
+
+
+def test_an_unreachable_mlflow_server_costs_seconds_and_one_warning(offline, caplog, monkeypatch):
+    """A closed local port held step 1 for 247 s of MLflow's retries: the start-up's requests are bounded
+    (`MLFLOW_STARTUP_LIMITS`), then the usual warning; the user's own settings and the rest of the run
+    keep MLflow's values."""
+    import logging
+
+    from pipeline.train.trackers import MLFLOW_STARTUP_LIMITS, RunIdentity, TrackerSet
+    from tests.gloo_ranks import free_port
+
+    for key in MLFLOW_STARTUP_LIMITS:
+        monkeypatch.delenv(key, raising=False)
+    identity = RunIdentity(offline / "run", mlflow_tracking_uri=f"http://127.0.0.1:{free_port()}")
+    (offline / "run").mkdir()
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.trackers"):
+        trackers = TrackerSet.open(["mlflow"], identity, 0)
+    elapsed = time.monotonic() - started
+    assert trackers.trackers == [] and elapsed < 60, elapsed
+    warned = [r.getMessage() for r in caplog.records if r.name == "pipeline.train.trackers"]
+    assert len(warned) == 1 and warned[0].startswith("tracker mlflow could not start ("), warned
+    assert warned[0].endswith("; the run goes on without it"), warned
+    assert not any(key in os.environ for key in MLFLOW_STARTUP_LIMITS)  # restored: mid-run logging keeps MLflow's
