@@ -31,11 +31,13 @@ import math
 from typing import Any, Optional
 
 from pipeline.config.checks import ConfigError, check_known_keys, did_you_mean
-from pipeline.data.config import DataConfig
-from pipeline.train.optim import OptimConfig
 
-#: `pipeline.config.run.RunConfig` (not imported: that module imports this one)
+#: The run's config (`RunConfig`), its `data` (`DataConfig`) and `optim` (`OptimConfig`) sections: not
+#: imported, read through the instances given. This module is a leaf of the config package, below the
+#: data and train packages that define those sections (tests/test_architecture.py: imports run down).
 RunConfig = Any
+DataConfig = Any
+OptimConfig = Any
 
 DATA_KEYS = ("shards_dir", "sources", "seq_len", "micro_batch_size", "global_batch_size", "grad_accum")
 LENGTH_KEYS = ("steps", "tokens", "fraction")
@@ -71,7 +73,7 @@ def check_phases(cfg: RunConfig) -> None:
                 raise ConfigError(f"{where}.fraction={value!r}: must be in (0, 1]")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{where}.{given[0]}={value!r}: must be a positive integer")
-        if "sources" in raw and "sources" not in {f.name for f in dataclasses.fields(DataConfig)}:
+        if "sources" in raw and "sources" not in {f.name for f in dataclasses.fields(cfg.data)}:
             raise ConfigError(f"{where}.sources: data mixtures (data.sources) are not available in this version; "
                               "name the phase's data with shards_dir")
         names.append(str(raw.get("name") or f"phase{i}"))
@@ -124,7 +126,7 @@ def phase_optim(cfg: RunConfig, index: int) -> Optional[OptimConfig]:
         return None
     if not isinstance(segment, dict):
         raise ConfigError(f"{where}.optim: expected a mapping of schedule fields, got {segment!r}")
-    names = [f.name for f in dataclasses.fields(OptimConfig)]
+    names = [f.name for f in dataclasses.fields(cfg.optim)]
     for key in segment:
         if key in OPTIM_FIXED:
             raise ConfigError(f"{where}.optim.{key}: fixed for the whole run (built into the optimizer or the "
