@@ -71,7 +71,7 @@ def check_phases(cfg: RunConfig) -> None:
                 raise ConfigError(f"{where}.fraction={value!r}: must be in (0, 1]")
         elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ConfigError(f"{where}.{given[0]}={value!r}: must be a positive integer")
-        if "sources" in raw and "sources" not in {f.name for f in dataclasses.fields(DataConfig)}:
+        if "sources" in raw and "sources" not in {f.name for f in dataclasses.fields(cfg.data)}:
             raise ConfigError(f"{where}.sources: data mixtures (data.sources) are not available in this version; "
                               "name the phase's data with shards_dir")
         names.append(str(raw.get("name") or f"phase{i}"))
@@ -124,7 +124,7 @@ def phase_optim(cfg: RunConfig, index: int) -> Optional[OptimConfig]:
         return None
     if not isinstance(segment, dict):
         raise ConfigError(f"{where}.optim: expected a mapping of schedule fields, got {segment!r}")
-    names = [f.name for f in dataclasses.fields(OptimConfig)]
+    names = [f.name for f in dataclasses.fields(cfg.optim)]
     for key in segment:
         if key in OPTIM_FIXED:
             raise ConfigError(f"{where}.optim.{key}: fixed for the whole run (built into the optimizer or the "
