@@ -211,7 +211,7 @@ def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> P
                                 seed=cfg.train.seed, kernels=cfg.model.kernels,
                                 init_from=cfg.model.init_from if warm_start else None,
                                 attention=cfg.model.attention, compile_layers=cfg.model.compile, unigram_counts=counts,
-                                mlm_bias_init=bias_init)
+                                mlm_bias_init=bias_init, activation_checkpointing=cfg.model.activation_checkpointing)
 
 
 def train(cfg: RunConfig, check_only: bool = False, recipe: Optional[dict] = None,
