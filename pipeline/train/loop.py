@@ -81,6 +81,7 @@ from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, 
 from pipeline.train.optim import build_optimizer, lr_at, resolve_impl, set_lr, use_apex_layernorm
 from pipeline.train.phases import before_step
 from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler, preemption_scope
+from pipeline.train.profiler import StepProfiler
 from pipeline.train.run_lock import hold_run_dir, released_at_exit
 from pipeline.train.run_meta import RunMeta, corpus_summary
 
@@ -411,6 +412,7 @@ class Run:
                    desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
         last_metrics: dict = {}
         outcome = "failed"  # what the trackers are told at close (trackers.OUTCOMES); set on a clean way out
+        profiler = StepProfiler.for_run(cfg, self.info.rank)  # train.profile; a no-op when off
         try:
             if state.step < total and self.preempted_during_startup(preemption):
                 outcome = "stopped"
@@ -429,6 +431,7 @@ class Run:
                 set_lr(self.optimizer, lr)
 
                 logged = step % cfg.train.log_every == 0 or step == total  # metrics-only work on these steps
+                profiler.step_begin(step)
                 sums, nonfinite_local, tokens_local = self.forward_backward(
                     StepProgress(step, total, accum * self.info.world_size, record_metrics=logged), accum)
 
@@ -437,6 +440,7 @@ class Run:
                 loss_local = sums["loss"].double().reshape(1) if "loss" in sums else torch.zeros(1, dtype=torch.float64)
                 status = torch.cat([nonfinite_local.reshape(1), loss_local.to(self.device), host.to(self.device)])
                 nonfinite, loss_sum, preempted, tokens, flops = all_reduce_sum(status).tolist()
+                profiler.step_end(step)
                 bad = self.guard.observe(state, step, nonfinite, self.engine.was_step_applied())
                 step_loss = loss_sum / (accum * self.info.world_size)
                 diverged = self.guard.loss_diverged(state, step_loss)  # every rank alike: all-reduced values
@@ -475,6 +479,7 @@ class Run:
             self.settle_saves()  # the last checkpoint is complete (hashes, `latest`) before the run ends
             outcome = "finished"
         finally:
+            profiler.close()
             bar.close()
             self.writer.close(outcome)
             self.flop_counter.remove()
