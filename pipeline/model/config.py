@@ -106,7 +106,8 @@ class ModelConfig:
         if not isinstance(self.compile, bool):
             raise ConfigError(f"model.compile={self.compile!r}: must be true or false")
         check_choice(self.mlm_bias_init, MLM_BIAS_INITS, "model.mlm_bias_init")
-        self.check_activation_checkpointing(self.shape()["num_layers"])
+        # a warm start's depth is its config.json's, checked in `encoder_config`; here only the form of the value
+        self.check_activation_checkpointing(self.shape()["num_layers"] if not self.init_from else 2**31)
         for name in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"model.{name}={getattr(self, name)}: must be in [0, 1)")

@@ -168,3 +168,16 @@ def test_deepspeed_run_logs_the_same_metrics(arch, engine, tiny_shards_dir, tmp_
         runs[setting] = metric_rows(out)
     assert sorted(runs["none"]) == [1, 2, 3]
     assert runs["all"] == runs["none"]  # every metric but timing and memory (`metric_rows` drops those)
+
+
+def test_a_warm_start_is_checked_against_its_own_depth(tmp_path):
+    """With `model.init_from` the depth is the base model's config.json's, not the size preset's (tiny: 2)."""
+    from transformers import BertConfig
+
+    BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=4, num_attention_heads=2, intermediate_size=128,
+               max_position_embeddings=LENGTH).save_pretrained(tmp_path)
+    fine = load_config("tiny-mlm", [f"model.init_from={tmp_path}", "model.activation_checkpointing=4"])
+    assert fine.model.encoder_config(VOCAB, LENGTH, SPECIAL).num_layers == 4
+    deep = load_config("tiny-mlm", [f"model.init_from={tmp_path}", "model.activation_checkpointing=5"])
+    with pytest.raises(ConfigError, match=r"model.activation_checkpointing='5': k is above the model's 4 layers"):
+        deep.model.encoder_config(VOCAB, LENGTH, SPECIAL)
