@@ -33,12 +33,19 @@ from benchmarks.common.report import _atomic_write, markdown_table
 from benchmarks.gpu_suite import kernel_rows, train_rows
 from benchmarks.gpu_suite.plan import Row, Stage, source_info
 from benchmarks.gpu_suite.targets import judge
-from benchmarks.memory import activation_checkpointing
+
+
+def checkpointing_row(ctx: Any, row: Row) -> dict[str, Any]:
+    """`benchmarks.memory.activation_checkpointing.gpu_suite_row`, imported when the row runs (it imports torch)."""
+    from benchmarks.memory.activation_checkpointing import gpu_suite_row
+
+    return gpu_suite_row(ctx, row)
+
 
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "env": kernel_rows.env_row, "kernel": kernel_rows.kernel_row, "pytest": kernel_rows.pytest_row,
     "train": train_rows.train_row, "hf": train_rows.hf_row, "queue": train_rows.queue_row,
-    "checkpointing": activation_checkpointing.gpu_suite_row}
+    "checkpointing": checkpointing_row}
 
 
 def device_info() -> dict[str, Any]:
