@@ -199,16 +199,19 @@ def gpu_suite_row(ctx: Any, row: Any) -> dict[str, Any]:
     """BERT-large at L=512 and ModernBERT large-24 at 8,192 tokens, each without and with checkpointing every
     layer: the largest power-of-two micro-batch whose forward + backward fits (bf16 weights and autocast, the
     optimizer state of a bf16 ZeRO-1 run reserved: `OPTIMIZER_BYTES_PER_PARAM`), and the forward + backward
-    tokens/s at that micro-batch (median of `TIMED_STEPS`; no optimizer step, which costs the same either way).
-    One model per family, the setting switched in place; the row keeps within its own estimate (`row.gpu_s`)."""
+    tokens/s at that micro-batch (median of up to `TIMED_STEPS`; no optimizer step, which costs the same either
+    way). One model per family (built on the device), the setting switched in place. On a lease the row keeps to
+    its estimate (`row.gpu_s`): each of the four searches gets an equal share of what is left of it, half for
+    doubling, the rest for timing; a search stopped by the clock is a lower bound ("time")."""
     device = ctx.device
     cuda = device.type == "cuda"
     cases = DRY_CASES if ctx.dry_run else GPU_CASES
-    share = row.gpu_s / (len(cases) * len(GPU_SETTINGS))
+    row_end = time.monotonic() + row.gpu_s
     results = []
     for arch, size, seq_len, first, cap in cases:
-        model = build_model(arch, None, seq_len, GPU_VOCAB, "none", None, size=size,
-                            kernels="auto" if cuda else "torch").to(device)
+        with device:  # initialised where it runs: a CPU init of a 24-layer large model takes seconds of the row
+            model = build_model(arch, None, seq_len, GPU_VOCAB, "none", None, size=size,
+                                kernels="auto" if cuda else "torch")
         if cuda:
             model = model.to(torch.bfloat16)
         model.train()
@@ -217,14 +220,18 @@ def gpu_suite_row(ctx: Any, row: Any) -> dict[str, Any]:
         for setting in GPU_SETTINGS:
             set_checkpointing(model, setting)
             started = time.monotonic()
-            until = float("inf") if ctx.dry_run else started + 0.6 * share  # a lease's row keeps to its estimate
-            fits, stopped, batches = largest_fitting(model, device, seq_len, first, cap, until)
+            left = len(cases) * len(GPU_SETTINGS) - len(results)  # searches left, this one included
+            share = float("inf") if ctx.dry_run else max(0.0, row_end - started) / left
+            fits, stopped, batches = largest_fitting(model, device, seq_len, first, cap, started + 0.5 * share)
             out: dict[str, Any] = {"family": arch, "size": size, "seq_len": seq_len, "checkpointing": setting,
                                    "largest_micro_batch": fits, "search_stopped_by": stopped}
             if fits:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
-                times = [fwd_bwd(model, batches[fits], device) for _ in range(TIMED_STEPS)]
+                times: list[float] = []
+                while len(times) < TIMED_STEPS and (not times or time.monotonic() < started + share):
+                    times.append(fwd_bwd(model, batches[fits], device))
+                out["timed_steps"] = len(times)
                 out["tokens_per_s"] = fits * seq_len / sorted(times)[len(times) // 2]
                 if cuda:
                     out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
@@ -244,10 +251,11 @@ def gpu_suite_row(ctx: Any, row: Any) -> dict[str, Any]:
                         f"{'' if r['search_stopped_by'] == 'out of memory' else '+'}, {r.get('tokens_per_s') or 0:,.0f} tokens/s"
                         for r in results)
     return {"results": results, "summary": summary,
-            "method": f"forward+backward, bf16 weights + autocast, {OPTIMIZER_BYTES_PER_PARAM} B/param of optimizer "
+            "method": f"forward+backward, {'bf16 weights + autocast' if cuda else 'fp32 (dry run)'}, "
+                      f"{OPTIMIZER_BYTES_PER_PARAM} B/param of optimizer "
                       f"state reserved; micro-batch doubled from the first until out of memory (else the cap or the row's time: "
                       f"'+', a lower bound); "
-                      f"tokens/s the median of {TIMED_STEPS} steps at the largest"}
+                      f"tokens/s the median of up to {TIMED_STEPS} steps at the largest"}
 
 
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
