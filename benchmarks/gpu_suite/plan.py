@@ -105,20 +105,23 @@ EAGER = ("triton", "eager_bf16", "eager_fp32")
 LCE_PEERS = EAGER + ("liger", "cce")
 
 HEADLINE = Stage("headline", "the headline numbers: BERT-large MLM and hf-bert at L=128 and 512, every objective "
-                 "at L=128, fused losses against eager / Liger / CCE", 420, (
+                 "at L=128, fused losses against eager / Liger / CCE", 385, (
                      env_row(),
                      train_row("mlm", 128), hf_row(128), train_row("mlm", 512), hf_row(512),
                      *(train_row(o, 128) for o in OBJECTIVES[1:]),
                      kernel_row("linear_cross_entropy", "16k", LCE_PEERS),
                      kernel_row("token_contrastive_loss", "16k", EAGER)))
+#: The largest micro-batch with and without `model.activation_checkpointing` (`benchmarks.memory.activation_checkpointing`).
+CHECKPOINTING_ROW = Row("activation checkpointing: largest micro-batch, tokens/s", "checkpointing", 40)
 #: Command 2 measures MLM at L=512 again: an objective's MFU is judged against the MLM row of its own process.
 MORE = Stage("more", "the objectives at L=512 (beside MLM), the queue InfoNCE share of a CAPT step, pytest -m gpu, "
-             "the second kernel size", 300, (
+             "the second kernel size, the largest micro-batch with and without activation checkpointing", 335, (
                  train_row("mlm", 512), *(train_row(o, 512, gpu_s=30) for o in OBJECTIVES[1:]),
                  Row("queue InfoNCE share of a CAPT step", "queue", 10),
                  Row("pytest -m gpu", "pytest", 45, (("timeout_s", 40),)),
                  kernel_row("linear_cross_entropy", "64k", LCE_PEERS),
-                 kernel_row("token_contrastive_loss", "64k", EAGER)))
+                 kernel_row("token_contrastive_loss", "64k", EAGER),
+                 CHECKPOINTING_ROW))
 MODERNBERT = Stage("modernbert", "ModernBERT large-24 beside BERT-large, pair by pair: MLM at L=128 and 512, every "
                    "objective at L=128", 420, tuple(
                        r for objective, length in [("mlm", 128), ("mlm", 512), *((o, 128) for o in OBJECTIVES[1:])]

@@ -34,9 +34,18 @@ from benchmarks.gpu_suite import kernel_rows, train_rows
 from benchmarks.gpu_suite.plan import Row, Stage, source_info
 from benchmarks.gpu_suite.targets import judge
 
+
+def checkpointing_row(ctx: Any, row: Row) -> dict[str, Any]:
+    """`benchmarks.memory.activation_checkpointing.gpu_suite_row`, imported when the row runs (it imports torch)."""
+    from benchmarks.memory.activation_checkpointing import gpu_suite_row
+
+    return gpu_suite_row(ctx, row)
+
+
 RUNNERS: dict[str, Callable[..., dict[str, Any]]] = {
     "env": kernel_rows.env_row, "kernel": kernel_rows.kernel_row, "pytest": kernel_rows.pytest_row,
-    "train": train_rows.train_row, "hf": train_rows.hf_row, "queue": train_rows.queue_row}
+    "train": train_rows.train_row, "hf": train_rows.hf_row, "queue": train_rows.queue_row,
+    "checkpointing": checkpointing_row}
 
 
 def device_info() -> dict[str, Any]:
@@ -237,6 +246,8 @@ def render_markdown(p: dict[str, Any]) -> str:
             lines += ["## Kernel correctness (bf16 kernel vs fp32 reference)", "", markdown_table(r["correctness"])]
         elif r["kind"] in ("queue", "pytest") or (r["kind"] in ("env", "kernel") and "error" in r):
             lines += [f"## {r['row']}", "", markdown_table([{k: v for k, v in r.items() if k != "kind"}])]
+        elif r["kind"] == "checkpointing":
+            lines += [f"## {r['row']}", "", r.get("method", r.get("error", "")), "", markdown_table(r.get("results", []))]
     if p.get("requirements"):
         lines += ["## Requirements", "", markdown_table(p["requirements"])]
     if p["targets"]:

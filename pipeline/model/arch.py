@@ -71,8 +71,10 @@ def init_weights(model: nn.Module, config: AnyEncoderConfig) -> None:
         init_bert_weights(model, config.initializer_range)
 
 
-def configure_stacks(model: nn.Module, config: AnyEncoderConfig, attention: str, compile_layers: bool) -> int:
-    """`model.attention` / `model.compile` on every layer stack of the family in `model`."""
+def configure_stacks(model: nn.Module, config: AnyEncoderConfig, attention: str, compile_layers: bool,
+                     checkpoint_period: int = 0) -> int:
+    """`model.attention` / `model.compile` / `model.activation_checkpointing` (a period k, 0: none;
+    `pipeline.model.checkpointing`) on every layer stack of the family in `model`."""
     if is_modernbert(config):
-        return configure_modernbert_stacks(model, attention, compile_layers)
-    return configure_layer_stacks(model, attention, compile_layers)
+        return configure_modernbert_stacks(model, attention, compile_layers, checkpoint_period)
+    return configure_layer_stacks(model, attention, compile_layers, checkpoint_period)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.model.attention import ATTENTION_MODES, VarlenLayout, plan_attention, varlen_attention
+from pipeline.model.checkpointing import is_checkpointed, run_layer
 
 #: What a layer receives about attention: nothing (dense), an additive bias (masked) or a layout (varlen).
 LayerAttention = Optional[Union[Tensor, VarlenLayout]]
@@ -183,6 +184,9 @@ class BertLayerStack(nn.Module):
         self.attention = "auto"
         self.last_work: tuple[int, int] = (0, 0)
         self.compiled = False
+        #: `model.activation_checkpointing` as a period k: layers 0, k, 2k, ... recompute their activations
+        #: in backward (`pipeline.model.checkpointing`); 0: none
+        self.checkpoint_period = 0
 
     def compile_layers(self) -> None:
         """Run the layers through `torch.compile` (`model.compile=true`), one compiled function per
@@ -214,14 +218,14 @@ class BertLayerStack(nn.Module):
             assert layout is not None
             hidden = x.reshape(-1, x.shape[-1]).index_select(0, layout.indices)  # [T, H]: real tokens only
             step = _compiled("varlen") if self.compiled else _varlen_step
-            for layer in self.layer:
-                hidden = step(layer, hidden, layout)
+            for i, layer in enumerate(self.layer):
+                hidden = run_layer(step, layer, hidden, layout, checkpointed=is_checkpointed(i, self.checkpoint_period))
             out = hidden.new_zeros(x.shape[0] * x.shape[1], hidden.shape[-1]).index_copy(0, layout.indices, hidden)
             return out.view(x.shape[0], x.shape[1], -1)  # padding positions hold zeros
         if plan.bias is None:
             step = _compiled("dense") if self.compiled else _dense_step
-            for layer in self.layer:
-                x = step(layer, x)
+            for i, layer in enumerate(self.layer):
+                x = run_layer(step, layer, x, checkpointed=is_checkpointed(i, self.checkpoint_period))
             return x
         if self.compiled and not plan.static:  # sizes chosen per batch: one dynamic graph for all of them
             torch._dynamo.maybe_mark_dynamic(x, 0)
@@ -229,8 +233,8 @@ class BertLayerStack(nn.Module):
             torch._dynamo.maybe_mark_dynamic(plan.bias, 0)
             torch._dynamo.maybe_mark_dynamic(plan.bias, 3)
         step = _compiled("masked") if self.compiled else _masked_step
-        for layer in self.layer:
-            x = step(layer, x, plan.bias)
+        for i, layer in enumerate(self.layer):
+            x = run_layer(step, layer, x, plan.bias, checkpointed=is_checkpointed(i, self.checkpoint_period))
         return x
 
 
@@ -262,14 +266,17 @@ def _compiled(kind: str) -> Callable:
     return _COMPILED[kind]
 
 
-def configure_layer_stacks(model: nn.Module, attention: str = "auto", compile_layers: bool = False) -> int:
-    """Set the attention mode of every `BertLayerStack` in `model` (main encoder, generators) and
-    optionally compile their layers; returns how many stacks were configured."""
+def configure_layer_stacks(model: nn.Module, attention: str = "auto", compile_layers: bool = False,
+                           checkpoint_period: int = 0) -> int:
+    """Set the attention mode and the activation-checkpointing period (`pipeline.model.checkpointing`)
+    of every `BertLayerStack` in `model` (main encoder, generators) and optionally compile their
+    layers; returns how many stacks were configured."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"model.attention={attention!r}: choose one of {ATTENTION_MODES}")
     stacks = [m for m in model.modules() if isinstance(m, BertLayerStack)]
     for stack in stacks:
         stack.attention = attention
+        stack.checkpoint_period = checkpoint_period
         if compile_layers:
             stack.compile_layers()
     return len(stacks)

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.model.attention import ATTENTION_MODES, VarlenLayout, attention_bias, plan_attention, varlen_layout
+from pipeline.model.checkpointing import is_checkpointed, run_layer
 from pipeline.model.encoder import EncoderOutput
 from pipeline.model.heads import TiedVocabProjection
 
@@ -283,6 +284,7 @@ class ModernBertLayerStack(nn.Module):
         self.last_work: tuple[int, int] = (0, 0)
         self.last_flops = 0.0  # forward FLOPs of the last pass (`pass_flops`), read by the training metrics
         self._compiled: Optional[list[nn.Module]] = None  # a plain list: the state dict keeps its names
+        self.checkpoint_period = 0  # `model.activation_checkpointing` as a period k (`pipeline.model.checkpointing`)
 
     def pass_flops(self, lengths: list[int]) -> float:
         """Forward FLOPs of the layers over sequences of `lengths` real tokens (Megatron's count with a
@@ -331,9 +333,10 @@ class ModernBertLayerStack(nn.Module):
                 layers = self._compiled  # type: ignore[assignment]
         tables = {g: rotary_tables(positions, cfg.head_dim, cfg.global_rope_theta if g else cfg.local_rope_theta, x.dtype)
                   for g in {layer.is_global for layer in self.layers}}
-        for module, layer in zip(layers, self.layers):
+        for i, (module, layer) in enumerate(zip(layers, self.layers)):
             cos, sin = tables[layer.is_global]
-            hidden = module(hidden, global_attn if layer.is_global else local_attn, cos, sin)
+            hidden = run_layer(module, hidden, global_attn if layer.is_global else local_attn, cos, sin,
+                               checkpointed=is_checkpointed(i, self.checkpoint_period))
         hidden = self.final_norm(hidden)
         if plan.kind == "varlen":
             assert plan.layout is not None
@@ -392,13 +395,16 @@ class ModernBertMLMHead(nn.Module):
         return self.predictions(hidden, fn, *args, **kwargs)
 
 
-def configure_modernbert_stacks(model: nn.Module, attention: str = "auto", compile_layers: bool = False) -> int:
-    """`model.attention` / `model.compile` for every `ModernBertLayerStack` in `model`; returns how many."""
+def configure_modernbert_stacks(model: nn.Module, attention: str = "auto", compile_layers: bool = False,
+                                checkpoint_period: int = 0) -> int:
+    """`model.attention` / `model.compile` / `model.activation_checkpointing` (as a period,
+    `pipeline.model.checkpointing`) for every `ModernBertLayerStack` in `model`; returns how many."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"model.attention={attention!r}: choose one of {ATTENTION_MODES}")
     stacks = [m for m in model.modules() if isinstance(m, ModernBertLayerStack)]
     for stack in stacks:
         stack.attention = attention
+        stack.checkpoint_period = checkpoint_period
         if compile_layers:
             stack.compile_layers()
     return len(stacks)

@@ -27,18 +27,21 @@ def build_pretrain_model(encoder_config: AnyEncoderConfig, objectives: Mapping[s
                          special_tokens: Mapping[str, int], objective_options: Mapping[str, Mapping[str, Any]],
                          seed: int = 0, kernels: str = "auto", init_from: Optional[str] = None,
                          attention: str = "auto", compile_layers: bool = False,
-                         unigram_counts: Optional[np.ndarray] = None, mlm_bias_init: str = "zero") -> PretrainModel:
+                         unigram_counts: Optional[np.ndarray] = None, mlm_bias_init: str = "zero",
+                         activation_checkpointing: str = "none") -> PretrainModel:
     """A freshly initialised `PretrainModel` (initial weights from the `init` stream of `seed`); with
     `unigram_counts` [V] (the shards' token counts), its unigram-derived tensors are filled
     (`fill_unigram_tensors`: the NCE samplers' log q, and with `mlm_bias_init="unigram"`, i.e.
     `model.mlm_bias_init=unigram`, the vocabulary output biases); with `init_from`, its `bert.*` (and MLM
     head, when the checkpoint has one) then come from that Hugging Face BERT directory. `attention` /
-    `compile_layers` are `model.attention` / `model.compile` (they change how the layers run, never the weights)."""
+    `compile_layers` / `activation_checkpointing` are `model.attention` / `model.compile` /
+    `model.activation_checkpointing` (they change how the layers run, never the weights)."""
     if mlm_bias_init == "unigram" and unigram_counts is None:
         raise ValueError("mlm_bias_init='unigram' needs the shards' unigram_counts")
     seed_init(seed)
     model = PretrainModel(encoder_config, objectives, special_tokens, objective_options, seed=seed, kernels=kernels,
-                          attention=attention, compile_layers=compile_layers)
+                          attention=attention, compile_layers=compile_layers,
+                          activation_checkpointing=activation_checkpointing)
     if unigram_counts is not None:
         fill_unigram_tensors(model, unigram_counts, output_biases=mlm_bias_init == "unigram")
     if init_from:

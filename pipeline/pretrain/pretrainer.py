@@ -18,6 +18,7 @@ from pipeline import seeding
 from pipeline.data.batch import STRUCTURE_TOKENS, special_ids
 from pipeline.monitor.health import step_health, unigram_log_probs
 from pipeline.model.arch import AnyEncoderConfig, build_encoder_and_head, configure_stacks, init_weights
+from pipeline.model.checkpointing import checkpoint_period
 from pipeline.objectives.base import StepContext, StepProgress
 from pipeline.objectives.registry import build_objective
 
@@ -33,6 +34,7 @@ class PretrainModel(nn.Module):
         kernels: str = "auto",
         attention: str = "auto",
         compile_layers: bool = False,
+        activation_checkpointing: str = "none",
     ) -> None:
         """
         objectives: name -> loss weight (e.g. {"mlm": 1.0, "taco": 1.0}).
@@ -41,6 +43,8 @@ class PretrainModel(nn.Module):
         seed: the run seed (objective sampling streams derive from it, `pipeline.seeding`).
         attention / compile_layers: `model.attention` and `model.compile` for every layer stack
         (the encoder's and any objective's generator), `pipeline.model.encoder.configure_layer_stacks`.
+        activation_checkpointing: `model.activation_checkpointing` (`none`, `all` or k: every k-th layer of
+        every stack; `pipeline.model.checkpointing`).
         """
         super().__init__()
         if not objectives:
@@ -70,7 +74,8 @@ class PretrainModel(nn.Module):
             reset = getattr(obj, "reset_parameters", None)
             if reset is not None:
                 reset()
-        configure_stacks(self, encoder_config, attention, compile_layers)
+        period = checkpoint_period(activation_checkpointing, encoder_config.num_layers)
+        configure_stacks(self, encoder_config, attention, compile_layers, period)
 
     def set_health_unigram(self, counts: np.ndarray) -> None:
         """The unigram references of the health metrics from the shards' token counts

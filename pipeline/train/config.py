@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipeline.config.checks import ConfigError, check_positive
+from pipeline.train.profiler import ProfileConfig
 from pipeline.train.trackers import DEFAULT_TRACKERS, check_installed, check_tracker_names
 
 
@@ -64,6 +65,9 @@ class TrainConfig:
     """Tags of the W&B / MLflow run (empty: W&B reads `WANDB_TAGS`)."""
     mlflow_tracking_uri: str = ""
     """MLflow store; "" -> `MLFLOW_TRACKING_URI`, then a local file store `file://<output_dir>/mlruns`."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """`{start, steps}`: a `torch.profiler` trace of steps start..start+steps-1 on rank 0 and a table of the top
+    operators by self time, in `<output_dir>/profile/` (`pipeline.train.profiler`); `start: 0` (default): off."""
 
     def active_trackers(self) -> list[str]:
         """`trackers`, less `tensorboard` when the older `tensorboard` switch is false."""
@@ -85,4 +89,5 @@ class TrainConfig:
         if not self.resume:
             raise ConfigError("train.resume: use 'auto', 'never' or a checkpoint directory")
         check_tracker_names(self.trackers)
+        self.profile.check(self.total_steps)
         check_installed(self.active_trackers())  # before compute: the install line, not a crash at step 1

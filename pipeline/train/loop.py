@@ -43,6 +43,7 @@ from pipeline.train.optim import build_optimizer, resolve_impl, set_lr, use_apex
 from pipeline.train.phase_switch import apply_model_overrides, set_engine_batch
 from pipeline.train.phases import PhaseView
 from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
+from pipeline.train.profiler import StepProfiler
 from pipeline.train.run_meta import RunMeta, corpus_summary
 
 log = logging.getLogger("pipeline.train")
@@ -74,7 +75,7 @@ def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> P
                                 seed=cfg.train.seed, kernels=cfg.model.kernels,
                                 init_from=cfg.model.init_from if warm_start else None,
                                 attention=cfg.model.attention, compile_layers=cfg.model.compile, unigram_counts=counts,
-                                mlm_bias_init=bias_init)
+                                mlm_bias_init=bias_init, activation_checkpointing=cfg.model.activation_checkpointing)
 
 
 @contextlib.contextmanager
@@ -265,6 +266,7 @@ class Run:
                    desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
         last_metrics: dict = {}
         outcome = "failed"  # what the trackers are told at close (trackers.OUTCOMES); set on a clean way out
+        profiler = StepProfiler.for_run(cfg, self.info.rank)  # train.profile; a no-op when off
         try:
             if state.step < total and self.preempted_during_startup(preemption):
                 outcome = "stopped"
@@ -273,7 +275,9 @@ class Run:
                 log.info("the run is already complete at step %d (train.total_steps=%d): nothing to train; to extend "
                          "it: cpt-train --resume %s train.total_steps=N (N > %d)", state.step, total, cfg.train.output_dir, state.step)
             while state.step < total:
+                profiler.step_begin(state.step + 1)  # train.profile: a no-op outside its window
                 result = self.train_step(state.step + 1, stop_requested=preemption.requested)
+                profiler.step_end(result.step)
                 step, lr = result.step, result.lr
                 bar.update(1)
                 if result.logged or result.bad or result.diverged:
@@ -297,6 +301,7 @@ class Run:
                     return REQUEUE_EXIT_CODE
             outcome = "finished"  # (the last step's save was settled by `step_end`)
         finally:
+            profiler.close()
             bar.close()
             self.writer.close(outcome)
             self.flop_counter.remove()

@@ -184,6 +184,8 @@ RESUME_IGNORED_FIELDS = (
     "train.max_loss_ratio",
     "train.max_weight_norm_ratio",
     "train.deterministic",
+    "model.activation_checkpointing",  # recomputes the same activations (same gradients): memory, not trajectory
+    "train.profile",  # observes steps (pipeline.train.profiler), changes none
     "deepspeed.tf32",
     "train.dist_timeout_s",
     "train.progress_bar",

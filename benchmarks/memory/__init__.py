@@ -1,0 +1,1 @@
+"""Memory benchmarks (activation checkpointing: peak activation memory with vs without)."""
