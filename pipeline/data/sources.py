@@ -264,18 +264,23 @@ class Interleave:
         return block * self.plan.block + int(np.flatnonzero(labels == source)[rank])
 
 
-def check_exhaustion(plan: MixturePlan, seed: int, run_samples: int, global_batch: int, total_steps: int) -> None:
+def check_exhaustion(plan: MixturePlan, seed: int, run_samples: int, global_batch: int, total_steps: int,
+                     length_field: str = "train.total_steps", first_step: int = 0) -> None:
     """`on_exhausted: stop`: refuse (before compute) a run that would need more sequences of a source
-    than it holds, naming the step that would first read past its end."""
+    than it holds, naming the step that would first read past its end. `length_field` names the
+    length being checked (`train.total_steps`, or a phase's `phases.<i>.steps`) and `first_step`
+    the steps before it (a phase's stream starts after them: the step named is the run's)."""
     order = Interleave(plan, seed)
     for s, spec in enumerate(plan.sources):
         if spec.on_exhausted != "stop" or order.counts_before(run_samples)[s] <= plan.sequences[s]:
             continue
         step = order.position_of(s, plan.sequences[s]) // global_batch + 1
+        where = f"step {step} of {length_field}={total_steps}" if not first_step else \
+            f"step {first_step + step} (step {step} of {length_field}={total_steps})"
         raise ConfigError(
-            f"{spec.where} ({spec.path}, on_exhausted: stop): its {plan.sequences[s]:,} sequences run out at step "
-            f"{step} of train.total_steps={total_steps}; stop the run there (train.total_steps={step - 1}), lower its "
-            f"share, or set {spec.where}.on_exhausted=repeat to start another pass over it")
+            f"{spec.where} ({spec.path}, on_exhausted: stop): its {plan.sequences[s]:,} sequences run out at {where}; "
+            f"stop there ({length_field}={step - 1}), lower its share, or set {spec.where}.on_exhausted=repeat to "
+            "start another pass over it")
 
 
 def data_directories(data: Any) -> list[str]:
@@ -304,3 +309,42 @@ def mixture_mismatches(named: Sequence[tuple[str, str, Manifest]]) -> list[str]:
                 problems.append(f"{label} has seq_len={manifest.seq_len}, {first_label} has {ref.seq_len}; a mixture "
                                 "needs one seq_len: rebuild one of them")
     return problems
+
+
+def interleave_change(old: Any, old_samples: int, new: Any, new_samples: int) -> Optional[str]:
+    """Why a stream read up to some position under data spec `old` (`DataConfig`-like, planned over
+    `old_samples`) cannot go on under `new` (over `new_samples`), or None when its interleave is the
+    same. The interleave is a pure function of the position from the stream's first sample (module
+    doc): other quotas, block, source order or sources re-place every position already read, so a
+    resume would skip rows of one source and read rows of another again, and the per-source counters
+    would jump. Compared: the ordered sources' names and realised quotas, and the block (a source's
+    contents are the data identity's business). None also where a manifest is unreadable (the data
+    checks name that)."""
+    if not old.sources and not new.sources:
+        return None
+    if bool(old.sources) != bool(new.sources):
+        what = "a data.sources mixture" if old.sources else "one directory (data.shards_dir)"
+        return f"data.sources: the stream read so far is {what}; its positions cannot be continued by the other kind"
+    try:
+        plans = []
+        for data, samples in ((old, old_samples), (new, new_samples)):
+            specs = parse_sources(data.sources, data.mixture_block)
+            manifests = [read_manifest(spec.path) for spec in specs]
+            plans.append(plan_mixture(specs, [m.total_sequences for m in manifests],
+                                      [m.total_tokens for m in manifests], data.mixture_block, samples))
+    except (ConfigError, OSError, ValueError):
+        return None
+    before, after = plans
+    if before.block != after.block:
+        return f"data.mixture_block: {before.block} -> {after.block}"
+    names = [s.name for s in before.sources]
+    if names != [s.name for s in after.sources]:
+        return f"data.sources: the sources (in order) were {names}, now {[s.name for s in after.sources]}"
+    for s, spec in enumerate(after.sources):
+        if before.quotas[s] != after.quotas[s]:
+            field = f"{spec.where}.{'tokens' if spec.tokens is not None else 'weight'}"
+            budget = (" (a token budget is a share of the samples it is planned over: train.total_steps, or the "
+                      "phase's steps, x global batch)") if spec.tokens is not None or before.sources[s].tokens else ""
+            return (f"{field}: source {spec.name}'s share moves from {before.quotas[s]} to {after.quotas[s]} of every "
+                    f"{after.block} positions{budget}")
+    return None

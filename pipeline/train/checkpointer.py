@@ -77,7 +77,15 @@ class Checkpointer:
         `world_size` ranks: its data is compared with that of the phase it was written in; an
         explicit older tag of this run sets the newer ones aside."""
         from pipeline.data.shards import manifest_file_sha256
+        from pipeline.train.phase_resume import check_resume
+        from pipeline.train.run_meta import RunMeta
 
+        try:
+            meta = RunMeta.read(resume_dir)
+        except (FileNotFoundError, ValueError, TypeError):
+            meta = None  # (plan_resume names the problem)
+        if meta is not None:  # trained phases and the mixture read so far stay as they were, even if allowed
+            check_resume(plan.schedule, meta)
         data_hash, data_dir = plan.schedule.data_identity(resume_dir, plan.manifest_hash, data_dir)
         target = plan_resume(resume_dir, config, data_hash, world_size, plan.zero_stage, self.allow_config_change,
                              manifest_file_sha256(data_dir) if data_dir else "")

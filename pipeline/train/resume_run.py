@@ -143,8 +143,9 @@ def check_same_mixture(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) 
         raise ConfigError(f"--resume: the data.sources mixture changed since the checkpoint (data "
                           f"{meta.manifest_hash[:12]} -> {current[:12]}): a source's shards, or its share (a "
                           "data.sources[i].tokens budget is a share of train.total_steps x data.global_batch_size, "
-                          "so a new train.total_steps moves it); pass train.allow_config_change=true to continue "
-                          "with the new interleave, or give the sources weights")
+                          "so a new train.total_steps moves it); changed shards resume with "
+                          "train.allow_config_change=true, a moved share does not (it would re-place the positions "
+                          "already read: pipeline.train.phase_resume): give the sources weights")
 
 
 def resumed_recipe(meta: RunMeta, saved: dict, now: dict) -> dict[str, Any]:

@@ -1,0 +1,148 @@
+"""Issue 49, phases and mixtures (docs/guarantees.md, "phases and mixtures on resume"): a phase's mixture
+is planned over the phase's own length (its `on_exhausted: stop` sources refused before compute, its
+token budgets a share of the phase's samples, the reader on the same plan), phase 0's start is logged,
+a resume that would rewrite trained phases is refused naming the phase field, and a resume that
+changes a mixture's interleave mid-stream is refused naming the source field."""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipeline.config.checks import ConfigError
+from pipeline.config.run import check_run, load_config
+from pipeline.data.mixture import open_run_data
+from pipeline.data.shards import read_manifest
+from pipeline.data.sources import Interleave
+from pipeline.train.cli import EXIT_CONFIG_ERROR, main
+from pipeline.train.run_meta import RunMeta
+from tests.fixtures_data import TINY_SEQ_LEN, stdlib_documents, write_corpus
+from tests.train.runs import metric_rows, run_inprocess, tag_dir
+
+
+@pytest.fixture(scope="module")
+def small_source(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """A small source (one stdlib module's docstrings) with the tiny tokenizer."""
+    from data_prep.build_shards import build_shards
+
+    root = tmp_path_factory.mktemp("small_source")
+    corpus = write_corpus(root / "small.txt", stdlib_documents(("queue", "heapq", "bisect", "statistics")))
+    build_shards([corpus], tiny_tokenizer_dir, root / "small", seq_len=TINY_SEQ_LEN, shard_size_mb=0.02, num_proc=1,
+                 progress=False)
+    return root / "small"
+
+
+def mixed_phases(big: Path, small: Path, first: int, second: int, **small_entry) -> str:
+    """`phases=[...]`: 'plain' on the run's data, then 'mix' on a mixture of `big` and `small`."""
+    entry = {"path": str(small), "weight": 1.0, **small_entry}
+    return "phases=" + json.dumps([{"name": "plain", "steps": first},
+                                   {"name": "mix", "steps": second,
+                                    "sources": [{"path": str(big), "weight": 1.0}, entry]}])
+
+
+def base(shards: Path, total: int) -> list[str]:
+    return [f"data.shards_dir={shards}", f"train.total_steps={total}", "data.mixture_block=16"]
+
+
+# ---- item 1: a phase's mixture against the phase's own length ----------------------------------------
+def test_a_stop_source_that_runs_out_inside_its_phase_is_refused_before_compute(tiny_shards_dir, small_source,
+                                                                                  tmp_path, capsys):
+    n = read_manifest(small_source).total_sequences  # half of each 16-position block reads `small`
+    fits = n // 8 * 2  # 8 samples a step, 4 of every 8 small's (exact every 2 steps): fits x 4 <= n
+    steps = fits + 2  # ... and 8 more: it runs out inside the phase
+    phases = mixed_phases(tiny_shards_dir, small_source, 2, steps, on_exhausted="stop")
+    with pytest.raises(ConfigError, match=rf"phases\[1\] \(mix\): data.sources\[1\] \({small_source}, on_exhausted: "
+                                          rf"stop\): its {n} sequences run out at step \d+ \(step \d+ of "
+                                          rf"phases.1.steps={steps}\)"):
+        check_run(load_config("tiny-mlm", [*base(tiny_shards_dir, 2 + steps), phases]), 1, False)
+    out = tmp_path / "run"  # the command line: exit 2, nothing computed (no checkpoint, no metrics)
+    assert main(["--config", "tiny-mlm", *base(tiny_shards_dir, 2 + steps), f"train.output_dir={out}", phases]) \
+        == EXIT_CONFIG_ERROR
+    assert "phases.1.steps=" in capsys.readouterr().err and not (out / "checkpoints").exists()
+    check_run(load_config("tiny-mlm", [*base(tiny_shards_dir, 2 + fits),
+                                       mixed_phases(tiny_shards_dir, small_source, 2, fits, on_exhausted="stop")]), 1, False)
+
+
+def test_a_token_budget_inside_a_phase_is_a_share_of_the_phase(tiny_shards_dir, small_source, tmp_path, caplog):
+    """Planned over the phase's 2 steps x 8 samples (not the run's 4 x 8, nor refused as needing
+    train.total_steps), and the reader of the phase reads that plan: the logged per-source counters
+    are the interleave of the phase's plan. Phase 0's start is logged at set-up like phase 1's."""
+    budget = read_manifest(small_source).total_tokens // read_manifest(small_source).total_sequences * 4
+    phases = mixed_phases(tiny_shards_dir, small_source, 2, 2)
+    phases = phases.replace('"weight": 1.0}]', f'"tokens": {budget}}}]')
+    args = [*base(tiny_shards_dir, 4), phases]
+    plan = check_run(load_config("tiny-mlm", args), 1, False)
+    mix = plan.schedule.phases[1]
+    assert mix.samples == 16
+    phase_plan = open_run_data(mix.data, mix.samples, check=False).plan
+    run_plan = open_run_data(mix.data, 32, check=False).plan
+    assert phase_plan.quotas != run_plan.quotas  # the test tells the two apart
+    out = tmp_path / "run"
+    with caplog.at_level(logging.INFO, logger="pipeline.train"):
+        assert run_inprocess("tiny-mlm", tiny_shards_dir, out, *args[1:]) == 0
+    starts = [r.getMessage() for r in caplog.records if "starts (" in r.getMessage()]
+    assert starts[0].startswith("step 1: phase 'plain' starts") and starts[1].startswith("step 3: phase 'mix' starts")
+    expected = Interleave(phase_plan, mix.seed).counts_before(16)
+    assert metric_rows(out)[4]["data/small/samples"] == int(expected[1])
+    assert RunMeta.read(tag_dir(out, 4)).manifest_hash == mix.manifest_hash
+
+
+# ---- item 2: phases edited on --resume ----------------------------------------------------------------
+def test_a_resume_may_not_rewrite_trained_phases_but_may_reshape_later_steps(tiny_shards_dir, tmp_path, capsys,
+                                                                            caplog):
+    """[6, 6] trained to step 12 (checkpoints every 3): resumed at step 6 as [4, 8] (the boundary
+    before the checkpoint) is refused naming the phase's field, with `--resume`'s own allowance and
+    with train.allow_config_change=true alike; a renamed trained phase too. Resumed at step 3 as
+    [4, 8] (the boundary after the checkpoint) it is accepted, logged, and the run records 4 + 8,
+    which is what it trains (the phase index of every logged step says so)."""
+    phases = "phases=" + json.dumps([{"name": "a", "steps": 6}, {"name": "b", "steps": 6}])
+    run = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, run, "train.total_steps=12", "train.checkpoint_every=3",
+                         "train.keep_last=10", phases) == 0
+    moved = ["phases.0.steps=4", "phases.1.steps=8"]
+    for extra in ([], ["train.allow_config_change=true"]):
+        capsys.readouterr()
+        assert main(["--resume", str(tag_dir(run, 6)), *moved, *extra]) == EXIT_CONFIG_ERROR
+        err = capsys.readouterr().err
+        assert "phases[0] (a): phases.0.steps gives it 4 steps (steps 1-4), but the checkpoint at step 6 trained it " \
+               "for steps 1-6" in err and "would rewrite steps already trained" in err, err
+    assert main(["--resume", str(tag_dir(run, 6)), "phases.0.name=first"]) == EXIT_CONFIG_ERROR
+    assert "phases[0].name: the checkpoint at step 6 trained phase 'a' here" in capsys.readouterr().err
+    assert main(["--resume", str(tag_dir(run, 9)), "phases.0.global_batch_size=4"]) == EXIT_CONFIG_ERROR
+    assert "phases[0] (a).global_batch_size: None -> 4, but the phase was trained to its end" in capsys.readouterr().err
+    with caplog.at_level(logging.INFO, logger="pipeline.train"):
+        assert main(["--resume", str(tag_dir(run, 3)), *moved]) == 0
+    assert "phases reshaped after it" in caplog.text and "phases[0] (a) ends at step 4 (was 6)" in caplog.text
+    rows = metric_rows(run)
+    assert [rows[s]["phase"] for s in range(4, 13)] == [0] + [1] * 8
+    meta = RunMeta.read(tag_dir(run, 12))
+    assert [(p["name"], p["steps"]) for p in meta.corpus["phases"]] == [("a", 4), ("b", 8)]
+    assert [p["steps"] for p in meta.config["phases"]] == [4, 8]
+
+
+# ---- item 4: a mixture's shares changed on --resume -------------------------------------------------------
+def test_a_resume_that_moves_a_mixtures_shares_is_refused(tiny_shards_dir, small_source, tmp_path, capsys):
+    """0.75 / 0.25 over blocks of 16, trained 4 steps: resumed with 0.5 / 0.5 it would re-place the
+    positions read (refused naming the weight, also with train.allow_config_change=true); resumed
+    with the same shares written as 3 / 1, or extended, it continues (counters never go back)."""
+    def sources(wiki: float, small: float) -> str:
+        return (f"data.sources=[{{path: {tiny_shards_dir}, weight: {wiki}, name: wiki}}, "
+                f"{{path: {small_source}, weight: {small}, name: small}}]")
+
+    run = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", Path(""), run, "data.shards_dir=", "data.mixture_block=16", sources(0.75, 0.25),
+                         "train.total_steps=4", "train.checkpoint_every=2") == 0
+    for extra in ([], ["train.allow_config_change=true"]):
+        capsys.readouterr()
+        assert main(["--resume", str(run), "train.total_steps=6", sources(0.5, 0.5), *extra]) == EXIT_CONFIG_ERROR
+        err = capsys.readouterr().err
+        assert "data.sources[0].weight: source wiki's share moves from 12 to 8 of every 16 positions" in err, err
+        assert "train.allow_config_change=true does not cover this" in err
+    assert main(["--resume", str(run), "train.total_steps=6", sources(3, 1)]) == 0  # the same shares
+    assert main(["--resume", str(run), "train.total_steps=8"]) == 0
+    rows = metric_rows(run)
+    counts = [rows[s]["data/small/samples"] for s in range(1, 9)]
+    assert counts == sorted(counts) and rows[8]["data/small/samples"] == 8 * 8 // 4  # 4 of every 16: exact at 16
