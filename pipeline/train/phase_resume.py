@@ -6,11 +6,13 @@ nothing before it; the rule, for every phase that trained at least one step (sta
 
   * it keeps its place and name: phases[i] is the same phase (its data seed is `phase_seed(seed, i)`,
     checkpoints name it), starting at the same step;
-  * a phase trained to its end (end <= S) keeps its length and every field but `shards_dir` (data
-    moved is no change; its manifest is the data identity): its steps are history;
-  * the phase the checkpoint is in (start < S < end) may end anywhere at or after S (lengthened,
-    shortened down to S, a boundary moved later): its trained steps stay its own; its own LR segment
-    (`phases[i].optim`) must give every trained step of it the rate it was trained with.
+  * a phase that ended before S (end < S) keeps its length; the phase S is in or ends at may end
+    anywhere at or after S (lengthened, shortened down to S, a boundary moved later);
+  * a phase that trains nothing after S keeps every field but `shards_dir` (data moved is no
+    change; its manifest is the data identity): its steps are history; one that goes on after S may
+    change its fields from S + 1 on (logged);
+  * its own LR segment (`phases[i].optim`) must give every trained step of it the rate it was
+    trained with, whatever its new length.
 
 Phases that start at or after S may change freely; such a change is logged and recorded as the
 run's plan (the checkpoint's config and the model card's corpus then say what was trained, since
@@ -111,36 +113,37 @@ def check_resume(schedule: Any, meta: Any) -> None:
         new_steps = new[i][2]
         old_raw, new_raw = old_cfg.phases[i], new_raws[i]
         where = phase_label(i, new_raw)
-        if new_steps != steps if end <= step else start + new_steps < step:
-            new_end = start + new_steps
+        new_end, trained = start + new_steps, min(end, step) - start
+        # a phase ended before the checkpoint keeps its length; the one the checkpoint is in (or ends
+        # at) may end at any step from the checkpoint's on
+        if new_end != end if end < step else new_end < step:
             raise ConfigError(
                 f"{where}: {_length_field(i, new_raw)} gives it {new_steps} steps (steps {start + 1}-{new_end}), but the "
-                f"checkpoint at step {step} trained it for steps {start + 1}-{min(end, step)} ({steps} planned): that "
+                f"checkpoint at step {step} trained it for steps {start + 1}-{start + trained} ({steps} planned): that "
                 f"would rewrite steps already trained. A resume reshapes only steps after {step}; to move the boundary "
-                f"to step {min(new_end, end)}, resume from a checkpoint at or before it (train.resume=<tag>), or start "
-                "a new run")
+                f"to step {new_end}, resume from a checkpoint at or before it (train.resume=<tag>), or start a new run")
         for key in sorted((set(old_raw) | set(new_raw)) - set(_NOT_HISTORY)):
             if old_raw.get(key) == new_raw.get(key):
                 continue
-            if end <= step:
+            if new_end <= step:  # the phase trains nothing after the checkpoint: all of it is history
                 raise ConfigError(f"{where}.{key}: {old_raw.get(key)!r} -> {new_raw.get(key)!r}, but the phase was "
-                                  f"trained to its end (steps {start + 1}-{end}) before the checkpoint at step {step}: "
+                                  f"trained to its end (steps {start + 1}-{new_end}) by the checkpoint at step {step}: "
                                   "a trained phase's fields are history")
             if key not in ("optim", "sources"):  # (its LR segment: below; its mixture: `_check_mixture`)
                 reshaped.append(f"{where}.{key} from step {step + 1}")
-        if end > step:  # the current phase: its own LR segment over its trained steps
+        if new_steps != steps or old_raw.get("optim") != new_raw.get("optim"):  # its own LR segment, trained steps
             old_optim, new_optim = phase_optim(old_cfg, i), phase_optim(new_cfg, i)
             if (old_optim is None) != (new_optim is None):
                 raise ConfigError(f"{where}.optim: added or removed in the phase the checkpoint at step {step} is in: "
                                   "it would change the learning rate of its trained steps")
             if old_optim is not None:
-                first = first_lr_change(old_optim, steps, new_optim, new_steps, step - start)
+                first = first_lr_change(old_optim, steps, new_optim, new_steps, trained)
                 if first is not None:
                     raise ConfigError(f"{where}: {_length_field(i, new_raw)} / optim change the learning rate of its "
                                       f"step {first} (run step {start + first}), already trained; a resume at step "
                                       f"{step} may change only later steps' rates")
             if new_steps != steps:
-                reshaped.append(f"{where} ends at step {start + new_steps} (was {end})")
+                reshaped.append(f"{where} ends at step {new_end} (was {end})")
     later, planned = [p for p in old if p[1] >= step], [p for p in new if p[1] >= step]
     if new_raws and later != planned:
         reshaped.append(f"phases after step {step}: {[(n, k) for n, _, k in later]} -> {[(n, k) for n, _, k in planned]}")
