@@ -311,15 +311,16 @@ def mixture_mismatches(named: Sequence[tuple[str, str, Manifest]]) -> list[str]:
     return problems
 
 
-def interleave_change(old: Any, old_samples: int, new: Any, new_samples: int) -> Optional[str]:
+def interleave_change(old: Any, old_samples: int, new: Any, new_samples: int, continued: bool = False) -> Optional[str]:
     """Why a stream read up to some position under data spec `old` (`DataConfig`-like, planned over
-    `old_samples`) cannot go on under `new` (over `new_samples`), or None when its interleave is the
-    same. The interleave is a pure function of the position from the stream's first sample (module
-    doc): other quotas, block, source order or sources re-place every position already read, so a
-    resume would skip rows of one source and read rows of another again, and the per-source counters
-    would jump. Compared: the ordered sources' names and realised quotas, and the block (a source's
-    contents are the data identity's business). None also where a manifest is unreadable (the data
-    checks name that)."""
+    `old_samples`) cannot go on under `new` (over `new_samples`), or None. The interleave is a pure
+    function of the position from the stream's first sample (module doc): other quotas, block, or
+    sources re-place every position already read, so a resume would skip rows of one source and read
+    rows of another again, and the per-source counters would jump. With `continued` (the checkpoint
+    recorded its read position: `pipeline.data.mixture.MixtureDataset.continue_stream` starts a new
+    segment there) only a source that moved to another index is a problem (its pass order is keyed
+    by its index). A source's contents are the data identity's business; None also where a manifest
+    is unreadable (the data checks name that)."""
     if not old.sources and not new.sources:
         return None
     if bool(old.sources) != bool(new.sources):
@@ -329,10 +330,18 @@ def interleave_change(old: Any, old_samples: int, new: Any, new_samples: int) ->
         plans = []
         for data, samples in ((old, old_samples), (new, new_samples)):
             specs = parse_sources(data.sources, data.mixture_block)
-            manifests = [read_manifest(spec.path) for spec in specs]
-            plans.append(plan_mixture(specs, [m.total_sequences for m in manifests],
+            manifests = [read_manifest(spec.path) for spec in specs] if not continued else []
+            plans.append(specs if continued else
+                         plan_mixture(specs, [m.total_sequences for m in manifests],
                                       [m.total_tokens for m in manifests], data.mixture_block, samples))
     except (ConfigError, OSError, ValueError):
+        return None
+    if continued:
+        before, after = [s.name for s in plans[0]], [s.name for s in plans[1]]
+        for i, name in enumerate(after):
+            if name in before and before.index(name) != i:
+                return (f"data.sources[{i}]: source {name} was data.sources[{before.index(name)}] (a source keeps its "
+                        "index: its pass order is drawn from it; add new sources at the end)")
         return None
     before, after = plans
     if before.block != after.block:

@@ -193,6 +193,9 @@ class Checkpointer:
         state.objective_state = run.model.extra_state_for_checkpoint()
         meta.step, meta.consumed_samples, meta.tokens_seen = state.step, state.consumed_samples, state.tokens_seen
         meta.last_metrics = {k: v for k, v in last_metrics.items() if isinstance(v, (int, float))}
+        dataset, batches = run.batches.dataset, run.batches  # a mixture: where each source stands
+        meta.mixture = dataset.record(batches.seed, batches.consumed_samples, state.phase) \
+            if hasattr(dataset, "record") else {}
         best = self.pending_best if healthy and self.pending_best and self.pending_best.step == state.step else None
         tag_dir = save_checkpoint(run.engine, self.root, state, meta, self.keep_last, self.is_main, self.finisher,
                                   healthy, best)

@@ -141,6 +141,11 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
         if plan.schedule.phased and info.is_main:
             log_phase_start(state.step + 1, view.phase)
     apply_model_overrides(model, plan.schedule.phase_at(state.step + 1).model)
+    if target is not None and hasattr(dataset, "continue_stream"):  # a mixture goes on where each source stood
+        note = dataset.continue_stream(target.meta.mixture, state.phase, state.consumed_samples - state.phase_start_samples,
+                                       cfg.train.seed, data_samples(cfg, plan))
+        if note and info.is_main:
+            log.info("%s", note)
     batches = open_batches(cfg, plan, model, info.rank, state.consumed_samples - state.phase_start_samples, cuda,
                            dataset)
     meta = RunMeta(

@@ -23,12 +23,13 @@ trained step have been trained otherwise. To move a boundary before S, resume fr
 or before the new boundary (`train.resume=<tag>`), or start a new run.
 
 The mixture the resumed reader continues (the run's `data.sources`, or that of the checkpoint's
-phase when the next step is in it) must keep its interleave (`pipeline.data.sources.interleave_change`):
-the interleave places every position from the stream's first sample, so new shares would re-place
-the positions already read (rows of one source skipped, of another read again, the per-source
-counters jumping). A weight change is refused naming `data.sources[i].weight`, also with
-`train.allow_config_change=true`; a resume that keeps the shares (the same weights, a longer weighted
-run) is unaffected, and a source's changed contents stay `train.allow_config_change`'s business.
+phase when the next step is in it) may change its shares on resume: the checkpoint records where
+each source stands (`RunMeta.mixture`) and the reader goes on from there with the new shares
+(`pipeline.data.mixture.MixtureDataset.continue_stream`: no row skipped or read twice, exact
+counters). Refused, naming the field, also with `train.allow_config_change=true`: a source moved to
+another index (its pass order is drawn from its index), and any change of the interleave from a
+checkpoint written before the record existed (`pipeline.data.sources.interleave_change`). A source's
+changed contents stay `train.allow_config_change`'s business.
 """
 from __future__ import annotations
 
@@ -147,13 +148,14 @@ def check_resume(schedule: Any, meta: Any) -> None:
     later, planned = [p for p in old if p[1] >= step], [p for p in new if p[1] >= step]
     if new_raws and later != planned:
         reshaped.append(f"phases after step {step}: {[(n, k) for n, _, k in later]} -> {[(n, k) for n, _, k in planned]}")
-    _check_mixture(schedule, old_cfg, old, new_cfg, step)
+    _check_mixture(schedule, old_cfg, old, new_cfg, step, bool(meta.mixture))
     if reshaped:
         log.info("resuming at step %d with the phases reshaped after it (the steps trained are as they were): %s",
                  step, "; ".join(reshaped))
 
 
-def _check_mixture(schedule: Any, old_cfg: Any, old: list[tuple[str, int, int]], new_cfg: Any, step: int) -> None:
+def _check_mixture(schedule: Any, old_cfg: Any, old: list[tuple[str, int, int]], new_cfg: Any, step: int,
+                   recorded: bool) -> None:
     """The mixture the resumed reader continues keeps its interleave (`interleave_change`): the phase
     of the next step, when it trained steps already (its stream goes on; the checks above keep its
     place and name)."""
@@ -167,11 +169,14 @@ def _check_mixture(schedule: Any, old_cfg: Any, old: list[tuple[str, int, int]],
     else:
         old_data, new_data, where = old_cfg.data, new_cfg.data, ""
     old_samples = old[current][2] * old_data.global_batch_size
-    problem = interleave_change(old_data, old_samples, new_data, phase.samples)
+    problem = interleave_change(old_data, old_samples, new_data, phase.samples, continued=recorded)
+    if problem and recorded:
+        raise ConfigError(f"{where}{problem}, at the resume from step {step}")
     if problem:
         raise ConfigError(
-            f"{where}{problem}, at the resume from step {step}: a mixture's interleave places every position from its "
-            "first sample, so the new shares would re-place the positions already read (rows of one source skipped, "
-            "of another read again, the per-source counters jumping). Keep the mixture's shares to resume "
+            f"{where}{problem}, at the resume from step {step}: the checkpoint does not record where each source "
+            "stands (written before it did), and a mixture's interleave places every position from its first "
+            "sample, so the new shares would re-place the positions already read (rows of one source skipped, of "
+            "another read again, the per-source counters jumping). Keep the mixture's shares to resume from it "
             "(train.allow_config_change=true does not cover this), or start a new run warm-started from this one "
             "(model.init_from)")

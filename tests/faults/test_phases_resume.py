@@ -10,6 +10,7 @@ import logging
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pipeline.config.checks import ConfigError
@@ -124,25 +125,65 @@ def test_a_resume_may_not_rewrite_trained_phases_but_may_reshape_later_steps(tin
 
 
 # ---- item 4: a mixture's shares changed on --resume -------------------------------------------------------
-def test_a_resume_that_moves_a_mixtures_shares_is_refused(tiny_shards_dir, small_source, tmp_path, capsys):
-    """0.75 / 0.25 over blocks of 16, trained 4 steps: resumed with 0.5 / 0.5 it would re-place the
-    positions read (refused naming the weight, also with train.allow_config_change=true); resumed
-    with the same shares written as 3 / 1, or extended, it continues (counters never go back)."""
-    def sources(wiki: float, small: float) -> str:
-        return (f"data.sources=[{{path: {tiny_shards_dir}, weight: {wiki}, name: wiki}}, "
-                f"{{path: {small_source}, weight: {small}, name: small}}]")
+def sources(wiki_dir: Path, small_dir: Path, wiki: float, small: float, swap: bool = False) -> str:
+    entries = [f"{{path: {wiki_dir}, weight: {wiki}, name: wiki}}", f"{{path: {small_dir}, weight: {small}, name: small}}"]
+    return "data.sources=[" + ", ".join(entries[::-1] if swap else entries) + "]"
+
+
+def test_new_shares_on_resume_continue_each_source_where_it_stood(tiny_shards_dir, small_source, tmp_path, capsys,
+                                                                  caplog):
+    """0.75 / 0.25 over blocks of 16 for 4 steps (32 samples: 24 + 8), then resumed with 0.5 / 0.5 to
+    step 8: the new shares apply from sample 32 (16 + 16 more samples), every source goes on in
+    its own pass order (no row skipped or read twice), the counters never go back, and a resume inside
+    the new shares is bit for bit. A source moved to another index is refused naming it."""
+    from pipeline.config.run import load_config as load
 
     run = tmp_path / "run"
-    assert run_inprocess("tiny-mlm", Path(""), run, "data.shards_dir=", "data.mixture_block=16", sources(0.75, 0.25),
-                         "train.total_steps=4", "train.checkpoint_every=2") == 0
-    for extra in ([], ["train.allow_config_change=true"]):
-        capsys.readouterr()
-        assert main(["--resume", str(run), "train.total_steps=6", sources(0.5, 0.5), *extra]) == EXIT_CONFIG_ERROR
-        err = capsys.readouterr().err
-        assert "data.sources[0].weight: source wiki's share moves from 12 to 8 of every 16 positions" in err, err
-        assert "train.allow_config_change=true does not cover this" in err
-    assert main(["--resume", str(run), "train.total_steps=6", sources(3, 1)]) == 0  # the same shares
-    assert main(["--resume", str(run), "train.total_steps=8"]) == 0
+    first = ["data.shards_dir=", "data.mixture_block=16", sources(tiny_shards_dir, small_source, 0.75, 0.25),
+             "train.total_steps=4", "train.checkpoint_every=2", "train.keep_last=10"]
+    assert run_inprocess("tiny-mlm", Path(""), run, *first) == 0
+    assert main(["--resume", str(run), "train.total_steps=8",
+                 sources(tiny_shards_dir, small_source, 0.5, 0.5, swap=True)]) == EXIT_CONFIG_ERROR
+    assert "data.sources[0]: source small was data.sources[1]" in capsys.readouterr().err
+    with caplog.at_level(logging.INFO):
+        assert main(["--resume", str(run), "train.total_steps=8", sources(tiny_shards_dir, small_source, 0.5, 0.5)]) == 0
+    assert "new shares from sample 32 of the stream (per 16 positions: wiki 12, small 4 -> wiki 8, small 8)" in caplog.text
     rows = metric_rows(run)
-    counts = [rows[s]["data/small/samples"] for s in range(1, 9)]
-    assert counts == sorted(counts) and rows[8]["data/small/samples"] == 8 * 8 // 4  # 4 of every 16: exact at 16
+    assert [rows[s]["data/small/samples"] for s in (4, 8)] == [8, 8 + 16]  # exact at block boundaries
+    assert [rows[s]["data/wiki/samples"] for s in (4, 8)] == [24, 24 + 16]
+    for name in ("wiki", "small"):
+        counts = [rows[s][f"data/{name}/samples"] for s in range(1, 9)]
+        assert counts == sorted(counts)
+    # the rows read: each source's in its pass order, the new segment going on from its count
+    old = load("tiny-mlm", first).data
+    new = load("tiny-mlm", [*first[:2], sources(tiny_shards_dir, small_source, 0.5, 0.5)]).data
+    seed = load("tiny-mlm", first).train.seed
+    before = open_run_data(old, 32, check=False)
+    after = open_run_data(new, 64, check=False)
+    assert after.continue_stream(RunMeta.read(tag_dir(run, 4)).mixture, "", 32, seed, 64) is not None
+    read = np.concatenate([before.mixture_rows(seed, np.arange(32)), after.mixture_rows(seed, np.arange(32, 64))])
+    for s, dataset in enumerate(after.datasets):
+        offset, size = int(after._offsets[s]), len(dataset)
+        mine = read[(read >= offset) & (read < offset + size)] - offset
+        expected = [after._pass(seed, s, k // size)[k % size] for k in range(len(mine))]
+        assert mine.tolist() == [int(r) for r in expected]
+    again = shutil.copytree(run, tmp_path / "again")
+    assert main(["--resume", str(tag_dir(again, 6))]) == 0
+    assert metric_rows(again) == rows
+
+
+def test_a_checkpoint_without_the_record_refuses_new_shares(tiny_shards_dir, small_source):
+    """A checkpoint written before the read position was recorded cannot place the new segment: the
+    interleave must stay (`interleave_change` names the field), weights written otherwise pass."""
+    from pipeline.data.sources import interleave_change
+
+    cfg = load_config("tiny-mlm", ["data.shards_dir=", "data.mixture_block=16",
+                                   sources(tiny_shards_dir, small_source, 0.75, 0.25)])
+    same = load_config("tiny-mlm", ["data.shards_dir=", "data.mixture_block=16",
+                                    sources(tiny_shards_dir, small_source, 3, 1)])
+    moved = load_config("tiny-mlm", ["data.shards_dir=", "data.mixture_block=16",
+                                     sources(tiny_shards_dir, small_source, 0.5, 0.5)])
+    assert interleave_change(cfg.data, 32, same.data, 64) is None
+    assert interleave_change(cfg.data, 32, moved.data, 64) == \
+        "data.sources[0].weight: source wiki's share moves from 12 to 8 of every 16 positions"
+    assert interleave_change(cfg.data, 32, moved.data, 64, continued=True) is None
