@@ -187,3 +187,29 @@ def test_a_checkpoint_without_the_record_refuses_new_shares(tiny_shards_dir, sma
     assert interleave_change(cfg.data, 32, moved.data, 64) == \
         "data.sources[0].weight: source wiki's share moves from 12 to 8 of every 16 positions"
     assert interleave_change(cfg.data, 32, moved.data, 64, continued=True) is None
+
+
+def test_a_phase_lr_segment_keeps_its_trained_rates(tiny_shards_dir):
+    """The phase a checkpoint is in may change its length only where its own LR segment gives its
+    trained steps the same rates: a linear decay over the phase's steps re-stretched is refused; a
+    wsd segment whose decay starts after the checkpoint is lengthened (the stable rates unchanged)."""
+    from types import SimpleNamespace
+
+    from pipeline.train.phase_resume import check_resume
+
+    def schedule_of(first: int, second: int, segment: dict):
+        phases = [{"name": "a", "steps": first, "optim": segment}, {"name": "b", "steps": second}]
+        cfg = load_config("tiny-mlm", [f"data.shards_dir={tiny_shards_dir}", f"train.total_steps={first + second}",
+                                       "phases=" + json.dumps(phases)])
+        return check_run(cfg, 1, False).schedule
+
+    def meta_of(schedule, step: int):
+        return SimpleNamespace(step=step, config=schedule.root.to_dict(), mixture={},
+                               corpus={"phases": [{"name": p.name, "steps": p.steps} for p in schedule.phases]})
+
+    linear = {"warmup_steps": 0, "schedule": "linear"}
+    with pytest.raises(ConfigError, match=r"phases\[0\] \(a\): phases.0.steps / optim change the learning rate of its "
+                                          r"step 2 \(run step 2\), already trained"):
+        check_resume(schedule_of(8, 4, linear), meta_of(schedule_of(6, 6, linear), 3))
+    stable = {"warmup_steps": 0, "schedule": "wsd", "decay_steps": 2}
+    check_resume(schedule_of(8, 4, stable), meta_of(schedule_of(6, 6, stable), 3))  # steps 1-3 at the peak both ways
