@@ -76,13 +76,14 @@ class DataConfig:
             parse_sources(self.sources, self.mixture_block)
 
     def check_shards(self, batch: "BatchPlan", total_steps: Optional[int] = None,
-                     seed: int = 0) -> tuple[Manifest, str]:
+                     seed: int = 0, length_field: str = "train.total_steps", first_step: int = 0) -> tuple[Manifest, str]:
         """Stage-2 checks of the shard directory, or of every source of `data.sources` (then the first
         source's manifest, which they all agree with, and the mixture's hash): (manifest, data hash),
-        or a `ConfigError`. `total_steps` and `seed` (the run's) let a mixture check its token budgets
-        and `on_exhausted: stop` sources."""
+        or a `ConfigError`. `total_steps` and `seed` (the run's, or a phase's own steps and seed; then
+        `length_field` names its length and `first_step` the steps before it) let a mixture check its
+        token budgets and `on_exhausted: stop` sources."""
         if self.sources:
-            manifests, plan = self.check_sources(batch, total_steps, seed)
+            manifests, plan = self.check_sources(batch, total_steps, seed, length_field, first_step)
             return manifests[0], mixture_hash([m.content_hash for m in manifests], plan)
         if not self.shards_dir:
             raise ConfigError("data.shards_dir is required (a directory written by data_prep.build_shards); "
@@ -93,8 +94,8 @@ class DataConfig:
                               f"{manifest.total_sequences} sequences in {self.shards_dir}")
         return manifest, manifest_hash(self.shards_dir)
 
-    def check_sources(self, batch: "BatchPlan", total_steps: Optional[int] = None,
-                      seed: int = 0) -> tuple[list[Manifest], MixturePlan]:
+    def check_sources(self, batch: "BatchPlan", total_steps: Optional[int] = None, seed: int = 0,
+                      length_field: str = "train.total_steps", first_step: int = 0) -> tuple[list[Manifest], MixturePlan]:
         """Every source checked as a `shards_dir` is, then against the first: one tokenizer (hash,
         vocabulary, special-token ids) and one seq_len; then the shares (`plan_mixture`) and the
         `on_exhausted: stop` sources against the run's length."""
@@ -112,7 +113,7 @@ class DataConfig:
         plan = plan_mixture(specs, [m.total_sequences for m in manifests], [m.total_tokens for m in manifests],
                             self.mixture_block, run_samples)
         if run_samples:
-            check_exhaustion(plan, seed, run_samples, batch.global_batch_size, int(total_steps))
+            check_exhaustion(plan, seed, run_samples, batch.global_batch_size, int(total_steps), length_field, first_step)
         return manifests, plan
 
 

@@ -15,7 +15,17 @@ Per-source counters (`source_metrics`): the samples of source s among the first 
 C_s(c) (`Interleave.counts_before`), its tokens the sum of `length` over those samples: whole passes
 count the source's `total_tokens`, the current pass the prefix of its permutation (prefix sums kept
 every `_CHUNK` rows, so a query reads at most `_CHUNK` lengths). A pure function of c: exact after
-a resume, with nothing added to the checkpoint.
+a resume.
+
+Shares changed on resume (`continue_stream`). The interleave is a function of the position from the
+stream's first sample, so new shares applied from position 0 would re-place the positions already
+read. Instead the stream is cut into segments: a segment starting at position P0 with base counts
+b_s (the samples of each source read before it) reads position p >= P0 as source s = the new
+interleave's source at p - P0, sample number b_s + (its index there) of s, i.e. every source goes on
+in its own pass order from where it stood: no row skipped or read twice, and C_s(c) = b_s +
+C'_s(c - P0). A checkpoint records the segment and the counts at its position (`record`,
+`RunMeta.mixture`); a resume with the same quotas keeps the segment (bit for bit), one with other
+quotas starts a new segment at its position. O(1) state, whatever the number of changes.
 """
 from __future__ import annotations
 
@@ -54,6 +64,8 @@ class MixtureDataset:
         self._passes: dict[tuple[int, int], np.ndarray] = {}
         self._prefix: dict[tuple[int, int], np.ndarray] = {}
         self._lengths: dict[int, np.ndarray] = {}
+        self.start = 0  # the current segment's first position (module doc: shares changed on resume)
+        self.base = np.zeros(len(datasets), dtype=np.int64)  # samples of each source read before it
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -97,7 +109,11 @@ class MixtureDataset:
 
     def mixture_rows(self, seed: int, positions: np.ndarray) -> np.ndarray:
         """Global rows at stream positions (the `PretrainBatches.rows_at` of a mixture)."""
-        sources, index = self._order(seed).locate(positions)
+        positions = np.asarray(positions, dtype=np.int64)
+        if len(positions) and positions.min() < self.start:
+            raise ValueError(f"stream positions before {self.start}, where the current shares begin, are not readable")
+        sources, index = self._order(seed).locate(positions - self.start)
+        index = index + self.base[sources]
         rows = np.empty(len(index), dtype=np.int64)
         for s in np.unique(sources):
             s = int(s)
@@ -130,12 +146,57 @@ class MixtureDataset:
     def source_metrics(self, seed: int, consumed: int) -> dict[str, int]:
         """`data/<name>/samples` and `data/<name>/tokens` (non-padding) among the first `consumed` samples."""
         metrics: dict[str, int] = {}
-        for s, count in enumerate(self._order(seed).counts_before(consumed)):
+        for s, count in enumerate(self.counts(seed, consumed)):
             name, size = self.plan.sources[s].name, len(self.datasets[s])
             number, rest = divmod(int(count), size)
             metrics[f"data/{name}/samples"] = int(count)
             metrics[f"data/{name}/tokens"] = number * self.plan.tokens[s] + self._tokens_of_prefix(seed, s, number, rest)
         return metrics
+
+
+    def counts(self, seed: int, consumed: int) -> np.ndarray:
+        """Samples of each source among the first `consumed` positions: b_s + C'_s(consumed - P0)."""
+        return self.base + self._order(seed).counts_before(max(consumed - self.start, 0))
+
+    def record(self, seed: int, consumed: int, phase: str) -> dict[str, Any]:
+        """What a checkpoint after `consumed` positions (of phase `phase`) records to continue the
+        stream: the segment, the quotas it reads with, and every source's count at `consumed`."""
+        names = [spec.name for spec in self.plan.sources]
+        return {"phase": phase, "start": int(self.start), "block": int(self.plan.block),
+                "base": dict(zip(names, (int(b) for b in self.base))),
+                "quotas": dict(zip(names, (int(q) for q in self.plan.quotas))),
+                "counts": dict(zip(names, (int(c) for c in self.counts(seed, consumed)))), "consumed": int(consumed)}
+
+    def continue_stream(self, record: dict[str, Any], phase: str, consumed: int, seed: int,
+                        run_samples: Optional[int]) -> Optional[str]:
+        """Resume the stream a checkpoint recorded (`record`) at `consumed` positions of phase `phase`:
+        its segment when the quotas and block are the same, else a new segment from `consumed` (a
+        line for the log); nothing for a record of another phase or position (a phase that starts
+        here reads from its first sample). `run_samples`: the stream's planned length, to refuse an
+        `on_exhausted: stop` source that the new shares would run out (a `ConfigError`)."""
+        from pipeline.config.checks import ConfigError
+
+        if not record or record.get("phase") != phase or record.get("consumed") != consumed:
+            return None
+        names = [spec.name for spec in self.plan.sources]
+        quotas = dict(zip(names, (int(q) for q in self.plan.quotas)))
+        if record.get("quotas") == quotas and record.get("block") == self.plan.block:
+            self.start = int(record["start"])
+            self.base = np.asarray([int(record["base"].get(n, 0)) for n in names], dtype=np.int64)
+            return None
+        self.start = consumed
+        self.base = np.asarray([int(record["counts"].get(n, 0)) for n in names], dtype=np.int64)
+        if run_samples:
+            final = self.counts(seed, run_samples)
+            for s, spec in enumerate(self.plan.sources):
+                if spec.on_exhausted == "stop" and final[s] > len(self.datasets[s]):
+                    raise ConfigError(f"{spec.where} ({spec.path}, on_exhausted: stop): with the new shares from "
+                                      f"sample {consumed} on, the run needs {int(final[s]):,} of its "
+                                      f"{len(self.datasets[s]):,} sequences; lower its share or shorten the run")
+        old = ", ".join(f"{n} {record['quotas'].get(n, 0)}" for n in names)
+        new = ", ".join(f"{n} {quotas[n]}" for n in names)
+        return (f"data mixture: new shares from sample {consumed} of the stream (per {self.plan.block} positions: "
+                f"{old} -> {new}); every source goes on from its count there ({dict(zip(names, self.base.tolist()))})")
 
 
 def open_run_data(data: Any, run_samples: Optional[int] = None, check: bool = True) -> ShardDataset | MixtureDataset:

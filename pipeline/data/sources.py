@@ -264,18 +264,23 @@ class Interleave:
         return block * self.plan.block + int(np.flatnonzero(labels == source)[rank])
 
 
-def check_exhaustion(plan: MixturePlan, seed: int, run_samples: int, global_batch: int, total_steps: int) -> None:
+def check_exhaustion(plan: MixturePlan, seed: int, run_samples: int, global_batch: int, total_steps: int,
+                     length_field: str = "train.total_steps", first_step: int = 0) -> None:
     """`on_exhausted: stop`: refuse (before compute) a run that would need more sequences of a source
-    than it holds, naming the step that would first read past its end."""
+    than it holds, naming the step that would first read past its end. `length_field` names the
+    length being checked (`train.total_steps`, or a phase's `phases.<i>.steps`) and `first_step`
+    the steps before it (a phase's stream starts after them: the step named is the run's)."""
     order = Interleave(plan, seed)
     for s, spec in enumerate(plan.sources):
         if spec.on_exhausted != "stop" or order.counts_before(run_samples)[s] <= plan.sequences[s]:
             continue
         step = order.position_of(s, plan.sequences[s]) // global_batch + 1
+        where = f"step {step} of {length_field}={total_steps}" if not first_step else \
+            f"step {first_step + step} (step {step} of {length_field}={total_steps})"
         raise ConfigError(
-            f"{spec.where} ({spec.path}, on_exhausted: stop): its {plan.sequences[s]:,} sequences run out at step "
-            f"{step} of train.total_steps={total_steps}; stop the run there (train.total_steps={step - 1}), lower its "
-            f"share, or set {spec.where}.on_exhausted=repeat to start another pass over it")
+            f"{spec.where} ({spec.path}, on_exhausted: stop): its {plan.sequences[s]:,} sequences run out at {where}; "
+            f"stop there ({length_field}={step - 1}), lower its share, or set {spec.where}.on_exhausted=repeat to "
+            "start another pass over it")
 
 
 def data_directories(data: Any) -> list[str]:
@@ -306,45 +311,49 @@ def mixture_mismatches(named: Sequence[tuple[str, str, Manifest]]) -> list[str]:
     return problems
 
 
-def _realised_quotas(data: dict, total_steps: int, paths: Sequence[str]) -> tuple[int, list[tuple[str, int]]]:
-    """(block, [(name, quota)]) a config dict's mixture realises, its sources' sizes read from `paths`."""
-    block = int(data.get("mixture_block") or DEFAULT_MIXTURE_BLOCK)
-    specs = parse_sources(data.get("sources"), block)
-    manifests = [read_manifest(path) for path in paths]
-    plan = plan_mixture(specs, [m.total_sequences for m in manifests], [m.total_tokens for m in manifests], block,
-                        total_steps * int(data.get("global_batch_size") or 0) or None)
-    return block, [(spec.name, q) for spec, q in zip(plan.sources, plan.quotas)]
-
-
-def check_mixture_kept(saved: dict, config: dict) -> None:
-    """A resume keeps the mixture's realised shares (`saved`, `config`: the checkpoint's and this run's
-    config dicts). The interleave is a function of the per-block quotas from step 1 (the module doc):
-    with other quotas the resumed position p would be read as if they had held all along — each
-    source's counter jumps (even backwards) and its read position is re-based, skipping rows of one
-    source and repeating rows of another. So a change of the quotas (other weights, token budgets, a
-    new total for budgets, the block, sources added or removed) is refused naming the field, even with
-    `train.allow_config_change`; weights scaled alike, or moved directories, realise the same quotas."""
-    old, new = saved.get("data") or {}, config.get("data") or {}
-    if not old.get("sources") or not new.get("sources"):
-        return  # a directory on either side: the data identity check refuses a switch
-    old_steps, new_steps = (int((c.get("train") or {}).get("total_steps") or 0) for c in (saved, config))
-    paths = [entry.get("path") for entry in new["sources"] if isinstance(entry, dict)]
-    fields = []
-    if len(old["sources"]) != len(new["sources"]):
-        fields.append(f"data.sources: {len(old['sources'])} -> {len(new['sources'])} sources")
-    elif _realised_quotas(old, old_steps, paths) != _realised_quotas(new, new_steps, paths):
-        for i, (a, b) in enumerate(zip(old["sources"], new["sources"])):
-            fields += [f"data.sources[{i}].{key}: {a.get(key)} -> {b.get(key)}" for key in ("weight", "tokens", "name")
-                       if a.get(key) != b.get(key)]
-        if old.get("mixture_block") != new.get("mixture_block"):
-            fields.append(f"data.mixture_block: {old.get('mixture_block')} -> {new.get('mixture_block')}")
-        if not fields and old_steps != new_steps:
-            fields.append(f"train.total_steps: {old_steps} -> {new_steps} (a data.sources[i].tokens budget is a share "
-                          "of the run's length)")
-        fields = fields or ["data.sources (the realised shares)"]
-    if fields:
-        raise ConfigError(f"{'; '.join(fields)}: a resume continues the mixture's interleave, which follows its "
-                          "per-source shares from step 1, so other shares would re-base each source's read position "
-                          "(rows skipped in one source, repeated in another) and its counters. Resume with the "
-                          "checkpoint's data.sources, or start a new train.output_dir from the converted weights "
-                          "(model.init_from) for the new mixture")
+def interleave_change(old: Any, old_samples: int, new: Any, new_samples: int, continued: bool = False) -> Optional[str]:
+    """Why a stream read up to some position under data spec `old` (`DataConfig`-like, planned over
+    `old_samples`) cannot go on under `new` (over `new_samples`), or None. The interleave is a pure
+    function of the position from the stream's first sample (module doc): other quotas, block, or
+    sources re-place every position already read, so a resume would skip rows of one source and read
+    rows of another again, and the per-source counters would jump. With `continued` (the checkpoint
+    recorded its read position: `pipeline.data.mixture.MixtureDataset.continue_stream` starts a new
+    segment there) only a source that moved to another index is a problem (its pass order is keyed
+    by its index). A source's contents are the data identity's business; None also where a manifest
+    is unreadable (the data checks name that)."""
+    if not old.sources and not new.sources:
+        return None
+    if bool(old.sources) != bool(new.sources):
+        what = "a data.sources mixture" if old.sources else "one directory (data.shards_dir)"
+        return f"data.sources: the stream read so far is {what}; its positions cannot be continued by the other kind"
+    try:
+        plans = []
+        for data, samples in ((old, old_samples), (new, new_samples)):
+            specs = parse_sources(data.sources, data.mixture_block)
+            manifests = [read_manifest(spec.path) for spec in specs] if not continued else []
+            plans.append(specs if continued else
+                         plan_mixture(specs, [m.total_sequences for m in manifests],
+                                      [m.total_tokens for m in manifests], data.mixture_block, samples))
+    except (ConfigError, OSError, ValueError):
+        return None
+    if continued:
+        before, after = [s.name for s in plans[0]], [s.name for s in plans[1]]
+        for i, name in enumerate(after):
+            if name in before and before.index(name) != i:
+                return (f"data.sources[{i}]: source {name} was data.sources[{before.index(name)}] (a source keeps its "
+                        "index: its pass order is drawn from it; add new sources at the end)")
+        return None
+    before, after = plans
+    if before.block != after.block:
+        return f"data.mixture_block: {before.block} -> {after.block}"
+    names = [s.name for s in before.sources]
+    if names != [s.name for s in after.sources]:
+        return f"data.sources: the sources (in order) were {names}, now {[s.name for s in after.sources]}"
+    for s, spec in enumerate(after.sources):
+        if before.quotas[s] != after.quotas[s]:
+            field = f"{spec.where}.{'tokens' if spec.tokens is not None else 'weight'}"
+            budget = (" (a token budget is a share of the samples it is planned over: train.total_steps, or the "
+                      "phase's steps, x global batch)") if spec.tokens is not None or before.sources[s].tokens else ""
+            return (f"{field}: source {spec.name}'s share moves from {before.quotas[s]} to {after.quotas[s]} of every "
+                    f"{after.block} positions{budget}")
+    return None

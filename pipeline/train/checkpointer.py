@@ -28,7 +28,6 @@ from typing import Any, Optional
 
 import torch
 
-from pipeline.data.sources import check_mixture_kept
 from pipeline.distributed import all_reduce_sum, broadcast_object
 from pipeline.train.checkpoint import (
     CHECKPOINT_DIR,
@@ -81,12 +80,19 @@ class Checkpointer:
         `world_size` ranks: its data is compared with that of the phase it was written in; an
         explicit older tag of this run sets the newer ones aside."""
         from pipeline.data.shards import manifest_file_sha256
+        from pipeline.train.phase_resume import check_resume
+        from pipeline.train.run_meta import RunMeta
 
+        try:
+            meta = RunMeta.read(resume_dir)
+        except (FileNotFoundError, ValueError, TypeError):
+            meta = None  # (plan_resume names the problem)
+        if meta is not None:  # trained phases and the mixture read so far stay as they were, even if allowed
+            check_resume(plan.schedule, meta)
         data_hash, data_dir = plan.schedule.data_identity(resume_dir, plan.manifest_hash, data_dir)
         target = plan_resume(resume_dir, config, data_hash, world_size, plan.zero_stage, self.allow_config_change,
                              manifest_file_sha256(data_dir) if data_dir else "")
         check_optimizer_kept(target.meta.config, config)  # its moments are the saved optimizer's
-        check_mixture_kept(target.meta.config, config)  # the interleave follows the saved shares
         step = step_of_tag(resume_dir.name)
         if self.resume not in ("auto", "never") and step is not None and resume_dir.resolve().parent == self.root.resolve():
             target.set_aside = [p for s, p in list_tags(self.root) if s > step]  # moved away once it loaded
@@ -192,6 +198,9 @@ class Checkpointer:
         meta.step, meta.consumed_samples, meta.tokens_seen = state.step, state.consumed_samples, state.tokens_seen
         meta.last_metrics = {k: v for k, v in last_metrics.items() if isinstance(v, (int, float))}
         check_still_held(self.root.parent, self.is_main)  # no second writer took the directory (run_lock)
+        dataset, batches = run.batches.dataset, run.batches  # a mixture: where each source stands
+        meta.mixture = dataset.record(batches.seed, batches.consumed_samples, state.phase) \
+            if hasattr(dataset, "record") else {}
         best = self.pending_best if healthy and self.pending_best and self.pending_best.step == state.step else None
         tag_dir = save_checkpoint(run.engine, self.root, state, meta, self.keep_last, self.is_main, self.finisher,
                                   healthy, best)

@@ -70,7 +70,7 @@ def build_run_model(cfg: RunConfig, plan: RunPlan, warm_start: bool = True) -> P
     if bias_init == "unigram" or SAMPLED_SOFTMAX in mlm_head_training(cfg.objectives).values():
         from pipeline.data.mixture import open_run_data
 
-        counts = unigram_counts(open_run_data(cfg.data, cfg.train.total_steps * plan.batch.global_batch_size, check=False))
+        counts = unigram_counts(open_run_data(cfg.data, data_samples(cfg, plan), check=False))
     return build_pretrain_model(encoder_config, cfg.objectives, manifest.special_tokens, cfg.objective_options,
                                 seed=cfg.train.seed, kernels=cfg.model.kernels,
                                 init_from=cfg.model.init_from if warm_start else None,
@@ -140,7 +140,14 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     view = plan.schedule.at(state.step + 1, state, plan.batch)
     if view is not None and view.entered:
         state.phase, state.phase_start_samples = view.phase.name, view.start_samples
+        if plan.schedule.phased and info.is_main:
+            log_phase_start(state.step + 1, view.phase)
     apply_model_overrides(model, plan.schedule.phase_at(state.step + 1).model)
+    if target is not None and hasattr(dataset, "continue_stream"):  # a mixture goes on where each source stood
+        note = dataset.continue_stream(target.meta.mixture, state.phase, state.consumed_samples - state.phase_start_samples,
+                                       cfg.train.seed, data_samples(cfg, plan))
+        if note and info.is_main:
+            log.info("%s", note)
     batches = open_batches(cfg, plan, model, info.rank, state.consumed_samples - state.phase_start_samples, cuda,
                            dataset)
     meta = RunMeta(
@@ -194,9 +201,15 @@ def open_data(cfg: RunConfig, plan: RunPlan, model: PretrainModel) -> Any:
     mixture); sets the model's health unigram references (plateau, entropy) from a bounded row sample."""
     from pipeline.data.mixture import open_run_data
 
-    dataset = open_run_data(cfg.data, cfg.train.total_steps * plan.batch.global_batch_size)
+    dataset = open_run_data(cfg.data, data_samples(cfg, plan))
     model.set_health_unigram(unigram_counts(dataset))
     return dataset
+
+
+def data_samples(cfg: RunConfig, plan: RunPlan) -> int:
+    """The samples the data is planned over (a mixture's token budgets): a phase's steps x its batch,
+    or the run's `train.total_steps` x global batch."""
+    return plan.data_samples or cfg.train.total_steps * plan.batch.global_batch_size
 
 
 def open_batches(cfg: RunConfig, plan: RunPlan, model: PretrainModel, rank: int, consumed: int, cuda: bool,
@@ -362,11 +375,10 @@ class Run:
         dataset = self.batches.dataset
         if view.entered:
             state.phase, state.phase_start_samples = phase.name, view.start_samples
-            log.info("step %d: phase %r starts (%s, seq_len %d, %d steps, global batch %d)", state.step + 1, phase.name,
-                     phase.data.shards_dir or "data.sources", phase.manifest.seq_len, phase.steps,
-                     phase.batch.global_batch_size)
+            log_phase_start(state.step + 1, phase)
             self.cfg = self.plan.schedule.run_config(phase)
-            self.plan = dataclasses.replace(self.plan, manifest=phase.manifest, manifest_hash=phase.manifest_hash)
+            self.plan = dataclasses.replace(self.plan, manifest=phase.manifest, manifest_hash=phase.manifest_hash,
+                                            data_samples=phase.samples)
             apply_model_overrides(self.model, phase.model)
             dataset = None  # the phase's own data, opened (and checked) by open_batches
             self.meta.encoder_config = self.model.config.to_dict()
@@ -450,6 +462,12 @@ class Run:
             elif step == self.cfg.train.total_steps and signals:
                 log.info("learning signals at step %d (this step only; noisy): %s", step, signals)
         return metrics
+
+
+def log_phase_start(step: int, phase: Any) -> None:
+    """The line that marks a phase's first step (phase 0's at set-up, a later one's when it starts)."""
+    log.info("step %d: phase %r starts (%s, seq_len %d, %d steps, global batch %d)", step, phase.name,
+             phase.data.shards_dir or "data.sources", phase.manifest.seq_len, phase.steps, phase.batch.global_batch_size)
 
 
 def mean_over_ranks(sums: dict[str, torch.Tensor], count: int, device: torch.device) -> dict[str, float]:

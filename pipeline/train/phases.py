@@ -38,7 +38,8 @@ from typing import Any, Optional
 from pipeline.config.checks import ConfigError
 from pipeline.train.phase_config import check_step_sum, phase_data, phase_label, phase_optim, phase_steps_without_data
 from pipeline.data.config import BatchPlan, BatchRamp, DataConfig, plan_batches, plan_ramp
-from pipeline.data.shards import Manifest
+from pipeline.data.shards import Manifest, read_manifest
+from pipeline.data.sources import data_directories
 from pipeline.train.optim import OptimConfig, lr_at
 
 #: `pipeline.train.run_config.RunConfig` (not imported: the config module imports this one)
@@ -74,6 +75,11 @@ class Phase:
     @property
     def end_step(self) -> int:
         return self.start_step + self.steps
+
+    @property
+    def samples(self) -> int:
+        """The samples its data is planned over (token budgets, `on_exhausted: stop`): steps x global batch."""
+        return self.steps * self.batch.global_batch_size
 
 
 @dataclass(frozen=True)
@@ -171,7 +177,8 @@ class Schedule:
         """(config, plan) that the run is built with: those of the phase of step `resume_step` + 1."""
         phase = self.phase_at(resume_step + 1)
         return self.run_config(phase), dataclasses.replace(plan, batch=phase.batch, manifest=phase.manifest,
-                                                           manifest_hash=phase.manifest_hash)
+                                                           manifest_hash=phase.manifest_hash,
+                                                           data_samples=phase.samples if self.phased else None)
 
     def corpus(self, summary: dict[str, Any]) -> dict[str, Any]:
         """The model card's corpus (`RunMeta.corpus`): `summary` (the run's data, `corpus_summary`) for
@@ -221,23 +228,27 @@ def plan_schedule(cfg: RunConfig, world_size: int) -> Optional[Schedule]:
     phases, start = [], 0
     fixed = phase_steps_without_data(cfg) if all(r.get("tokens") is None for r in cfg.phases) else None
     for i, raw in enumerate(cfg.phases):
-        where, data = phase_label(i, raw), phase_data(cfg, i)
+        where, data, seed = phase_label(i, raw), phase_data(cfg, i), phase_seed(cfg.train.seed, i)
         try:
             batch = plan_batches(data, world_size)
-            manifest, data_hash = data.check_shards(batch)
+            ramp = None
+            if i == 0 and data.batch_warmup:  # (a ramp needs only the shards' seq_len; they are checked below)
+                ramp = plan_ramp(data, batch, shards_seq_len(data, batch), f"{where}: data.batch_warmup")
+            if fixed is not None:
+                steps = fixed[i]
+            elif raw.get("steps") is not None:
+                steps = raw["steps"]
+            elif raw.get("fraction") is not None:
+                steps = int(math.floor(raw["fraction"] * cfg.train.total_steps))
+            else:
+                steps = tokens_to_steps(raw["tokens"], shards_seq_len(data, batch), batch, ramp)
+            # the phase's data over the phase's own length and seed (its stream starts at its first
+            # step): token budgets of its sources and `on_exhausted: stop` are checked against it
+            manifest, data_hash = data.check_shards(batch, max(steps, 1), seed, f"phases.{i}.steps", start)
         except ConfigError as err:
             raise ConfigError(f"{where}: {err}") from err
-        ramp = plan_ramp(data, batch, manifest.seq_len, f"{where}: data.batch_warmup") if i == 0 else None
-        if fixed is not None:
-            steps = fixed[i]
-        elif raw.get("steps") is not None:
-            steps = raw["steps"]
-        elif raw.get("fraction") is not None:
-            steps = int(math.floor(raw["fraction"] * cfg.train.total_steps))
-        else:
-            steps = tokens_to_steps(raw["tokens"], manifest.seq_len, batch, ramp)
         phases.append(Phase(i, str(raw.get("name") or f"phase{i}"), start, steps, data, batch, manifest, data_hash,
-                            phase_seed(cfg.train.seed, i), dict(raw.get("model") or {}), phase_optim(cfg, i), ramp))
+                            seed, dict(raw.get("model") or {}), phase_optim(cfg, i), ramp))
         start += steps
     check_step_sum(cfg, [p.steps for p in phases])
     for phase in phases:  # a schedule segment fits its phase (warm-up, decay window)
@@ -271,6 +282,16 @@ def plan_schedule(cfg: RunConfig, world_size: int) -> Optional[Schedule]:
                           f"phase {first_phase.name!r} ({first_phase.steps} steps); shorten it or lengthen the phase")
     cfg.model.max_position = limit or longest  # one position table for the whole run, built at the start
     return Schedule(phases, cfg.train.total_steps, cfg)
+
+
+def shards_seq_len(data: DataConfig, batch: BatchPlan) -> int:
+    """The seq_len of a phase's shards (its first directory's manifest), before its data is checked
+    whole (a token-sized phase needs it for its length); a bad directory: `check_shards`'s error."""
+    try:
+        return read_manifest(data_directories(data)[0]).seq_len
+    except (OSError, ValueError):
+        data.check_shards(batch)  # names the field and the problem
+        raise
 
 
 def json_key(value: Any) -> str:

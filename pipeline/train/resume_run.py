@@ -128,9 +128,10 @@ def check_same_data(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) -> 
 
 
 def check_same_mixture(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) -> None:
-    """Refuse a `data.sources` mixture whose sources changed in place, or whose shares moved: a token
-    budget is a share of `train.total_steps` x global batch, so extending such a run would re-draw
-    the interleave (and the per-source counters) from step 1. Overriding `data.sources` is deliberate."""
+    """Refuse a `data.sources` mixture whose sources changed in place, or whose shares moved without
+    being asked: a token budget is a share of `train.total_steps` x global batch, so extending such a
+    run moves it (allowed, it applies from the resume step: `MixtureDataset.continue_stream`).
+    Overriding `data.sources` is deliberate."""
     from pipeline.data.sources import mixture_identity
 
     if any(o.split("=", 1)[0].strip() in ("data.sources", "data.mixture_block") for o in overrides):
@@ -144,7 +145,8 @@ def check_same_mixture(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) 
                           f"{meta.manifest_hash[:12]} -> {current[:12]}): a source's shards, or its share (a "
                           "data.sources[i].tokens budget is a share of train.total_steps x data.global_batch_size, "
                           "so a new train.total_steps moves it); pass train.allow_config_change=true to continue "
-                          "with the new interleave, or give the sources weights")
+                          "with the new shares from the resume step (each source goes on where it stood), or give "
+                          "the sources weights")
 
 
 def resumed_recipe(meta: RunMeta, saved: dict, now: dict) -> dict[str, Any]:

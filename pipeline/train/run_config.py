@@ -121,6 +121,7 @@ class RunPlan:
     manifest_hash: str
     schedule: Optional[Schedule] = None  # the run's phases (`pipeline.train.phases`); `check_run` always sets it
     eval_manifest: Optional[Manifest] = None  # the held-out set's (`eval.shards_dir`); None: no validation
+    data_samples: Optional[int] = None  # samples the data is planned over (a phase's; None: the run's, total x batch)
 
 
 def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start: bool = True) -> RunPlan:
@@ -129,8 +130,10 @@ def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start
     With `phases`, every phase's data is checked and the plan is phase 0's; without, the plan's
     schedule is the run's one implicit phase (`Schedule.implicit`)."""
     schedule = plan_schedule(cfg, world_size)
-    if schedule is not None and schedule.phased:
-        plan = _check_run(schedule.run_config(schedule.phases[0]), world_size, cuda_available, fresh_start, schedule)
+    if schedule is not None and schedule.phased:  # phase 0's data over phase 0's own length
+        first = schedule.phases[0]
+        plan = _check_run(schedule.run_config(first), world_size, cuda_available, fresh_start, schedule, first.steps)
+        plan.data_samples = first.samples
         phases = [(f"phases[{i}] ({p.name})", p.manifest.seq_len) for i, p in enumerate(schedule.phases)]
     else:
         plan, phases = _check_run(cfg, world_size, cuda_available, fresh_start, schedule), []
@@ -142,9 +145,12 @@ def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start
 
 
 def _check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start: bool,
-               schedule: Optional[Schedule]) -> RunPlan:
+               schedule: Optional[Schedule], steps: Optional[int] = None) -> RunPlan:
     batch = plan_batches(cfg.data, world_size)
-    manifest, data_hash = cfg.data.check_shards(batch, cfg.train.total_steps, cfg.train.seed)
+    if steps is None:
+        manifest, data_hash = cfg.data.check_shards(batch, cfg.train.total_steps, cfg.train.seed)
+    else:  # phase 0 (`plan_schedule` named a problem of its data with the phase already)
+        manifest, data_hash = cfg.data.check_shards(batch, steps, cfg.train.seed, "phases.0.steps")
     cfg.model.encoder_config(manifest.vocab_size, manifest.seq_len, manifest.special_tokens)  # shape fits the data
     cfg.model.check_init_from(manifest, data_directories(cfg.data)[0], fresh_start)  # a mixture: one tokenizer
     engine = cfg.deepspeed.load_engine(cuda_available)

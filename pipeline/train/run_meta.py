@@ -36,6 +36,7 @@ class RunMeta:
     base_model: dict[str, Any] = field(default_factory=dict)  # warm start: name, config_sha256, license
     corpus: dict[str, Any] = field(default_factory=dict)  # `corpus_summary` of the shards' manifest
     recipe: dict[str, Any] = field(default_factory=dict)  # preset and overrides (`describe_recipe`)
+    mixture: dict[str, Any] = field(default_factory=dict)  # a mixture's read position (`MixtureDataset.record`)
     version: int = META_VERSION
 
     def write(self, directory: str | os.PathLike) -> Path:
