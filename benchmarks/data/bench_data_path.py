@@ -24,7 +24,6 @@ per-worker rate give 4x.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -153,10 +152,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             "note": "tokens = micro-batch rows x seq_len (full rows); synthetic shards unless --shards; per worker: "
                     "tokens per CPU-second of the collating process; loader: wall time of the training process "
                     "receiving batches from the workers (on a shared machine this includes waiting for the CPU)"}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    (out / f"{args.name}.md").write_text(markdown(rows, meta))
+    from benchmarks.common.report import atomic_write, write_json
+
+    write_json(Path(args.out) / f"{args.name}.json", {"meta": meta, "rows": rows})
+    atomic_write(Path(args.out) / f"{args.name}.md", markdown(rows, meta))
     return 0
 
 

@@ -46,7 +46,7 @@ from benchmarks.common.stop_signal import sigterm_stops
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.throughput.bench_throughput import parse_list  # noqa: E402
+from benchmarks.common.runs import parse_list  # noqa: E402
 
 ALL_OBJECTIVES = ("mlm", "taco", "capt", "cocolm", "infoword", "mlm-nce")
 #: The time-to-quality study's steps per run (its budget; benchmarks/README.md, the study at 2,400 steps).

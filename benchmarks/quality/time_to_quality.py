@@ -40,7 +40,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable f
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.stop_signal import sigterm_stops  # noqa: E402
-from benchmarks.throughput.bench_throughput import parse_list  # noqa: E402
+from benchmarks.common.runs import parse_list  # noqa: E402
 
 #: pipeline.train keys the study sets per run (a --set of them would silently defeat the sweep).
 STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_steps", "train.checkpoint_every",

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.throughput.bench_throughput import last_error_line
+from benchmarks.common.runs import last_error_line
 from benchmarks.quality.ttq_data import StudyData
 from benchmarks.quality.ttq_eval import (cached, convert_once, finetune_sst2, heldout_metrics, merge_finetune_summaries,
                                  write_json)
