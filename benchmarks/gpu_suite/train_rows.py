@@ -135,17 +135,18 @@ def queue_row(ctx, row) -> dict[str, Any]:
     backward, over the CAPT row's step time per micro-batch (same command, same length)."""
     import torch
 
-    from benchmarks.kernels.bench_kernels import SHAPES, build_case, implementation, measure
+    from benchmarks.kernels.bench_kernels import SHAPES, measure_impls
 
     capt = ctx.cache.get("capt")
     if not capt or not capt.get("step_time_s"):
         raise RuntimeError("no CAPT row measured before it in this command")
     cuda = ctx.device.type == "cuda"
     shape_ = {**SHAPES["full" if cuda else "small"], "pairs": capt["micro_batch"]}
-    args, grads, kwargs = build_case("sequence_contrastive_loss", shape_, ctx.device,
-                                     torch.bfloat16 if cuda else torch.float32)
-    ms, _ = measure(implementation("sequence_contrastive_loss", "triton"), args, grads, kwargs, ctx.device,
-                    *((3, 20) if cuda else (1, 1)))
+    result, = measure_impls("sequence_contrastive_loss", ["triton"], shape_, ctx.device,
+                            torch.bfloat16 if cuda else torch.float32, *((3, 20) if cuda else (1, 1)), refs=())
+    if result["ms"] is None:
+        raise RuntimeError(result["error"])
+    ms = result["ms"]
     step_ms = capt["step_time_s"] * 1e3 / capt["grad_accum"]
     return {"length": capt["length"], "seq_len": capt["seq_len"], "micro_batch": capt["micro_batch"], "queue_ms": ms,
             "capt_ms_per_micro_batch": step_ms, "share": ms / step_ms}

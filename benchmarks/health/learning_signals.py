@@ -5,10 +5,10 @@
         --objectives mlm,taco,capt,cocolm,infoword,mlm-nce --seeds 1 2 3 --work-dir /tmp/learning_signals
 
 Each objective x seed trains exactly as a selected run of the study does (the study's pieces, not
-copies: `benchmarks.quality.ttq_data` builds the tokenizer and shards, `ttq_study.train_run` runs
-the real `python -m pipeline.train --config tiny-<objective>` with the study's overrides, every
-step logged, and converts the final checkpoint, `ttq_study.heldout_at` evaluates it on the held-out
-report half): the study's shape by default (`STUDY_SET`: 2 layers x 128, 2 heads, FFN 512, no
+copies: `benchmarks.quality.ttq_data` builds the tokenizer and shards, `time_to_quality.cpu_study`
+describes the study, `benchmarks.study.local.evaluate_run` runs the real `python -m pipeline.train
+--config tiny-<objective>` with the study's overrides, every step logged, converts the final checkpoint
+and `benchmarks.study.units.eval_point` evaluates it on the held-out report half): the study's shape by default (`STUDY_SET`: 2 layers x 128, 2 heads, FFN 512, no
 dropout, unigram output-bias start; `STUDY_STEPS` = 2,400 steps x 32 x 64 tokens, vocabulary 4,096
 from WikiText-2 valid, warm-up 6%) at the learning rate the study selected for the objective
 (`--lrs-from`, its `time_to_quality.json`; `--lr` overrides it for every objective). The study's
@@ -151,19 +151,22 @@ def signal_curves(records: list[dict]) -> dict[str, list[list[float]]]:
     return curves
 
 
-def run_one(objective: str, seed: int, data, top_token: int, args, work: Path) -> dict:
+def run_one(objective: str, seed: int, study, args, work: Path) -> dict:
     """Train (or reuse) one run, evaluate its final checkpoint, and judge it."""
+    import shlex
+
     from benchmarks.health.signal_criteria import judge_run
     from benchmarks.quality.ttq_eval import cached
-    from benchmarks.quality.ttq_study import RunKey, heldout_at, train_run
+    from benchmarks.study.local import evaluate_run
+    from benchmarks.study.units import RunKey, eval_point
     from pipeline.train.metrics import read_jsonl
 
     key = RunKey(objective, args.lrs[objective], seed)
     started = time.perf_counter()
-    train = train_run(key, data, args, work)
+    train = evaluate_run(study, key, curves=False, launcher=shlex.split(args.launcher))
     heldout = None
     if train["status"] == "ok":
-        heldout = heldout_at(key, train["steps"][-1], data, top_token, args, work)["report"]
+        heldout = eval_point(study, key, train["steps"][-1], curves=False)["report"]
     # the first (uncached) pass is the run's wall time: training, conversion and evaluation
     wall = cached(key.directory(work) / "wall.json", lambda: {"wall_s": round(time.perf_counter() - started, 1)})
     records = read_jsonl(key.directory(work) / "metrics.jsonl")
@@ -258,9 +261,8 @@ def write_outputs(results: dict[str, list[dict]], args, out: Path, started: floa
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from benchmarks.quality.ttq_data import StudyData, build_text_shards
-    from benchmarks.quality.ttq_eval import top_token_of
-    from benchmarks.quality.ttq_study import check_study_args
+    from benchmarks.quality.time_to_quality import check_study_args, cpu_study
+    from benchmarks.quality.ttq_data import build_text_shards
 
     args = parse_args(argv)
     out = Path(args.out)
@@ -274,11 +276,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with sigterm_stops():  # `kill PID`: the running training checkpoints, a re-run resumes
             check_study_args(args, work, DEFINING, sweep_seed=False)
-            train_shards, select_shards, report_shards = build_text_shards(args, work)
-            data = StudyData(train_shards, select_shards, report_shards, None, None)
-            top_token = top_token_of(train_shards)
-            results = {o: [run_one(o, seed, data, top_token, args, work) for seed in args.seeds] for o in args.objectives}
-    except (RuntimeError, ValueError, FileNotFoundError) as err:
+            study = cpu_study(args, build_text_shards(args, work), work, lrs=args.lrs)
+            results = {o: [run_one(o, seed, study, args, work) for seed in args.seeds] for o in args.objectives}
+    except (RuntimeError, ValueError, FileNotFoundError) as err:  # (StudyError is a ValueError)
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

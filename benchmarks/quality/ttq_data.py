@@ -118,9 +118,3 @@ def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: in
                       + "".join("\t".join(r[c] for c in columns) + "\n" for r in rows))
     return root, select, (f"SST-2 from {root}: fine-tuning on {n_train} train examples (subset seed {seed}), "
                           f"selection on {n_select} other train examples, dev reported, test scored once at the end")
-
-
-def prepare(args, work: Path) -> StudyData:
-    train, select, report = build_text_shards(args, work)
-    sst2, select_file, note = prepare_sst2(args.sst2, work, args.sst2_train, args.sst2_select, args.subset_seed)
-    return StudyData(train, select, report, sst2, select_file, note)

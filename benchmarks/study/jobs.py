@@ -1,4 +1,5 @@
-"""Submitting a study's units as SLURM jobs, only those whose result files are missing.
+"""The SLURM executor of a study: its units (`benchmarks.study.units`) as jobs, only those whose result
+files are missing (`benchmarks.study.local` is the other executor, over the same units and files).
 
 * one `slurm/pretrain.sbatch` job per (objective, lr, seed) (its preemption, requeue and
   resume from `checkpoints/latest`), unless the run is recorded or its final checkpoint complete;
@@ -21,9 +22,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.quality.ttq_study import RunKey
 from benchmarks.study.spec import Study, StudyError
-from benchmarks.study.units import point_done, pretrain_overrides, pretraining_done
+from benchmarks.study.units import RunKey, point_done, pretrain_overrides, pretraining_done
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

@@ -39,7 +39,8 @@ from typing import Any, Optional
 
 import yaml
 
-#: pipeline.train keys the study sets per run (an objective override of one would defeat the sweep).
+#: pipeline.train keys the study sets per run (an objective override of one would defeat the sweep): the one
+#: owner list, for study files and for the CPU study's `--set` (whose flags own the model size and batch too).
 STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_steps", "train.checkpoint_every",
                "train.output_dir", "train.resume", "data.shards_dir", "train.log_every", "train.keep_last")
 TOP_KEYS = {"name", "work_dir", "objectives", "seeds", "lrs", "warmup_ratio", "budget", "eval_every", "shards",
