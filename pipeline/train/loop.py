@@ -356,6 +356,31 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
                               cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio))
 
 
+def build_run(cfg: RunConfig, recipe: Optional[dict] = None) -> "Run":
+    """A started run of `cfg` from a fresh start, without the loop: what `train` builds before its
+    first step (stage-2 checks for this launch's world size, the model, ranks, engine, data, metrics
+    writer), for callers that drive `Run.train_step` themselves (benchmarks). No run directory lock,
+    no resume, no exit record. Call it inside `torch_process_state(cfg.train.deterministic,
+    cfg.deepspeed.tf32)`, as `train` does, and end with `run.close()`:
+
+        with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
+            run = build_run(cfg)
+            try:
+                for step in range(1, cfg.train.total_steps + 1):
+                    result = run.train_step(step, record_metrics=False)
+            finally:
+                run.close()
+    """
+    from pipeline.capabilities import use_private_extensions_dir
+    from pipeline.distributed import discover
+
+    use_private_extensions_dir()
+    plan = check_run(cfg, discover().world_size, torch.cuda.is_available(), fresh_start=True)
+    run_cfg, run_plan = plan.schedule.start_view(plan, 0) if plan.schedule is not None else (cfg, plan)
+    model = build_run_model(plan.schedule.run_config(plan.schedule.phases[0]) if plan.schedule else cfg, plan)
+    return start(run_cfg, run_plan, model, None, cfg.to_dict(), recipe)
+
+
 def open_data(cfg: RunConfig, plan: RunPlan, model: PretrainModel) -> Any:
     """The run's (or phase's) dataset, every rank checking the shards' bytes (of every source of a
     mixture); sets the model's health unigram references (plateau, entropy) from a bounded row sample."""
@@ -378,6 +403,25 @@ def open_batches(cfg: RunConfig, plan: RunPlan, model: PretrainModel, rank: int,
                                   plans=model.host_plans(), **cfg.data.corruption)
     return PretrainBatches(dataset, collator, plan.batch, rank, cfg.train.seed, consumed_samples=consumed,
                            num_workers=cfg.data.num_workers, pin_memory=cuda)
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step gave (`Run.train_step`). Every field but `sums` is all-reduced, so the
+    same on every rank."""
+
+    step: int
+    lr: float  # the learning rate the step's update used
+    loss: float  # mean loss over the step's micro-batches and ranks (0.0 when no objective reports "loss")
+    tokens: int  # non-pad tokens of the step, all ranks
+    flops: float  # model FLOPs of the step, all ranks (`FlopCounter`)
+    nonfinite: int  # micro-batch losses that were not finite, all ranks
+    stop_requested: bool  # some rank's `stop_requested` (a preemption signal)
+    bad: bool  # non-finite loss or a dropped update (`NonFiniteGuard.observe`)
+    diverged: bool  # the loss exploded against its running mean (`NonFiniteGuard.loss_diverged`)
+    logged: bool  # the objectives recorded their metrics-only values (`record_metrics`)
+    accum: int  # micro-batches per rank of the step (`grad_accum` of its batch split)
+    sums: dict[str, torch.Tensor] = field(repr=False)  # this rank's per-metric sums over its micro-batches
 
 
 @dataclass
@@ -419,35 +463,15 @@ class Run:
                 log.info("the run is already complete at step %d (train.total_steps=%d): nothing to train; to extend "
                          "it: cpt-train --resume %s train.total_steps=N (N > %d)", state.step, total, cfg.train.output_dir, state.step)
             while state.step < total:
-                step = state.step + 1
-                if self.plan.schedule is not None:  # a new phase or batch split (pipeline.train.phases)
-                    before_step(self, step, open_batches)
-                    cfg = self.cfg
-                accum = self.plan.batch.grad_accum
-                seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
-                lr = self.plan.schedule.lr_at(step, cfg.optim) if self.plan.schedule else lr_at(step, cfg.optim, total)
-                set_lr(self.optimizer, lr)
-
-                logged = step % cfg.train.log_every == 0 or step == total  # metrics-only work on these steps
-                sums, nonfinite_local, tokens_local = self.forward_backward(
-                    StepProgress(step, total, accum * self.info.world_size, record_metrics=logged), accum)
-
-                # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
-                host = torch.tensor([preemption.requested, tokens_local, self.flop_counter.pop()], dtype=torch.float64)
-                loss_local = sums["loss"].double().reshape(1) if "loss" in sums else torch.zeros(1, dtype=torch.float64)
-                status = torch.cat([nonfinite_local.reshape(1), loss_local.to(self.device), host.to(self.device)])
-                nonfinite, loss_sum, preempted, tokens, flops = all_reduce_sum(status).tolist()
-                bad = self.guard.observe(state, step, nonfinite, self.engine.was_step_applied())
-                step_loss = loss_sum / (accum * self.info.world_size)
-                diverged = self.guard.loss_diverged(state, step_loss)  # every rank alike: all-reduced values
-                state.step, state.consumed_samples = step, state.phase_start_samples + self.batches.consumed_samples
-                state.tokens_seen += int(tokens)
-                self.meter.add_step(self.plan.batch.global_batch_size, int(tokens), flops)
+                result = self.train_step(state.step + 1, stop_requested=preemption.requested)
+                step, lr, preempted = result.step, result.lr, result.stop_requested
+                cfg = self.cfg  # (a phase's view: its data and seed)
                 bar.update(1)
 
-                if step % cfg.train.log_every == 0 or step == total or bad or diverged:
-                    last_metrics = self.log_step(step, lr, sums, accum)
+                if result.logged or result.bad or result.diverged:
+                    last_metrics = self.log_step(step, lr, result.sums, result.accum)
                     bar.set_postfix(loss=f"{last_metrics.get('loss', float('nan')):.4f}", lr=f"{lr:.2e}")
+                diverged, step_loss = result.diverged, result.loss
                 if diverged:  # its weights came from step - 1's update: that checkpoint is not good either
                     raise self.guard.loss_divergence_error(state, step, step_loss, self.last_good(step - 1))
                 self.guard.check(state, step)
@@ -481,6 +505,57 @@ class Run:
             if self.info.is_main and (problem := self.finisher.wait()):  # an error is on its way out: no collective
                 log.error("the last checkpoint's completion failed too: %s", problem)
         return 0
+
+    def train_step(self, step: int, stop_requested: bool = False, record_metrics: Optional[bool] = None) -> "StepResult":
+        """THE optimizer step `step` (1-based) of this run, as the loop runs it and as benchmarks time it:
+
+        1. the phase of `step` (`pipeline.train.phases`: its data, seed, batch split, live-model
+           overrides) when it differs from the previous step's;
+        2. the learning rate from the run's schedule (a phase's own LR segment where it has one);
+        3. dropout reseeded from (seed, step, rank) (`pipeline.seeding`);
+        4. `grad_accum` micro-batches of forward, backward and `engine.step()` (`forward_backward`);
+        5. ONE all-reduce of [non-finite losses, loss sum, stop flag, tokens, FLOPs] over the ranks;
+        6. the guard's counters (`NonFiniteGuard.observe`, `loss_diverged`) and the state's counters
+           (step, consumed samples, tokens seen) and the throughput meter.
+
+        `stop_requested`: this rank's preemption flag, or-ed over the ranks in step 5 (the result's
+        `stop_requested`). `record_metrics`: whether the objectives compute their metrics-only values
+        this step (None: on logged steps, every `train.log_every`-th and the last). Raises nothing of
+        the guard's: the caller decides (`loop`: log, stop on divergence, `guard.check`)."""
+        cfg, state = self.cfg, self.state
+        if self.plan.schedule is not None:  # a new phase or batch split (pipeline.train.phases)
+            before_step(self, step, open_batches)
+            cfg = self.cfg
+        total = cfg.train.total_steps
+        accum = self.plan.batch.grad_accum
+        seeding.reseed_dropout(cfg.train.seed, step, self.info.rank)
+        lr = self.plan.schedule.lr_at(step, cfg.optim) if self.plan.schedule else lr_at(step, cfg.optim, total)
+        set_lr(self.optimizer, lr)
+
+        logged = step % cfg.train.log_every == 0 or step == total if record_metrics is None else record_metrics
+        sums, nonfinite_local, tokens_local = self.forward_backward(
+            StepProgress(step, total, accum * self.info.world_size, record_metrics=logged), accum)
+
+        # One small all-reduce per step: guard flags, preemption, tokens and FLOPs of all ranks.
+        host = torch.tensor([stop_requested, tokens_local, self.flop_counter.pop()], dtype=torch.float64)
+        loss_local = sums["loss"].double().reshape(1) if "loss" in sums else torch.zeros(1, dtype=torch.float64)
+        status = torch.cat([nonfinite_local.reshape(1), loss_local.to(self.device), host.to(self.device)])
+        nonfinite, loss_sum, preempted, tokens, flops = all_reduce_sum(status).tolist()
+        bad = self.guard.observe(state, step, nonfinite, self.engine.was_step_applied())
+        step_loss = loss_sum / (accum * self.info.world_size)
+        diverged = self.guard.loss_diverged(state, step_loss)  # every rank alike: all-reduced values
+        state.step, state.consumed_samples = step, state.phase_start_samples + self.batches.consumed_samples
+        state.tokens_seen += int(tokens)
+        self.meter.add_step(self.plan.batch.global_batch_size, int(tokens), flops)
+        return StepResult(step, lr, step_loss, int(tokens), flops, int(nonfinite), bool(preempted), bad, diverged,
+                          logged, accum, sums)
+
+    def close(self, outcome: str = "finished") -> None:
+        """End a run built by `build_run` and driven without `loop`: the trackers closed (`outcome`:
+        `pipeline.train.trackers.OUTCOMES`), the FLOP counter's hooks removed, the engine destroyed."""
+        self.writer.close(outcome)
+        self.flop_counter.remove()
+        self.engine.destroy()
 
     def last_good(self, before_step: int) -> str:
         """Collective: once the last save is complete, the newest healthy checkpoint below
