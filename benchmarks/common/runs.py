@@ -3,13 +3,12 @@ training step, and the small helpers the benchmark scripts share (flag lists, a 
 line, the MFU formula, ModernBERT-vs-BERT ratios).
 
 Timing a step (`timed_steps`): the run is built exactly as `pipeline.train.loop.train` builds it
-(`check_run`, `build_run_model`, `start`: the preset's DeepSpeed engine file, its objective options and
-optimizer settings, the real data path and collator), then the loop's own step is taken
-(`loop_step`: `Run.train_step(step)` where the loop has it - the learning rate from the run's
-schedule, so a phase's own LR segment applies - forward, backward, optimizer step). The run's
-`train.total_steps` is one past the steps taken and `train.log_every` equals it (`quiet_overrides`),
-so no timed step records metrics, writes a metrics line or saves a checkpoint. Each step ends with a
-device synchronize and is timed alone; `summarize` gives the median step time, the spread
+(`build_run`: the preset's DeepSpeed engine file, its objective options and optimizer settings, the
+real data path and collator), then the loop's own step is taken, `Run.train_step(step,
+record_metrics=False)`: the phase and the learning rate from the run's schedule (so a phase's own LR
+segment applies), dropout reseed, forward, backward, optimizer step, the step's one all-reduce. No
+step records metrics, writes a metrics line or saves a checkpoint (those are the loop's, around the
+step). Each step ends with a device synchronize and is timed alone; `summarize` gives the median step time, the spread
 (max - min) / median, tokens/s = tokens / time and MFU = FLOPs / time / peak over the timed steps
 (`MFU_FORMULA`, FLOPs from the loop's own counter).
 """
@@ -43,64 +42,31 @@ def quiet_overrides(output_dir: Path | str, total_steps: int, log_every: int = 1
             f"train.resume={resume}", "train.tensorboard=false", "train.progress_bar=false"]
 
 
-def loop_step(run: Any, step: int) -> int:
-    """Optimizer step `step` of a started `pipeline.train.loop.Run`, as its loop takes it; returns the
-    non-padding tokens it processed on this rank."""
-    train_step = getattr(run, "train_step", None)
-    if train_step is not None:  # the loop's one step (pipeline.train.loop.Run.train_step)
-        out = train_step(step)
-        return int(getattr(out, "tokens", out if isinstance(out, (int, float)) else 0))
-    # The loop's step body, for a tree without Run.train_step: phase change, dropout seed, the schedule's LR.
-    from pipeline import seeding
-    from pipeline.objectives.base import StepProgress
-    from pipeline.train.loop import open_batches
-    from pipeline.train.optim import lr_at, set_lr
-    from pipeline.train.phases import before_step
-
-    if run.plan.schedule is not None:
-        before_step(run, step, open_batches)
-    cfg, total, accum = run.cfg, run.cfg.train.total_steps, run.plan.batch.grad_accum
-    seeding.reseed_dropout(cfg.train.seed, step, run.info.rank)
-    set_lr(run.optimizer, run.plan.schedule.lr_at(step, cfg.optim) if run.plan.schedule else lr_at(step, cfg.optim, total))
-    progress = StepProgress(step, total, accum * run.info.world_size, record_metrics=False)
-    return int(run.forward_backward(progress, accum)[2])
-
-
 def timed_steps(cfg: Any, warmup: int, steps: int) -> dict[str, Any]:
-    """Build the run as `train()` does and time `warmup` + `steps` of the loop's own steps (module
-    docstring); `cfg.train.total_steps` must exceed them (`quiet_overrides(..., warmup + steps + 1, ...)`)."""
+    """Build the run as `train()` does (`pipeline.train.loop.build_run`) and time `warmup` + `steps` of the
+    loop's own step (`Run.train_step`, unlogged) as the module docstring says."""
     import torch
 
-    from pipeline.capabilities import use_private_extensions_dir
-    from pipeline.config.run import check_run
-    from pipeline.train.loop import build_run_model, start, torch_process_state
+    from pipeline.train.loop import build_run, torch_process_state
     from pipeline.train.metrics import device_peak_flops
 
-    if cfg.train.total_steps <= warmup + steps or cfg.train.log_every <= warmup + steps:
-        raise ValueError(f"train.total_steps and train.log_every must exceed the {warmup + steps} timed steps")
-    use_private_extensions_dir()
     cuda = torch.cuda.is_available()
-    plan = check_run(cfg, 1, cuda, fresh_start=True)
-    model = build_run_model(cfg, plan)
     times, tokens, flops = [], [], []
     with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
-        run = start(cfg, plan, model, None, cfg.to_dict())
+        run = build_run(cfg)
         try:
             for step in range(1, warmup + steps + 1):
                 started = time.perf_counter()
-                step_tokens = loop_step(run, step)
+                result = run.train_step(step, record_metrics=False)
                 if cuda:
                     torch.cuda.synchronize()
-                step_flops = run.flop_counter.pop()
                 if step > warmup:
                     times.append(time.perf_counter() - started)
-                    tokens.append(step_tokens)
-                    flops.append(step_flops)
+                    tokens.append(result.tokens)
+                    flops.append(result.flops)
         finally:
-            run.writer.close()
-            run.flop_counter.remove()
-            run.engine.destroy()
-    return summarize(times, tokens, flops, device_peak_flops(cfg.deepspeed.precision), plan.batch.global_batch_size)
+            run.close()
+    return summarize(times, tokens, flops, device_peak_flops(cfg.deepspeed.precision), run.plan.batch.global_batch_size)
 
 
 def summarize(times: list[float], tokens: list[float], flops: list[float], peak: Optional[float],

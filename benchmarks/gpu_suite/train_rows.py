@@ -54,8 +54,8 @@ def settings(length: int, dry_run: bool, paired: bool = False) -> dict[str, Any]
 
 def overrides(s: dict[str, Any], shards: Path, run_dir: Path, arch: str = "bert") -> list[str]:
     """The row's changes to its preset: family and size, shards, shape, batch, precision, optimizer
-    implementation and run control (one step past the timed ones, none logged); the engine file stays the preset's."""
-    total = s["warmup"] + s["steps"] + 1
+    implementation and run control; the DeepSpeed engine file stays the preset's."""
+    total = s["warmup"] + s["steps"]
     return [f"model.arch={arch}", f"model.size={s['sizes'][arch]}", f"data.shards_dir={shards}",
             f"data.seq_len={s['seq_len']}", f"data.micro_batch_size={s['micro_batch']}",
             f"data.global_batch_size={s['micro_batch'] * s['accum']}", f"deepspeed.precision={s['precision']}",
@@ -156,7 +156,7 @@ def add_ratios(rows: list[dict[str, Any]], paired: bool) -> list[str]:
     """On the finished training rows: `tokens_vs_mlm` / `mfu_vs_mlm` against the MLM row of the same
     family and length; without `paired`, `tokens_vs_hf_bert` against hf-bert of that length; with it,
     `tokens_vs_bert` / `mfu_vs_bert` of each ModernBERT row against its BERT partner (the printable
-    lines of `bench_throughput.add_arch_ratios` are returned)."""
+    lines of `common.runs.add_arch_ratios` are returned)."""
     from benchmarks.gpu_suite.targets import ratio
 
     train = [r for r in rows if r["kind"] in ("train", "hf") and "error" not in r]

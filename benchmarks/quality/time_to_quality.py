@@ -166,8 +166,9 @@ def cpu_study(args, shards: Sequence[Path], work: Path, lrs: Optional[dict[str, 
 
     mb, world = args.micro_batch, args.world_size
     flags = (f"model.size={args.size}", f"data.micro_batch_size={mb}", f"data.global_batch_size={mb * world}")
-    sst2 = Path(getattr(args, "sst2", "") or "/nonexistent")
-    tasks = [Task("sst2", sst2, args.sst2_train, args.sst2_select)] if all((sst2 / f).is_file() for f in SST2_FILES) else []
+    sst2 = getattr(args, "sst2", "")  # a missing or incomplete SST-2 dir: no task (the report says so)
+    tasks = [Task("sst2", Path(sst2), args.sst2_train, args.sst2_select)] \
+        if sst2 and all((Path(sst2) / f).is_file() for f in SST2_FILES) else []
     study = Study(path=work / "study.json", name=f"cpu-{work.name}", work=work,
                   objectives={o: Objective(o, f"tiny-{o}", (*flags, *args.set)) for o in args.objectives},
                   seeds=list(args.seeds), lrs=sorted(set((lrs or {}).values())) or list(args.lrs),
