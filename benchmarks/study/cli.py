@@ -51,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from benchmarks.study.jobs import submit_study
             from benchmarks.study.plan import format_plan, plan
 
-            print("\n".join(format_plan(plan(study)).splitlines()[-2:]), flush=True)  # what the whole study costs
+            print("\n".join(format_plan(plan(study)).splitlines()[-3:-1]), flush=True)  # what the whole study costs
             jobs = submit_study(study)
             print(f"submitted {len(jobs)} job(s); the driver job submits the seed phase when the sweep ends "
                   f"(`cpt-study status {args.study}`)")
