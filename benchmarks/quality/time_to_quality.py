@@ -157,10 +157,9 @@ def check_study_args(args, work: Path, defining: Sequence[str] = DEFINING_ARGS, 
         write_json(path, current)
 
 
-def cpu_study(args, shards: Sequence[Path], work: Path, lrs: Optional[dict[str, float]] = None):
+def cpu_study(args, shards: Sequence[Path], work: Path):
     """The `Study` these flags describe (`benchmarks.study.spec`), over the shards `ttq_data` built
-    (train, held-out selection half, held-out report half); SST-2 as its one task when `--sst2` has it.
-    `lrs`: one learning rate per objective instead of the sweep (the learning-signal harness)."""
+    (train, held-out selection half, held-out report half); SST-2 as its one task when `--sst2` has it."""
     from benchmarks.quality.ttq_data import SST2_FILES
     from benchmarks.study.spec import Objective, Study, Task, resolve_steps
 
@@ -171,7 +170,7 @@ def cpu_study(args, shards: Sequence[Path], work: Path, lrs: Optional[dict[str, 
         if sst2 and all((Path(sst2) / f).is_file() for f in SST2_FILES) else []
     study = Study(path=work / "study.json", name=f"cpu-{work.name}", work=work,
                   objectives={o: Objective(o, f"tiny-{o}", (*flags, *args.set)) for o in args.objectives},
-                  seeds=list(args.seeds), lrs=sorted(set((lrs or {}).values())) or list(args.lrs),
+                  seeds=list(args.seeds), lrs=list(args.lrs),
                   warmup_ratio=args.warmup_ratio, budget={"steps": args.steps}, eval_every=args.eval_every,
                   shards=dict(zip(("train", "heldout_select", "heldout_report"), shards)), tasks=tasks,
                   finetune={"seeds": list(getattr(args, "finetune_seeds", [1])), "lr": getattr(args, "finetune_lr", 1e-4),

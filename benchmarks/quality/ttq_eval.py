@@ -37,7 +37,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from benchmarks.common.report import write_json  # noqa: F401 - the study's units import it from here too
+from benchmarks.common.report import write_json
 from pipeline.eval.health import COLLAPSE_COSINE, mean_token_cosine
 
 

@@ -106,6 +106,6 @@ def format_plan(p: dict[str, Any]) -> str:
 
 
 def write_plan(p: dict[str, Any], path: Path) -> None:
-    from benchmarks.quality.ttq_eval import write_json
+    from benchmarks.common.report import write_json
 
     write_json(path, p)

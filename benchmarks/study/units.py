@@ -44,7 +44,8 @@ from typing import Optional
 
 from benchmarks.quality.ttq_data import StudyData, prepare_sst2
 from benchmarks.quality.ttq_eval import cached, convert_once, finetune_sst2, heldout_metrics, merge_finetune_summaries
-from benchmarks.quality.ttq_eval import top_token_of, write_json
+from benchmarks.common.report import write_json
+from benchmarks.quality.ttq_eval import top_token_of
 from benchmarks.study.spec import Study, StudyError, Task
 
 #: pipeline.train exit code of the non-finite loss guard (a run that diverged: recorded, not fatal).

@@ -1,56 +1,17 @@
 """Throughput of every objective against MLM: tokens/s, step time, MFU, peak memory, overhead ratio.
 
-For each objective x encoder family x model size x sequence length x ZeRO stage x precision, this runs the real
-training command (`python -m pipeline.train`, DeepSpeed engine, the objective's `tiny-<objective>`
-preset for the objective weights) for `--warmup + --steps` steps in a fresh process, then reads
-its `metrics.jsonl`: step time, tokens/s, MFU (from `pipeline.train.metrics`' FLOP counter) and peak
-memory are the training loop's own measurements, taken over the steps after the warm-up. A fresh
-process per configuration keeps peak memory per configuration and lets one failure (say, out of
-memory) be recorded while the sweep goes on. MLM is measured in the same invocation, so
-`overhead_vs_mlm = step time / MLM's step time` compares runs taken side by side.
+Each configuration (objective x encoder family x size x length x ZeRO stage x precision x micro-batch)
+is one real `python -m pipeline.train` run in a fresh process (its `tiny-<objective>` preset, the
+requested size); step time, tokens/s, MFU and peak memory are the training loop's own `metrics.jsonl`
+after `--warmup` steps, and MLM runs in the same invocation, so `overhead_vs_mlm` compares runs
+taken side by side. A failed configuration (say, out of memory) is recorded and the sweep goes on.
+Every flag, the ratios (`vs_hf_bert`, `tokens_vs_bert`, `mfu_vs_bert`), the MFU formula and the
+targets: benchmarks/README.md#throughput-bench_throughputpy (one home for the prose).
 
     python benchmarks/throughput/bench_throughput.py --objectives mlm,taco,capt,cocolm,infoword --sizes tiny \\
         --seq-lens 128 --zero 1 --precision fp32 --steps 10 --out benchmarks/results/cpu
     python benchmarks/throughput/bench_throughput.py --sizes large --seq-lens 128,512 --precision bf16 \\
         --micro-batch 32 --options paper --out results/h100            # one GPU, synthetic data
-
-Data: `--shards DIR` (repeatable; one directory per sequence length, e.g. built by
-`data_prep.build_shards`), otherwise synthetic shards (`benchmarks/data/synthetic_shards.py`,
-vocabulary `--vocab-size`) written under `<out>/data/` - speed does not depend on token values.
-
-Objective options: `--options tiny` keeps the tiny presets' small settings (TACO 8 negatives,
-CAPT queue 64, ...: quick CPU runs); `--options paper` uses the objective options of each
-objective's paper preset (`taco-small`, `capt-small`, `cocolm-base`/`-large`, `infoword-base`).
-`--set key=value` adds any training override to every run.
-
-Gradient accumulation: every run takes `--grad-accum` micro-batches per optimizer step, by default
-the presets' (`preset`: what the `tiny-<objective>` presets the runs load take on one rank, 2 today;
-the presets must agree, since `overhead_vs_mlm` compares equal steps), so the optimizer steps as
-often as in the presets' training, not every micro-batch. `--grad-accum N` sets it, e.g. a paper
-preset's on one GPU (16 for capt-small, 256 for capt-large: `plan_batches(load_config(p).data, 1)`).
-
-Multi-rank / multi-node (the SLURM sweep, `slurm/bench.sbatch`): `--launcher` replaces `python`
-in the training command, e.g. `--launcher "torchrun --nproc_per_node 2"` or
-`--launcher "srun --ntasks-per-node 8 slurm/run_rank.sh LOGDIR python3"`; `--world-size` (default
-`$SLURM_NTASKS` or 1) sets the global batch to micro x accumulation x world size (weak scaling: the
-accumulation does not depend on the world size), `--nodes`
-(default `$SLURM_JOB_NUM_NODES` or 1) is recorded for `benchmarks/throughput/scaling.py`, which turns the
-JSON files of several node counts into scaling efficiency.
-
-Encoder families: `--archs bert,modernbert` runs every configuration for each family
-(`model.arch`); `--sizes` names each family's size presets, a plain name for every listed family
-that has it, `family:size` for one family only (`--archs bert,modernbert --sizes
-capt-small,small`, or `bert:large,modernbert:large-24` on a GPU). Every ModernBERT row with a BERT
-row of the same shape (`bert_partner_size`: equal layers, hidden size and heads; capt-small <->
-small, large <-> large-24) and the same objective, length, ZeRO stage, precision and micro-batch
-gets `tokens_vs_bert` = its tokens/s / the BERT row's and `mfu_vs_bert` likewise
-(`add_arch_ratios`); a row without such a partner gets none.
-
-Hugging Face baseline: `--hf-baseline` adds, per size x length x precision x micro-batch, a row
-`hf-bert`: `transformers.BertForMaskedLM` with SDPA attention in a plain torch loop with fused
-AdamW, on the same shards, micro-batches, accumulation and precision (`benchmarks/throughput/hf_baseline.py`, one rank).
-Every BERT row then gets `vs_hf_bert` = its tokens/s / hf-bert's tokens/s, printed with the
-MFU formula (`MFU_FORMULA`, each family's) next to the table.
 
 Output: `<out>/throughput.json`, `throughput.md` and PNG bar charts (tokens/s, overhead vs MLM,
 and MFU when measured), with hardware and library versions.
