@@ -1,6 +1,6 @@
 """Issue 29's proof stays true under today's rules: every committed run of
 `benchmarks/results/learning_signals_8x/` (every objective x seeds 1-3 at 2,400 steps; the harness
-that produced them is retired, last present at commit 5ba4f69) is judged again here by
+that produced them is retired, last present at commit 76db60d) is judged again here by
 `pipeline.eval.signals`, the code the training loop and the model card use: each signal learned at the
 end, each contrastive term still falling (on the committed curves), no collapse, held-out accuracy above
 the plateau, COCO-LM RTD AUC >= 0.85. A change that makes
