@@ -1,4 +1,8 @@
-"""One writer for every benchmark's output: JSON (with hardware and versions), a Markdown table, a PNG.
+"""The one writer of every benchmark's output: JSON (with hardware and versions), a Markdown table, a PNG.
+
+Every file a benchmark writes goes through `atomic_write` (a temporary name beside it, then a rename, so a
+killed process never leaves half a file): `write_json` for result records, `write_report` for a
+report, the GPU suite's stage files (`gpu_suite/runner.py` builds their payload, this writes it).
 
 `write_report(name, rows, out_dir, title, bar=("label_column", "value_column"))` writes
 `<out_dir>/<name>.json`, `<name>.md` and (when `bar` is given) `<name>.png`, each atomically.
@@ -62,10 +66,17 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None
     return "\n".join(lines) + "\n"
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
+def atomic_write(path: Path, data: bytes | str) -> None:
+    """Write `data` to `path` atomically (parent folders created)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
     os.replace(tmp, path)
+
+
+def write_json(path: Path, payload: Any, indent: int = 1) -> None:
+    """A result record as JSON, atomically."""
+    atomic_write(path, json.dumps(payload, indent=indent, default=str) + "\n")
 
 
 def _save_figure(fig, path: Path) -> None:
@@ -196,12 +207,12 @@ def write_report(
         **(extra or {}),
     }
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
-    _atomic_write(paths["json"], json.dumps(payload, indent=2, default=str).encode())
+    atomic_write(paths["json"], json.dumps(payload, indent=2, default=str).encode())
     md = [f"# {title}", "", f"Device: {hw['device']} ({hw['cpu_count']} CPU cores); torch {hw['torch']}, "
           f"deepspeed {hw['deepspeed']}, triton {hw['triton']}; command: `{payload['command']}`", ""]
     md.append(markdown_table(rows))
     md += [f"- {n}" for n in notes]
-    _atomic_write(paths["md"], ("\n".join(md) + "\n").encode())
+    atomic_write(paths["md"], ("\n".join(md) + "\n").encode())
     if bar is not None and rows:
         paths["png"] = out / f"{name}.png"
         bar_chart(rows, bar[0], bar[1], paths["png"], title)

@@ -3,7 +3,7 @@
     python -m benchmarks.gpu_suite --plan [modernbert]       # the commands to type on a lease, the lease arithmetic, readiness
     python -m benchmarks.gpu_suite --prepare                 # here, before a lease: .whl/ (wheels) + .gpu_suite/source.json
     python -m benchmarks.gpu_suite --stage NAME --out $OUT   # on the lent GPU, after the install line: one command's rows (--dry-run: on the CPU)
-    python -m benchmarks.gpu_suite --local [modernbert] --out DIR  # a GPU of your own: every command of a plan, no deadline
+    python -m benchmarks.gpu_suite --local [modernbert] --out DIR  # a GPU of your own (no lease, no $OUT): every command of a plan
     python -m benchmarks.gpu_suite --dry-run --out DIR       # CPU rehearsal of every command of every plan + the plan checks
     python -m benchmarks.gpu_suite --collect DIR [DIR ...]   # here: file returned results, regenerate README's table
 

@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from benchmarks.common.report import _atomic_write, markdown_table
+from benchmarks.common.report import atomic_write, markdown_table
 from benchmarks.gpu_suite.plan import ALL_STAGES, REPO
 from benchmarks.gpu_suite.runner import device_slug, verdict
 
@@ -96,7 +96,7 @@ def collect(folders: Iterable[Path], root: Path = REPO, allow_dry_run: bool = Fa
             src = path.parent / name
             if not src.is_file():
                 raise CollectError(f"{path}: lists {name}, which did not come back")
-            _atomic_write(dest / name, src.read_bytes())
+            atomic_write(dest / name, src.read_bytes())
         index_path = dest / "collected.json"
         index = json.loads(index_path.read_text()) if index_path.is_file() else {}
         index[payload["stage"]] = {"from": str(path.parent), "commit": payload["source"].get("commit"),
@@ -104,7 +104,7 @@ def collect(folders: Iterable[Path], root: Path = REPO, allow_dry_run: bool = Fa
                                    "versions": payload["versions"], "device": payload["device"],
                                    "created": payload["created"], "wall_s": payload.get("wall_s"),
                                    "complete": payload["complete"], "rows": len(payload["rows"])}
-        _atomic_write(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
+        atomic_write(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
         written.append(dest)
     for dest in dict.fromkeys(written):
         subprocess.run(["git", "add", str(dest)], cwd=root, check=True)
@@ -148,7 +148,7 @@ def render_table(payloads: list[tuple[str, dict[str, Any]]]) -> str:
         throughput = [{**throughput_cells(r), "command": d["stage"]} for _, d in run for r in d["rows"]
                       if r["kind"] in ("train", "hf")]
         if throughput:
-            from benchmarks.throughput.bench_throughput import MFU_FORMULA
+            from benchmarks.common.runs import MFU_FORMULA
 
             lines += [markdown_table(throughput), f"{MFU_FORMULA}.", ""]
         targets = [{"stage": d["stage"], "target": t["name"], "measured": _n(t.get("measured"), 3),
@@ -186,7 +186,7 @@ def regenerate_readme(readme: Path, payloads: list[tuple[str, dict[str, Any]]]) 
     _, tail = rest.split(TABLE_END, 1)
     new = f"{head}{TABLE_START}\n{render_table(payloads)}\n{TABLE_END}{tail}"
     if new != text:
-        _atomic_write(readme, new.encode())
+        atomic_write(readme, new.encode())
     return new != text
 
 

@@ -14,7 +14,8 @@ loss (< `LOSS_TOL`) and of every gradient (< `GRAD_TOL`: the fused cross-entropy
 to bf16 before the backward GEMMs), MLM accuracy within `ACCURACY_TOL`. It also compiles the
 kernels the later rows use.
 
-`kernel` rows: forward + backward median time (CUDA events, `bench_kernels.measure`) and peak memory
+`kernel` rows: `bench_kernels.measure_impls` (the one kernel benchmark): forward + backward median time
+(CUDA events) and peak memory
 above the inputs of one or more cases at 16k or 64k tokens in sequences of 512 (every token a row of
 the vocabulary projection, the peers' convention), for `triton` (ours), `eager_bf16` (the reference
 on the bf16 inputs), `eager_fp32`, `liger` (`liger_fused_linear_cross_entropy`) and `cce`
@@ -27,7 +28,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from benchmarks.gpu_suite.plan import REPO
 
@@ -42,7 +43,6 @@ LOSS_TOL = 1e-3
 GRAD_TOL = 2e-2
 ACCURACY_TOL = 1e-3
 TOKENS = {"16k": 32, "64k": 128}  # -> sequences of 512
-PEER_MODULES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
 
 
 class EnvironmentError_(RuntimeError):
@@ -178,69 +178,21 @@ def env_row(ctx, row) -> dict[str, Any]:
     return {"requirements": requirements, "correctness": checks, "all_correct": all(c["ok"] for c in checks)}
 
 
-def peer(impl: str, case: str) -> Callable:
-    """The peer's function with our reference's signature (hidden, weight, bias, targets)."""
-    if impl == "liger":
-        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
-
-        return lambda h, w, b, t: liger(h, w, t, bias=b)
-    from cut_cross_entropy import linear_cross_entropy as cce
-
-    return lambda h, w, b, t: cce(h, w, t)
-
-
-def peer_missing(impl: str, cuda: bool) -> Optional[str]:
-    if not cuda:
-        return "dry run: peers need CUDA"
-    try:
-        __import__(PEER_MODULES[impl])
-    except Exception as err:  # noqa: BLE001
-        return f"{PEER_MODULES[impl]} not importable ({type(err).__name__}: {err})"
-    return None
-
-
 def kernel_row(ctx, row) -> dict[str, Any]:
-    """Every (case, impl) of the row: ms, peak MiB and the ratios to eager on the same inputs."""
+    """Every (case, impl) of the row (`bench_kernels.measure_impls`): ms, peak MiB and the ratios to eager."""
     import torch
 
-    from benchmarks.kernels.bench_kernels import build_case, implementation, measure
+    from benchmarks.kernels.bench_kernels import measure_impls
 
     cuda = ctx.device.type == "cuda"
     low = torch.bfloat16 if cuda else torch.float32  # the Triton interpreter has no bf16 dot
-    warmup, repeats = (2, 10) if cuda else (1, 1)
     cases = row.arg("case")
-    cases = (cases,) if isinstance(cases, str) else tuple(cases)
-    shape = shape_for(row.arg("size"), ctx.dry_run)
-    results, skipped = [], {}
-    for case in cases:
-        for impl in row.arg("impls"):
-            if impl in PEER_MODULES and (missing := peer_missing(impl, cuda)):
-                skipped[f"{case}/{impl}"] = missing
-                continue
-            dtype = torch.float32 if impl == "eager_fp32" else low
-            args, grads, kwargs = build_case(case, shape, ctx.device, dtype)
-            fn = implementation(case, "triton") if impl == "triton" else (
-                implementation(case, "torch") if impl.startswith("eager") else peer(impl, case))
-            result: dict[str, Any] = {"case": case, "impl": impl, "dtype": str(dtype).replace("torch.", "")}
-            try:
-                result["ms"], result["peak_mib"] = measure(fn, args, grads, kwargs, ctx.device, warmup, repeats)
-            except Exception as err:  # noqa: BLE001 - an OOM is this implementation's result
-                result.update(ms=None, peak_mib=None, error=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
-            del args, grads
-            if cuda:
-                torch.cuda.empty_cache()
-            results.append(result)
-    for r in results:  # time and memory against eager on the same case
-        for ref in ("eager_bf16", "eager_fp32"):
-            other = next((o for o in results if (o["case"], o["impl"]) == (r["case"], ref)), {})
-            r[f"speedup_vs_{ref}"] = _ratio(other.get("ms"), r.get("ms"))
-            r[f"mem_below_{ref}"] = _ratio(other.get("peak_mib"), r.get("peak_mib"))
+    shape, skipped = shape_for(row.arg("size"), ctx.dry_run), {}
+    results = [r for case in ((cases,) if isinstance(cases, str) else tuple(cases))
+               for r in measure_impls(case, row.arg("impls"), shape, ctx.device, low, *((2, 10) if cuda else (1, 1)),
+                                      refs=("eager_bf16", "eager_fp32"), skipped=skipped)]
     return {"size": row.arg("size"), "tokens": shape["batch"] * shape["seq_len"], "results": results,
             "not_measured": skipped}
-
-
-def _ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
-    return None if num is None or den is None or den <= 0 else num / den
 
 
 def pytest_row(ctx, row) -> dict[str, Any]:

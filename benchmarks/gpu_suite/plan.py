@@ -196,9 +196,21 @@ def describe(stages: Sequence[Stage], name: str) -> str:
                                                                        for s in stages)
               + f" = {total:.0f} s = {total / 60:.1f} min of the lease's {LEASE_S / 60:.0f}",
               "then, here, for each command's returned folder: python -m benchmarks.gpu_suite --collect FILES_AT_DIR",
-              "with a GPU of your own instead: python -m benchmarks.gpu_suite --local" + (
-                  f" {name}" if name != "core" else "") + " --out DIR (no wheels, no carried folders)"]
+              "", *own_gpu(name)]
     return "\n".join(lines)
+
+
+def own_gpu(name: str) -> list[str]:
+    """The same commands on a GPU machine of your own: no lease, so no $OUT, wheels, carried folders or deadline."""
+    plan_arg = f" {name}" if name != "core" else ""
+    return ["On a GPU machine of your own (no lease): $OUT above is only the result folder, and the install line, "
+            "--prepare, .whl/ and .gpu_suite/ exist for the lent machine's bare image. With this project installed "
+            "(torch with CUDA, DeepSpeed, triton; `pip install -e .`), from the repository root:",
+            f"  python -m benchmarks.gpu_suite --local{plan_arg} --out DIR            "
+            "# every command above, one process each, no deadline",
+            "  python -m benchmarks.gpu_suite --stage NAME --out DIR --deadline-s inf   # or one command by its name",
+            "  python -m benchmarks.gpu_suite --collect DIR                             # then file the results here",
+            "The 'not prepared yet' lines below concern a lease only."]
 
 
 def show_plan(name: str) -> int:

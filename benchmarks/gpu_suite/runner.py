@@ -1,4 +1,5 @@
-"""The one runner and the one writer: a command's rows in plan order, each result on disk as soon as it exists.
+"""The one runner: a command's rows in plan order, each result on disk (through `common/report.py`, the one
+writer) as soon as it exists.
 
 `run_stage` checks the requirements (`kernel_rows.require_environment`; missing ones stop the command
 before any compute, exit 1), then runs the stage's rows in order in this process. Before each row it
@@ -29,7 +30,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from benchmarks.common.report import _atomic_write, markdown_table
+from benchmarks.common.report import atomic_write, markdown_table
 from benchmarks.gpu_suite import kernel_rows, train_rows
 from benchmarks.gpu_suite.plan import Row, Stage, source_info
 from benchmarks.gpu_suite.targets import judge
@@ -100,7 +101,7 @@ class StageContext:
 
 
 class Writer:
-    """The one writer of a command's files; `write` rewrites both atomically."""
+    """A command's stage files: the payload so far; `write` rewrites both through `common.report.atomic_write`."""
 
     def __init__(self, ctx: StageContext, command: str) -> None:
         self.ctx, self.path = ctx, ctx.out / f"{ctx.stage.name}.json"
@@ -117,8 +118,8 @@ class Writer:
         p = self.payload
         p["wall_s"] = round(self.ctx.elapsed(), 1)
         p["targets"] = [] if self.ctx.paired else judge(p["rows"], gpu=not self.ctx.dry_run)
-        _atomic_write(self.path, json.dumps(p, indent=2, default=str).encode())
-        _atomic_write(self.ctx.out / f"{self.ctx.stage.name}.md", render_markdown(p).encode())
+        atomic_write(self.path, json.dumps(p, indent=2, default=str).encode())
+        atomic_write(self.ctx.out / f"{self.ctx.stage.name}.md", render_markdown(p).encode())
 
 
 def run_stage(stage: Stage, out: Path, dry_run: bool, deadline_s: Optional[float], command: str,
@@ -201,7 +202,7 @@ def summary(r: dict[str, Any]) -> str:
 
 
 def notes_for(ctx: StageContext) -> list[str]:
-    from benchmarks.throughput.bench_throughput import MFU_FORMULA
+    from benchmarks.common.runs import MFU_FORMULA
 
     notes = [MFU_FORMULA, f"training rows: {train_rows.WARMUP} warm-up + {train_rows.STEPS} timed unlogged steps "
              f"(dry run: {train_rows.DRY['warmup']} + {train_rows.DRY['steps']}), no checkpoint, each step timed alone; "

@@ -1,20 +1,12 @@
 """Training rows: BERT-large (or ModernBERT large-24) steps of one objective, `hf-bert`, and the queue
 InfoNCE's share of a CAPT step; bf16 on one GPU, one warm process for every row of a command.
 
-A `train` row times the step a real run spends on an unlogged step and nothing else. It builds the
-run exactly as `pipeline.train.loop.train` does (`check_run`, `build_run_model`, `start`: the
-preset's DeepSpeed engine file - ZeRO-1 for every large preset, fp32 gradient accumulation under
-bf16 - its objective options and optimizer settings, the real data path and collator), then drives
-`Run.forward_backward` with `record_metrics=False` for `WARMUP` + `STEPS` optimizer steps: no
-accuracy, health metrics or COCO-LM no-grad projection (they run only on logged steps, every
-`train.log_every`), no metrics line, no checkpoint (a BERT-large save with optimizer state is
-~4.7 GB plus hashing), no profiler. Each step ends with a device synchronize (the loop's per-step
-all-reduce of the guard flags ends with one too) and is timed alone; the row reports the median
-step time, the spread (max - min) / median of the timed steps, tokens/s = tokens / time and
-MFU = FLOPs / time / peak over them (`bench_throughput.MFU_FORMULA`, FLOPs from the loop's own
-counter). The optimizer is `optim.impl=torch`: torch's fused AdamW through DeepSpeed's
-client-optimizer path, so nothing is compiled just in time on the device (DeepSpeed's FusedAdam
-builds with ninja on first use, 30-90 s).
+A `train` row times the loop's own step and nothing else (`benchmarks.common.runs.timed_steps`: the run
+built as `pipeline.train` builds it, `Run.train_step` for `WARMUP` + `STEPS` unlogged optimizer steps - no
+accuracy, health metrics, metrics line, checkpoint or profiler; each step synchronized and timed alone;
+median step time, spread, tokens/s and MFU as `common.runs.MFU_FORMULA` gives it). The optimizer is
+`optim.impl=torch`: torch's fused AdamW through DeepSpeed's client-optimizer path, so nothing is
+compiled just in time on the device (DeepSpeed's FusedAdam builds with ninja on first use, 30-90 s).
 
 Every row has the same micro-batch (16,384 tokens: 128 x 128 or 32 x 512) and `GRAD_ACCUM`
 micro-batches per optimizer step; each records the accumulation its preset takes on one GPU
@@ -22,18 +14,16 @@ micro-batches per optimizer step; each records the accumulation its preset takes
 on the presets'. `hf` is `benchmarks/throughput/hf_baseline.py` (BertForMaskedLM, SDPA, fused AdamW
 with the MLM row's settings, same shards, micro-batch and accumulation). A ModernBERT row gets
 `tokens_vs_bert` / `mfu_vs_bert` against the BERT row of the same objective and shape measured just
-before it (`bench_throughput.add_arch_ratios`). Data: synthetic shards of the BERT vocabulary.
+before it (`common.runs.add_arch_ratios`). Data: synthetic shards of the BERT vocabulary.
 """
 from __future__ import annotations
 
-import gc
 import shutil
-import statistics
-import time
-import warnings
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
+
+from benchmarks.common.runs import add_arch_ratios, fresh_memory, quiet_overrides, summarize, timed_steps
 
 PRESETS = {"mlm": "mlm-capt-large", "taco": "taco-base", "capt": "capt-large", "cocolm": "cocolm-large",
            "infoword": "infoword-large"}
@@ -69,9 +59,7 @@ def overrides(s: dict[str, Any], shards: Path, run_dir: Path, arch: str = "bert"
     return [f"model.arch={arch}", f"model.size={s['sizes'][arch]}", f"data.shards_dir={shards}",
             f"data.seq_len={s['seq_len']}", f"data.micro_batch_size={s['micro_batch']}",
             f"data.global_batch_size={s['micro_batch'] * s['accum']}", f"deepspeed.precision={s['precision']}",
-            "optim.impl=torch", f"train.total_steps={total}", f"train.log_every={total}",
-            f"train.checkpoint_every={total}", "train.resume=never", "train.tensorboard=false",
-            "train.progress_bar=false", f"train.output_dir={run_dir}", f"data.num_workers={s['workers']}",
+            "optim.impl=torch", *quiet_overrides(run_dir, total, log_every=total), f"data.num_workers={s['workers']}",
             f"optim.warmup_steps={max(1, s['warmup'])}"]
 
 
@@ -86,89 +74,9 @@ def shards_for(ctx, s: dict[str, Any]) -> Path:
     return path
 
 
-def fresh_memory() -> dict[str, float]:
-    """Free what earlier rows left (engines still alive hold their model and optimizer through hooks
-    the garbage collector cannot see: `destroy()` them) and reset the peak; returns what is resident."""
-    import torch
-
-    gc.collect()
-    try:
-        from deepspeed import DeepSpeedEngine
-
-        with warnings.catch_warnings():  # isinstance on every object touches torch's deprecated attributes
-            warnings.simplefilter("ignore")
-            engines = [o for o in gc.get_objects() if isinstance(o, DeepSpeedEngine)]
-        for engine in engines:
-            engine.destroy()
-        del engines
-    except ImportError:
-        pass
-    gc.collect()
-    if not torch.cuda.is_available():
-        return {}
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    return {"resident_before_gb": round(torch.cuda.memory_allocated() / 2**30, 2)}
-
-
 def shape(s: dict[str, Any], arch: str) -> dict[str, Any]:
     return {"arch": arch, "size": s["sizes"][arch], "seq_len": s["seq_len"], "precision": s["precision"],
             "micro_batch": s["micro_batch"]}
-
-
-def summarize(times: list[float], tokens: list[int], flops: list[float], peak: float | None,
-              samples_per_step: int) -> dict[str, Any]:
-    """Rates over the timed steps: median step time, spread, tokens/s, sequences/s, TFLOP/s and MFU over their sum."""
-    import torch
-
-    total = sum(times)
-    median = statistics.median(times)
-    out = {"measured_steps": len(times), "step_time_s": median, "spread": (max(times) - min(times)) / median,
-           "tokens_per_s": sum(tokens) / total, "samples_per_s": samples_per_step * len(times) / total, "tflops_per_device": sum(flops) / total / 1e12,
-           "mfu": sum(flops) / total / peak if peak else None}
-    if torch.cuda.is_available():
-        out["peak_mem_gb"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    return out
-
-
-def timed_steps(cfg, s: dict[str, Any]) -> dict[str, Any]:
-    """Build the run as `train()` does and time its unlogged steps (see the module docstring)."""
-    import torch
-
-    from pipeline import seeding
-    from pipeline.capabilities import use_private_extensions_dir
-    from pipeline.train.run_config import check_run
-    from pipeline.objectives.base import StepProgress
-    from pipeline.train.loop import build_run_model, start, torch_process_state
-    from pipeline.train.metrics import device_peak_flops
-    from pipeline.train.optim import lr_at, set_lr
-
-    use_private_extensions_dir()
-    cuda = torch.cuda.is_available()
-    plan = check_run(cfg, 1, cuda, fresh_start=True)
-    model = build_run_model(cfg, plan)
-    total, accum = s["warmup"] + s["steps"], plan.batch.grad_accum
-    times, tokens, flops = [], [], []
-    with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
-        run = start(cfg, plan, model, None, cfg.to_dict())
-        try:
-            for step in range(1, total + 1):
-                started = time.perf_counter()
-                seeding.reseed_dropout(cfg.train.seed, step, run.info.rank)
-                set_lr(run.optimizer, lr_at(step, cfg.optim, total))
-                _, _, step_tokens = run.forward_backward(StepProgress(step, total, accum, record_metrics=False), accum)
-                if cuda:
-                    torch.cuda.synchronize()
-                step_flops = run.flop_counter.pop()
-                if step > s["warmup"]:
-                    times.append(time.perf_counter() - started)
-                    tokens.append(step_tokens)
-                    flops.append(step_flops)
-        finally:
-            run.writer.close()
-            run.flop_counter.remove()
-            run.engine.destroy()
-    return summarize(times, tokens, flops, device_peak_flops(cfg.deepspeed.precision), plan.batch.global_batch_size)
 
 
 def train_row(ctx, row) -> dict[str, Any]:
@@ -186,7 +94,7 @@ def train_row(ctx, row) -> dict[str, Any]:
                         "weight_decay": cfg.optim.weight_decay}
         out.update(engine=cfg.deepspeed.config, grad_accum=plan_batches(cfg.data, 1).grad_accum,
                    preset_grad_accum=plan_batches(load_config(PRESETS[objective]).data, 1).grad_accum)
-        out.update(timed_steps(cfg, s))
+        out.update(timed_steps(cfg, s["warmup"], s["steps"]))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     if out.get("peak_mem_gb") is not None and "resident_before_gb" in out:
@@ -227,17 +135,18 @@ def queue_row(ctx, row) -> dict[str, Any]:
     backward, over the CAPT row's step time per micro-batch (same command, same length)."""
     import torch
 
-    from benchmarks.kernels.bench_kernels import SHAPES, build_case, implementation, measure
+    from benchmarks.kernels.bench_kernels import SHAPES, measure_impls
 
     capt = ctx.cache.get("capt")
     if not capt or not capt.get("step_time_s"):
         raise RuntimeError("no CAPT row measured before it in this command")
     cuda = ctx.device.type == "cuda"
     shape_ = {**SHAPES["full" if cuda else "small"], "pairs": capt["micro_batch"]}
-    args, grads, kwargs = build_case("sequence_contrastive_loss", shape_, ctx.device,
-                                     torch.bfloat16 if cuda else torch.float32)
-    ms, _ = measure(implementation("sequence_contrastive_loss", "triton"), args, grads, kwargs, ctx.device,
-                    *((3, 20) if cuda else (1, 1)))
+    result, = measure_impls("sequence_contrastive_loss", ["triton"], shape_, ctx.device,
+                            torch.bfloat16 if cuda else torch.float32, *((3, 20) if cuda else (1, 1)), refs=())
+    if result["ms"] is None:
+        raise RuntimeError(result["error"])
+    ms = result["ms"]
     step_ms = capt["step_time_s"] * 1e3 / capt["grad_accum"]
     return {"length": capt["length"], "seq_len": capt["seq_len"], "micro_batch": capt["micro_batch"], "queue_ms": ms,
             "capt_ms_per_micro_batch": step_ms, "share": ms / step_ms}
@@ -247,9 +156,8 @@ def add_ratios(rows: list[dict[str, Any]], paired: bool) -> list[str]:
     """On the finished training rows: `tokens_vs_mlm` / `mfu_vs_mlm` against the MLM row of the same
     family and length; without `paired`, `tokens_vs_hf_bert` against hf-bert of that length; with it,
     `tokens_vs_bert` / `mfu_vs_bert` of each ModernBERT row against its BERT partner (the printable
-    lines of `bench_throughput.add_arch_ratios` are returned)."""
+    lines of `common.runs.add_arch_ratios` are returned)."""
     from benchmarks.gpu_suite.targets import ratio
-    from benchmarks.throughput.bench_throughput import add_arch_ratios
 
     train = [r for r in rows if r["kind"] in ("train", "hf") and "error" not in r]
     by = {(r["kind"], r["arch"], r["objective"], r["seq_len"]): r for r in train}

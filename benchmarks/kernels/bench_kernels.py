@@ -10,6 +10,9 @@ backward with three implementations: the reference in eager mode (`torch`), the 
 milliseconds per forward+backward step, peak memory allocated during one step above what the
 inputs already hold (CUDA only), and both as ratios against eager torch. The issue's targets are
 checked from the ratios measured in this one run and printed at the end (and stored in the JSON).
+This module is the one kernel benchmark: the GPU suite's kernel rows (`gpu_suite/kernel_rows.py`) call
+`measure_impls` with the peers (`liger`, `cce`) and eager bf16 / fp32 as the implementations, and judge
+the same `TARGETS` (`gpu_suite/targets.py` reads its kernel thresholds from here).
 
 BERT-large shapes (issue 5): batch x length 128 x 512, 15% of tokens predicted (9,830 rows),
 vocabulary 30,522, hidden 1,024, K = 50 negatives (TACO: every token of the batch is an anchor),
@@ -23,7 +26,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 SHAPES = {
     "full": dict(batch=128, seq_len=512, mask_rate=0.15, vocab=30522, hidden=1024, k=50, pairs=128, queue=8192),
@@ -34,12 +37,20 @@ OPS = ("linear_cross_entropy", "linear_cross_entropy_with_accuracy", "corrective
 #: Cases that are another layout of a `functional` op: case name -> op (the rest are named after their op).
 CASE_OPS = {"sampled_softmax_shared": "sampled_softmax_cross_entropy"}
 IMPLS = ("torch", "compile", "triton")
-#: (op, metric, minimum) from issue 5; metric = "mem" (eager peak / triton peak) or "speed" (eager ms / triton ms).
+#: Implementations beside ours: the reference on bf16 or fp32 inputs, and the peers (module that provides each).
+EAGER = ("eager_bf16", "eager_fp32")
+PEER_MODULES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+#: (op, metric, minimum) from issues 5 and 41 (the GPU suite's, one table); metric = "mem" (eager peak /
+#: triton peak) or "speed" (eager ms / triton ms).
 TARGETS = (
     ("linear_cross_entropy", "mem", 4.0), ("linear_cross_entropy", "speed", 1.0),
-    ("token_contrastive_loss", "mem", 10.0), ("token_contrastive_loss", "speed", 2.0),
+    ("token_contrastive_loss", "mem", 10.0), ("token_contrastive_loss", "speed", 3.0),
     ("sequence_contrastive_loss", "speed", 2.0),
 )
+
+
+def target_minimum(op: str, metric: str) -> float:
+    return next(m for o, k, m in TARGETS if (o, k) == (op, metric))
 TAU = 0.1
 
 
@@ -100,9 +111,11 @@ def _shared_negatives(targets, groups: int, vocab: int, gen, device) -> tuple:
 def implementation(op: str, impl: str) -> Callable:
     from pipeline.kernels import functional
 
+    if impl in PEER_MODULES:
+        return peer(impl)
     op = CASE_OPS.get(op, op)
     reference = getattr(functional, op)
-    if impl == "torch":
+    if impl in ("torch", *EAGER):
         return reference
     if impl == "compile":
         import torch
@@ -113,6 +126,28 @@ def implementation(op: str, impl: str) -> Callable:
 
         return get_op(op, "triton")
     raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
+
+
+def peer(impl: str) -> Callable:
+    """A peer's fused linear cross-entropy with our reference's signature (hidden, weight, bias, targets)."""
+    if impl == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy as liger
+
+        return lambda h, w, b, t: liger(h, w, t, bias=b)
+    from cut_cross_entropy import linear_cross_entropy as cce
+
+    return lambda h, w, b, t: cce(h, w, t)
+
+
+def peer_missing(impl: str, cuda: bool) -> Optional[str]:
+    """Why a peer cannot be measured here, or None."""
+    if not cuda:
+        return "dry run: peers need CUDA"
+    try:
+        __import__(PEER_MODULES[impl])
+    except Exception as err:  # noqa: BLE001
+        return f"{PEER_MODULES[impl]} not importable ({type(err).__name__}: {err})"
+    return None
 
 
 def measure(fn: Callable, args: list, grad_positions: list[int], kwargs: dict, device, warmup: int, repeats: int
@@ -158,33 +193,55 @@ def measure(fn: Callable, args: list, grad_positions: list[int], kwargs: dict, d
     return statistics.median(times), peak
 
 
+def measure_impls(case: str, impls: Sequence[str], shape: dict, device, dtype, warmup: int, repeats: int,
+                  refs: Sequence[str] = ("torch",), skipped: Optional[dict] = None) -> list[dict[str, Any]]:
+    """One case under every implementation of `impls` on the same inputs (`dtype`; `eager_fp32` on fp32
+    copies): {case, impl, dtype, ms, peak_mib} each (`error` instead when it fails: an OOM or a compile
+    error is that implementation's result), plus `speedup_vs_<ref>` / `mem_below_<ref>` for each of `refs`.
+    A peer not installed is named in `skipped`, not measured."""
+    import torch
+
+    cuda = device.type == "cuda"
+    results = []
+    for impl in impls:
+        if impl in PEER_MODULES and (missing := peer_missing(impl, cuda)):
+            if skipped is not None:
+                skipped[f"{case}/{impl}"] = missing
+            continue
+        dt = torch.float32 if impl == "eager_fp32" else dtype
+        args, grads, kwargs = build_case(case, shape, device, dt)
+        result: dict[str, Any] = {"case": case, "impl": impl, "dtype": str(dt).replace("torch.", "")}
+        try:
+            result["ms"], result["peak_mib"] = measure(implementation(case, impl), args, grads, kwargs, device, warmup,
+                                                       repeats)
+        except Exception as err:  # noqa: BLE001 - an OOM or compile failure is a result, recorded per row
+            result.update(ms=None, peak_mib=None, error=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}")
+        del args, grads
+        if cuda:
+            torch.cuda.empty_cache()
+        results.append(result)
+    for r in results:  # time and memory against each reference on the same case
+        for ref in refs:
+            other = next((o for o in results if o["impl"] == ref), {})
+            r[f"speedup_vs_{ref}"] = _ratio(other.get("ms"), r.get("ms"))
+            r[f"mem_below_{ref}"] = _ratio(other.get("peak_mib"), r.get("peak_mib"))
+    return results
+
+
 def run(ops: list[str], impls: list[str], shape_name: str, device_name: str, dtype_name: str,
         warmup: int, repeats: int) -> list[dict[str, Any]]:
     import torch
 
     device = torch.device(device_name)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name]
-    shape = SHAPES[shape_name]
     rows: list[dict[str, Any]] = []
     for op in ops:
-        args, grads, kwargs = build_case(op, shape, device, dtype)
-        by_impl: dict[str, dict] = {}
-        for impl in impls:
-            row: dict[str, Any] = dict(label=f"{op}/{impl}", op=op, impl=impl, dtype=dtype_name, shape=shape_name)
-            try:
-                row["ms"], row["peak_mib"] = measure(implementation(op, impl), args, grads, kwargs, device, warmup, repeats)
-            except Exception as err:  # noqa: BLE001 - an OOM or compile failure is a result, recorded per row
-                row["ms"] = row["peak_mib"] = None
-                row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            by_impl[impl] = row
-            rows.append(row)
-        eager = by_impl.get("torch", {})
-        for row in by_impl.values():
-            row["speedup_vs_eager"] = _ratio(eager.get("ms"), row.get("ms"))
-            row["mem_reduction_vs_eager"] = _ratio(eager.get("peak_mib"), row.get("peak_mib"))
-        print(", ".join(f"{r['label']}: {_fmt(r.get('ms'))} ms / {_fmt(r.get('peak_mib'))} MiB" for r in by_impl.values()),
+        results = measure_impls(op, impls, SHAPES[shape_name], device, dtype, warmup, repeats)
+        for r in results:  # this report's column names: eager is the `torch` implementation
+            rows.append(dict(label=f"{op}/{r['impl']}", op=op, impl=r["impl"], dtype=dtype_name, shape=shape_name,
+                             ms=r["ms"], peak_mib=r["peak_mib"], **({"error": r["error"]} if "error" in r else {}),
+                             speedup_vs_eager=r["speedup_vs_torch"], mem_reduction_vs_eager=r["mem_below_torch"]))
+        print(", ".join(f"{op}/{r['impl']}: {_fmt(r.get('ms'))} ms / {_fmt(r.get('peak_mib'))} MiB" for r in results),
               flush=True)
     return rows
 

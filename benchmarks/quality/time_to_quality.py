@@ -5,7 +5,9 @@ selected on a held-out split, several pretraining seeds, SST-2 downstream and a 
         --heldout ../shared/data/wikitext-2/test.txt --sst2 ../shared/data/glue/SST-2 \\
         --out benchmarks/results/time_to_quality_cpu --work-dir ~/ttq-work
 
-The study (`benchmarks/quality/ttq_study.py`): every objective of `--objectives` and MLM train with the
+One study, two ways to run it: these flags describe a study (`cpu_study`: the same `Study` a
+`cpt-study` YAML file gives) and its local executor runs it here (`benchmarks.study.local`, the units of
+`benchmarks.study.units`; on SLURM: `cpt-study submit`). Every objective of `--objectives` and MLM train with the
 real command (`python -m pipeline.train --config tiny-<objective>`, the same model, batch,
 schedule, number of steps and therefore tokens) once per learning rate of `--lrs` (first seed);
 the learning rate with the best SST-2 accuracy on a selection split (train examples never
@@ -40,12 +42,18 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable f
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.stop_signal import sigterm_stops  # noqa: E402
-from benchmarks.throughput.bench_throughput import parse_list  # noqa: E402
+from benchmarks.common.runs import parse_list  # noqa: E402
+from benchmarks.study.spec import STUDY_OWNED  # noqa: E402
 
-#: pipeline.train keys the study sets per run (a --set of them would silently defeat the sweep).
-STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_steps", "train.checkpoint_every",
-               "train.output_dir", "train.resume", "data.shards_dir", "data.micro_batch_size",
-               "data.global_batch_size", "model.size")
+#: pipeline.train keys these flags set for every run (beside the study's own, `STUDY_OWNED`).
+FLAG_OWNED = {"model.size": "--size", "data.micro_batch_size": "--micro-batch",
+              "data.global_batch_size": "--micro-batch and --world-size"}
+#: Settings that define a study's results; a work directory made with other values is refused.
+DEFINING_ARGS = ("text", "heldout", "sst2", "size", "set", "steps", "eval_every", "micro_batch", "world_size",
+                 "seq_len", "vocab_size", "lrs", "warmup_ratio", "eval_sequences", "sst2_train", "sst2_select",
+                 "subset_seed", "finetune_lr", "finetune_epochs")
+# Not among them: the pretraining seeds after the first and `--finetune-seeds` (each seed's results are
+# cached on their own, so adding seeds grows a study; it never mixes settings).
 #: Objectives of a full study (MLM, the baseline, is always first).
 ALL_OBJECTIVES = ("mlm", "taco", "capt", "cocolm", "infoword", "mlm-nce")
 
@@ -114,6 +122,9 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     owned = [s for s in args.set if s.split("=", 1)[0] in STUDY_OWNED]
     if owned:
         parser.error(f"--set {owned}: the study sets these itself (use --lrs, --seeds, --warmup-ratio, --steps, ...)")
+    flagged = [f"{s} (use {FLAG_OWNED[s.split('=', 1)[0]]})" for s in args.set if s.split("=", 1)[0] in FLAG_OWNED]
+    if flagged:
+        parser.error(f"--set {flagged}: the study sets these itself")
     from pipeline.config.loader import available_presets
 
     bad = [o for o in args.objectives if f"tiny-{o}" not in available_presets()]
@@ -122,11 +133,63 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     return args
 
 
+def check_study_args(args, work: Path, defining: Sequence[str] = DEFINING_ARGS, sweep_seed: bool = True) -> None:
+    """Record the `defining` settings in `<work>/study.json`, or refuse a work dir made with others
+    (adding objectives, pretraining or fine-tuning seeds to a study is fine: that is how it grows).
+    `sweep_seed`: the first seed is defining too (it runs the learning-rate sweep)."""
+    import json
+
+    from benchmarks.common.report import write_json
+
+    current = {k: getattr(args, k) for k in defining}
+    if sweep_seed:
+        current["seeds"] = args.seeds[0]  # the sweep seed; later seeds may be added
+    current = json.loads(json.dumps(current, default=str))
+    path = work / "study.json"
+    if path.is_file():
+        recorded = json.loads(path.read_text())
+        changed = sorted(k for k in current if recorded.get(k) != current[k])
+        if changed:
+            diffs = "; ".join(f"{k}: {recorded.get(k)!r} there, {current[k]!r} now" for k in changed)
+            raise ValueError(f"{work} holds a study made with other settings ({diffs}); use another --work-dir "
+                             "or the same flags")
+    else:
+        write_json(path, current)
+
+
+def cpu_study(args, shards: Sequence[Path], work: Path):
+    """The `Study` these flags describe (`benchmarks.study.spec`), over the shards `ttq_data` built
+    (train, held-out selection half, held-out report half); SST-2 as its one task when `--sst2` has it."""
+    from benchmarks.quality.ttq_data import SST2_FILES
+    from benchmarks.study.spec import Objective, Study, Task, resolve_steps
+
+    mb, world = args.micro_batch, args.world_size
+    flags = (f"model.size={args.size}", f"data.micro_batch_size={mb}", f"data.global_batch_size={mb * world}")
+    sst2 = getattr(args, "sst2", "")  # a missing or incomplete SST-2 dir: no task (the report says so)
+    tasks = [Task("sst2", Path(sst2), args.sst2_train, args.sst2_select)] \
+        if sst2 and all((Path(sst2) / f).is_file() for f in SST2_FILES) else []
+    study = Study(path=work / "study.json", name=f"cpu-{work.name}", work=work,
+                  objectives={o: Objective(o, f"tiny-{o}", (*flags, *args.set)) for o in args.objectives},
+                  seeds=list(args.seeds), lrs=list(args.lrs),
+                  warmup_ratio=args.warmup_ratio, budget={"steps": args.steps}, eval_every=args.eval_every,
+                  shards=dict(zip(("train", "heldout_select", "heldout_report"), shards)), tasks=tasks,
+                  finetune={"seeds": list(getattr(args, "finetune_seeds", [1])), "lr": getattr(args, "finetune_lr", 1e-4),
+                            "epochs": getattr(args, "finetune_epochs", 3), "device": getattr(args, "device", "")},
+                  eval_sequences=args.eval_sequences, plateau_margin=getattr(args, "plateau_margin", 0.05),
+                  resources={"pretrain": {"nodes": 1, "ntasks_per_node": world}}, cost={},
+                  subset_seed=getattr(args, "subset_seed", 0), keep_checkpoints=args.keep_checkpoints)
+    resolve_steps(study)
+    return study
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from benchmarks.quality.ttq_data import prepare
-    from benchmarks.quality.ttq_eval import top_token_of
-    from benchmarks.quality.ttq_report import write_study_report
-    from benchmarks.quality.ttq_study import check_study_args, run_study
+    import shlex
+
+    from benchmarks.quality.ttq_data import build_text_shards
+    from benchmarks.study.local import run_study
+    from benchmarks.study.results import collect
+    from benchmarks.study.spec import StudyError
+    from benchmarks.study.units import study_data
 
     args = parse_args(argv)
     out = Path(args.out)
@@ -140,23 +203,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         with sigterm_stops():  # `kill PID`: the running training checkpoints, a re-run resumes
             check_study_args(args, work)
-            data = prepare(args, work)
-            print(data.sst2_note, flush=True)
-            top_token = top_token_of(data.train_shards)
-            study = run_study(args, data, top_token, work)
-    except (RuntimeError, ValueError, FileNotFoundError) as err:
+            study = cpu_study(args, build_text_shards(args, work), work)
+            note = study_data(study, study.tasks[0]).sst2_note if study.tasks else \
+                f"no SST-2 at --sst2 {args.sst2!r}: downstream evaluation skipped"
+            print(note, flush=True)
+            run_study(study, shlex.split(args.launcher))
+    except (RuntimeError, ValueError, FileNotFoundError, StudyError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("stopped: re-run the same command to resume (finished runs and evaluations are kept)", file=sys.stderr)
         return 130
     budget = (f"{args.steps} steps x {args.micro_batch * args.world_size} sequences x {args.seq_len} tokens per run "
-              f"(model {args.size} {' '.join(args.set)}), warm-up {args.warmup_ratio:g} of the steps, evaluated "
-              f"every {args.eval_every} steps")
-    extra = {"budget": budget, "data": data.to_json(), "top_token": top_token,
-             "wall_seconds_this_invocation": round(time.perf_counter() - started, 1),
-             "args": {k: v for k, v in vars(args).items()}}
-    result = write_study_report(study, args, [f"budget: {budget}", data.sst2_note], out, extra)
+              f"(model {args.size} {' '.join(args.set)})")
+    extra = {"wall_seconds_this_invocation": round(time.perf_counter() - started, 1), "args": dict(vars(args))}
+    result, = collect(study, out, per_task_dirs=False, notes=[f"model: {budget}", note], extra=extra)
     print(result["verdict"])
     print(f"wrote {result['paths']['json']} and {result['paths']['md']} ({time.perf_counter() - started:.0f}s)")
     return 0

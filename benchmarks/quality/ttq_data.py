@@ -17,13 +17,14 @@ is skipped, so a re-run costs nothing here.
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 import numpy as np
+
+from benchmarks.common.report import atomic_write
 
 #: A WikiText article heading: ` = Title = ` (sections are ` = = Section = = `).
 ARTICLE_HEADING = re.compile(r"^ = [^=].* = $")
@@ -43,13 +44,6 @@ class StudyData:
         return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def split_halves(text_file: Path, first: Path, second: Path) -> dict:
     """Write the first and second half of `text_file`'s articles (by bytes, cut at an article
     boundary; at a line boundary when there are fewer than two articles); returns the counts."""
@@ -62,8 +56,8 @@ def split_halves(text_file: Path, first: Path, second: Path) -> dict:
     sizes = np.cumsum([len(line.encode()) for line in lines])
     half = sizes[-1] / 2
     cut = min(starts[1:], key=lambda i: abs(sizes[i - 1] - half))  # an article start closest to the middle
-    _write_atomic(first, "".join(lines[:cut]))
-    _write_atomic(second, "".join(lines[cut:]))
+    atomic_write(first, "".join(lines[:cut]))
+    atomic_write(second, "".join(lines[cut:]))
     return {"source": str(text_file), "cut_line": cut, "units": len(starts),
             "by": "article" if len(starts) < len(lines) else "line"}
 
@@ -79,7 +73,7 @@ def build_text_shards(args, work: Path) -> tuple[Path, Path, Path]:
     halves = work / "heldout-text"
     if not (halves / "split.json").is_file():
         info = split_halves(Path(args.heldout), halves / "select.txt", halves / "report.txt")
-        _write_atomic(halves / "split.json", json.dumps(info, indent=1))
+        atomic_write(halves / "split.json", json.dumps(info, indent=1))
     dirs = {"train": (work / "shards-train", [str(p) for p in args.text]),
             "select": (work / "shards-heldout-select", [str(halves / "select.txt")]),
             "report": (work / "shards-heldout-report", [str(halves / "report.txt")])}
@@ -120,13 +114,7 @@ def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: in
     if not select.is_file():
         columns = [table.columns.index(c) for c in (*spec.text_cols, spec.label_col)]
         rows = [table.rows[rest[i]] for i in chosen]
-        _write_atomic(select, "\t".join((*spec.text_cols, spec.label_col)) + "\n"
+        atomic_write(select, "\t".join((*spec.text_cols, spec.label_col)) + "\n"
                       + "".join("\t".join(r[c] for c in columns) + "\n" for r in rows))
     return root, select, (f"SST-2 from {root}: fine-tuning on {n_train} train examples (subset seed {seed}), "
                           f"selection on {n_select} other train examples, dev reported, test scored once at the end")
-
-
-def prepare(args, work: Path) -> StudyData:
-    train, select, report = build_text_shards(args, work)
-    sst2, select_file, note = prepare_sst2(args.sst2, work, args.sst2_train, args.sst2_select, args.subset_seed)
-    return StudyData(train, select, report, sst2, select_file, note)

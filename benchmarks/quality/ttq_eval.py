@@ -32,20 +32,13 @@ evaluation it finished.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from benchmarks.common.report import write_json
 from pipeline.monitor.health import COLLAPSE_COSINE, mean_token_cosine
-
-
-def write_json(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
 
 
 def cached(path: Path, compute: Callable[[], dict]) -> dict:

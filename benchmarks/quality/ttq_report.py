@@ -165,7 +165,7 @@ def run_rows(study: dict) -> list[dict]:
 
 def signals_at_chance(train_health: dict) -> Optional[str]:
     """The learning signals not learned over the last 20% of a run's logged steps (`pipeline.monitor.signals`,
-    recorded by `ttq_study.train_run`): "none", the terms with value / reference, or None for a run
+    recorded by `benchmarks.study.units.run_record`): "none", the terms with value / reference, or None for a run
     recorded before they were."""
     signals = train_health.get("signals")
     if signals is None:

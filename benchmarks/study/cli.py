@@ -1,11 +1,13 @@
-"""`cpt-study plan|submit|status|collect STUDY.yaml`: the time-to-quality study on a SLURM cluster.
+"""`cpt-study plan|submit|run|status|collect STUDY.yaml`: the time-to-quality study, on a SLURM cluster or here.
 
     cpt-study plan    studies/bert-base.yaml   # jobs and estimated GPU-hours; submits nothing
     cpt-study submit  studies/bert-base.yaml   # the units whose result files are missing (again after a failure)
+    cpt-study run     studies/tiny.yaml        # the same units in this process (the local executor), then collect
     cpt-study status  studies/bert-base.yaml   # units done per phase, the study's jobs in the queue
     cpt-study collect studies/bert-base.yaml --out REPORT_DIR   # the CPU study's report, from the files alone
 
-The study file format: `benchmarks/study/spec.py`; the jobs: `benchmarks/study/jobs.py`;
+The study file format: `benchmarks/study/spec.py`; the units: `benchmarks/study/units.py`; the executors:
+`benchmarks/study/jobs.py` (SLURM) and `benchmarks/study/local.py` (here; the CPU study's flags run it too);
 docs/slurm.md#the-time-to-quality-study-on-slurm walks through a run on a cluster.
 """
 from __future__ import annotations
@@ -25,9 +27,9 @@ from benchmarks.study.spec import StudyError, load_study  # noqa: E402
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cpt-study", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("command", choices=("plan", "submit", "status", "collect"))
+    p.add_argument("command", choices=("plan", "submit", "run", "status", "collect"))
     p.add_argument("study", help="the study file (YAML)")
-    p.add_argument("--out", default="", help="collect: report directory (default: <work_dir>/report); "
+    p.add_argument("--out", default="", help="run, collect: report directory (default: <work_dir>/report); "
                    "plan: also write the plan as JSON here")
     return p
 
@@ -49,7 +51,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from benchmarks.study.jobs import submit_study
             from benchmarks.study.plan import format_plan, plan
 
-            print("\n".join(format_plan(plan(study)).splitlines()[-2:]), flush=True)  # what the whole study costs
+            print("\n".join(format_plan(plan(study)).splitlines()[-3:-1]), flush=True)  # what the whole study costs
             jobs = submit_study(study)
             print(f"submitted {len(jobs)} job(s); the driver job submits the seed phase when the sweep ends "
                   f"(`cpt-study status {args.study}`)")
@@ -58,8 +60,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             print("\n".join(status_lines(study)))
         else:
+            from benchmarks.common.stop_signal import sigterm_stops
+            from benchmarks.study.local import run_study
             from benchmarks.study.results import collect
 
+            if args.command == "run":
+                with sigterm_stops():  # `kill PID`: the running training checkpoints, a re-run resumes
+                    run_study(study)
             out = Path(args.out) if args.out else study.work / "report"
             for result in collect(study, out):
                 print(f"[{result['task'] or 'held-out only'}] {result['verdict']}")
@@ -67,6 +74,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except StudyError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("stopped: run the same command again to resume (finished units are kept)", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Submitting a study's units as SLURM jobs, only those whose result files are missing.
+"""The SLURM executor of a study: its units (`benchmarks.study.units`) as jobs, only those whose result
+files are missing (`benchmarks.study.local` is the other executor, over the same units and files).
 
 * one `slurm/pretrain.sbatch` job per (objective, lr, seed) (its preemption, requeue and
   resume from `checkpoints/latest`), unless the run is recorded or its final checkpoint complete;
@@ -15,17 +16,29 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.quality.ttq_study import RunKey
 from benchmarks.study.spec import Study, StudyError
-from benchmarks.study.units import point_done, pretrain_overrides, pretraining_done
+from benchmarks.study.units import RunKey, point_done, pretrain_overrides, pretraining_done
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _require(command: str) -> None:
+    """One line (exit 2) where SLURM is not installed here, not a FileNotFoundError."""
+    if shutil.which(command) is None:
+        raise StudyError(f"SLURM's commands are not on PATH ({command} not found): run submit and status on the "
+                         "cluster's login node, or `cpt-study run` to run the study here")
+
+
+def _slurm(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    _require(cmd[0])
+    return subprocess.run(cmd, capture_output=True, text=True, **kwargs)
 
 
 def _flags(study: Study, kind: str) -> list[str]:
@@ -41,7 +54,7 @@ def _flags(study: Study, kind: str) -> list[str]:
 def sbatch(study: Study, args: list[str], env: dict[str, str], kind: str, unit: str) -> str:
     """`sbatch --parsable ARGS` with `env` added; the job is recorded in `<work>/jobs.jsonl`."""
     run_env = dict(os.environ, CPT_ROOT=str(REPO_ROOT), PYTHON=os.environ.get("PYTHON", sys.executable), **env)
-    out = subprocess.run(["sbatch", "--parsable", *args], env=run_env, capture_output=True, text=True, cwd=REPO_ROOT)
+    out = _slurm(["sbatch", "--parsable", *args], env=run_env, cwd=REPO_ROOT)
     if out.returncode != 0:
         raise StudyError(f"sbatch for {kind} {unit} failed ({out.returncode}): {out.stderr.strip()}")
     job = out.stdout.strip().split(";")[0]
@@ -62,7 +75,7 @@ def queue_states(jobs: list[str]) -> dict[str, str]:
     if not jobs:
         return {}
     # every queued job, filtered here: `squeue -j` fails outright on an id the controller has forgotten
-    out = subprocess.run(["squeue", "-h", "-o", "%F %T"], capture_output=True, text=True)
+    out = _slurm(["squeue", "-h", "-o", "%F %T"])
     if out.returncode != 0:
         raise StudyError(f"squeue failed ({out.returncode}): {out.stderr.strip()}")
     states, ours = {}, set(jobs)
@@ -101,6 +114,7 @@ def submit_study(study: Study) -> list[str]:
     """`cpt-study submit`: the sweep's missing units and the driver job that continues after them."""
     from benchmarks.study.results import sweep_keys
 
+    _require("sbatch")  # before any directory is made or job queued
     queued = queue_states([j["job"] for j in registered(study)])
     if queued:
         raise StudyError(f"jobs of this study are still queued or running ({', '.join(f'{j} {s}' for j, s in queued.items())}); "

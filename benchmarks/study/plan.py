@@ -84,6 +84,7 @@ def plan(study: Study) -> dict[str, Any]:
             "eval_array_tasks": array_tasks, "driver": 1, "final": 1}
     return {"study": str(study.path), "world_size": study.world_size, "rows": rows, "jobs": jobs,
             "job_count": jobs["pretrain"] + jobs["eval_arrays"] + 2,
+            "data": {**{k: str(v) for k, v in study.shards.items()}, **{f"task {t.name}": str(t.dir) for t in study.tasks}},
             "pretrain_gpu_hours": total_pre / 3600.0, "finetune_gpu_hours": total_ft / 3600.0,
             "gpu_hours": (total_pre + total_ft) / 3600.0}
 
@@ -100,10 +101,11 @@ def format_plan(p: dict[str, Any]) -> str:
                  f"{j['eval_array_tasks']} tasks, 1 driver, 1 final)")
     lines.append(f"estimated GPU-hours: {p['gpu_hours']:.4g} (pretraining {p['pretrain_gpu_hours']:.4g}, "
                  f"fine-tuning {p['finetune_gpu_hours']:.3g}; queue time and held-out evaluation not counted)")
+    lines.append("data (as written; checked at submit): " + ", ".join(f"{k} {v}" for k, v in p["data"].items()))
     return "\n".join(lines)
 
 
 def write_plan(p: dict[str, Any], path: Path) -> None:
-    from benchmarks.quality.ttq_eval import write_json
+    from benchmarks.common.report import write_json
 
     write_json(path, p)

@@ -1,8 +1,8 @@
 """The study read back from its result files alone: the selection (`driver` job) and the report (`collect`).
 
-The records take the shape `benchmarks.quality.ttq_study.run_study` returns, so the report is
-`benchmarks.quality.ttq_report.write_study_report`, the CPU study's, once per downstream task
-(`<out>/<task>/`; `<out>/` alone without tasks): same tables, plots, intervals and health checks.
+Whichever executor ran the units, the report is `benchmarks.quality.ttq_report.write_study_report`, once
+per downstream task (`<out>/<task>/`; `<out>/` alone without tasks or with `per_task_dirs=False`): tables,
+plots, intervals and health checks.
 Its x-axis is the runs' measured device-hours (`train.json`: world size x the logged step times).
 """
 from __future__ import annotations
@@ -11,9 +11,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.quality.ttq_study import RunKey, select_lrs
 from benchmarks.study.spec import Study, StudyError, Task
-from benchmarks.study.units import final_files, point_files, with_floor
+from benchmarks.study.units import RunKey, final_files, point_files, select_lrs, with_floor
 
 
 class Missing(StudyError):
@@ -34,7 +33,7 @@ def _merge(parts: list[Optional[dict]]) -> Optional[dict]:
 
 
 def read_run(study: Study, key: RunKey, curves: bool, task: Optional[Task], missing: list[Path]) -> dict:
-    """One run as `ttq_study.evaluate_run` returns it, from its files (absent ones appended to `missing`)."""
+    """One run, from its files (absent ones appended to `missing`): {key, train, status, points, final}."""
     run_dir = key.directory(study.work)
     train = _read(run_dir / "train.json", missing) or {"status": "missing"}
     out = {"key": key, "train": train, "status": train["status"], "points": [], "final": None}
@@ -119,7 +118,8 @@ def cost_rows(study: Study) -> list[dict]:
     return rows
 
 
-def collect(study: Study, out: Path) -> list[dict]:
+def collect(study: Study, out: Path, per_task_dirs: bool = True, notes: list[str] | None = None,
+            extra: dict | None = None) -> list[dict]:
     """Every report of the study under `out`; returns each one's verdict and paths."""
     from benchmarks.quality.ttq_report import write_study_report
 
@@ -130,14 +130,15 @@ def collect(study: Study, out: Path) -> list[dict]:
         args = study.args("mlm", task)
         budget = (f"{study.budget} per run ({', '.join(f'{o}: {s} steps' for o, s in study.steps_of.items())}), "
                   f"warm-up {study.warmup_ratio:g} of the steps, evaluated every {study.eval_every} steps")
-        notes = [f"budget: {budget}",
-                 f"SLURM study {study.name} ({study.path}); downstream task: {task.name if task else 'none'} "
-                 "(its columns keep the CPU study's sst2_* names)",
-                 "device_hours = GPU-hours measured by each run: world size x its logged step times, each step "
-                 "once (a preempted run's redone steps replace the dropped records), no queue or evaluation time"]
-        extra = {"budget": budget, "study": str(study.path), "task": task.name if task else None,
-                 "gpu_seconds": costs, "total_gpu_hours": sum(r["gpu_hours"] for r in costs)}
-        target = out / task.name if task else out
-        result = write_study_report(records, args, notes, target, extra)
+        task_notes = [f"budget: {budget}",
+                      f"study {study.name} ({study.path}); downstream task: {task.name if task else 'none'} "
+                      "(its columns keep the sst2_* names)",
+                      "device_hours = GPU-hours measured by each run: world size x its logged step times, each step "
+                      "once (a preempted run's redone steps replace the dropped records), no queue or evaluation time",
+                      *(notes or [])]
+        payload = {"budget": budget, "study": str(study.path), "task": task.name if task else None,
+                   "gpu_seconds": costs, "total_gpu_hours": sum(r["gpu_hours"] for r in costs), **(extra or {})}
+        target = out / task.name if task and per_task_dirs else out
+        result = write_study_report(records, args, task_notes, target, payload)
         results.append({"task": task.name if task else None, **result})
     return results

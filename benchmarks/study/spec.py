@@ -25,8 +25,9 @@ A YAML file (see `studies/tiny.yaml`, `studies/bert-base.yaml` and docs/slurm.md
     cost: {mfu: 0.4, device: H100, tokens_per_s: {mlm: 250000}, flops_factor: {cocolm: 1.33}}
     keep_checkpoints: true                # false: the final job deletes converted runs' DeepSpeed checkpoints
 
-`${VAR}` in a path is expanded from the environment (the tiny study names its data that way).
-Every error names the file and the field, before anything is submitted.
+`${VAR}` in a path is expanded from the environment (the tiny study names its data that way); `plan`
+needs no data and keeps a path whose variable is unset as written, `submit` and `run` refuse it.
+Every error is one line naming the file and the field, before anything is submitted.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ from typing import Any, Optional
 
 import yaml
 
-#: pipeline.train keys the study sets per run (an objective override of one would defeat the sweep).
+#: pipeline.train keys the study sets per run (an objective override of one would defeat the sweep): the one
+#: owner list, for study files and for the CPU study's `--set` (whose flags own the model size and batch too).
 STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_steps", "train.checkpoint_every",
                "train.output_dir", "train.resume", "data.shards_dir", "train.log_every", "train.keep_last")
 TOP_KEYS = {"name", "work_dir", "objectives", "seeds", "lrs", "warmup_ratio", "budget", "eval_every", "shards",
@@ -121,9 +123,23 @@ def _need(raw: dict, key: str, where: str, kind: type | tuple[type, ...]) -> Any
     return value
 
 
-def _path(value: Any, base: Path, where: str) -> Path:
+def _numbers(raw: dict, key: str, where: str, kind: type) -> list:
+    """`raw[key]` as a list of `kind` (int or float), or one line naming the field."""
+    values = _need(raw, key, where, list)
+    try:
+        if kind is int and any(isinstance(v, float) and not v.is_integer() or isinstance(v, bool) for v in values):
+            raise ValueError
+        return [kind(v) for v in values]
+    except (TypeError, ValueError):
+        raise StudyError(f"{where}: {key}: expected a list of {'integers' if kind is int else 'numbers'}, "
+                         f"got {values!r}") from None
+
+
+def _path(value: Any, base: Path, where: str, strict: bool = True) -> Path:
     text = os.path.expandvars(str(value))
     if "$" in text:
+        if not strict:  # plan: the path as written, checked at submit
+            return Path(str(value))
         raise StudyError(f"{where}: {value!r} names an environment variable that is not set")
     p = Path(text).expanduser()
     return p if p.is_absolute() else (base / p).resolve()
@@ -137,7 +153,10 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise StudyError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise StudyError(f"{path}: not valid YAML{at}: {what}") from None
     if not isinstance(raw, dict):
         raise StudyError(f"{path}: expected a mapping of fields")
     where, base = str(path), path.resolve().parent
@@ -167,10 +186,10 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
         objectives[str(name)] = Objective(str(name), str(spec["preset"]), tuple(overrides))
     if "mlm" not in objectives:
         raise StudyError(f"{where}: objectives: needs 'mlm', the baseline every objective is measured against")
-    seeds = [int(s) for s in _need(raw, "seeds", where, list)]
+    seeds = _numbers(raw, "seeds", where, int)
     if not seeds or len(set(seeds)) != len(seeds):
         raise StudyError(f"{where}: seeds: give distinct pretraining seeds")
-    lrs = sorted({float(x) for x in _need(raw, "lrs", where, list)})
+    lrs = sorted(set(_numbers(raw, "lrs", where, float)))
     if not lrs or any(lr <= 0 for lr in lrs):
         raise StudyError(f"{where}: lrs: give positive learning rates")
     budget = _need(raw, "budget", where, dict)
@@ -183,7 +202,8 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
     shards_raw = _need(raw, "shards", where, dict)
     shards = {}
     for key in ("train", "heldout_select", "heldout_report"):
-        shards[key] = _path(_need(shards_raw, key, f"{where}: shards", (str, Path)), base, f"{where}: shards.{key}")
+        shards[key] = _path(_need(shards_raw, key, f"{where}: shards", (str, Path)), base, f"{where}: shards.{key}",
+                            check_data)
     tasks = []
     from pipeline.eval.glue import GLUE_TASKS
 
@@ -193,13 +213,22 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
         if name not in GLUE_TASKS or "accuracy" not in GLUE_TASKS[name].metrics:
             raise StudyError(f"{w}.name: {name!r}: give a GLUE classification task "
                              f"({', '.join(k for k, s in GLUE_TASKS.items() if 'accuracy' in s.metrics)})")
-        tasks.append(Task(name, _path(_need(t, "dir", w, str), base, f"{w}.dir"), int(t.get("train_examples", 4000)),
+        tasks.append(Task(name, _path(_need(t, "dir", w, str), base, f"{w}.dir", check_data), int(t.get("train_examples", 4000)),
                           int(t.get("select_examples", 2000))))
     if len({t.name for t in tasks}) != len(tasks):
         raise StudyError(f"{where}: tasks: each task once")
-    finetune = {"seeds": [1, 2, 3], "lr": 1e-4, "epochs": 3, **(raw.get("finetune") or {})}
+    ft_raw = raw.get("finetune") or {}
+    if not isinstance(ft_raw, dict):
+        raise StudyError(f"{where}: finetune: expected {{seeds: [..], lr: X, epochs: N}}, got {ft_raw!r}")
+    finetune = {"seeds": [1, 2, 3], "lr": 1e-4, "epochs": 3, **ft_raw}
+    finetune["seeds"] = _numbers(finetune, "seeds", f"{where}: finetune", int)
+    try:
+        finetune["lr"], finetune["epochs"] = float(finetune["lr"]), int(finetune["epochs"])
+    except (TypeError, ValueError):
+        raise StudyError(f"{where}: finetune: lr and epochs must be numbers, got {finetune['lr']!r}, "
+                         f"{finetune['epochs']!r}") from None
     study = Study(path=path.resolve(), name=str(raw.get("name", path.stem)),
-                  work=_path(raw.get("work_dir", f"study-{path.stem}"), base, f"{where}: work_dir"),
+                  work=_path(raw.get("work_dir", f"study-{path.stem}"), base, f"{where}: work_dir", check_data),
                   objectives=objectives, seeds=seeds, lrs=lrs, warmup_ratio=warmup,
                   budget={k: int(v) for k, v in budget.items()}, eval_every=eval_every, shards=shards, tasks=tasks,
                   finetune=finetune, eval_sequences=int(raw.get("eval_sequences", 512)),
@@ -237,6 +266,10 @@ def resolve_steps(study: Study) -> None:
             steps = study.budget["steps"]
         else:
             cfg = run_config(study, name)
+            if not cfg.data.seq_len:
+                raise StudyError(f"{study.path}: budget.tokens: preset {study.objectives[name].preset!r} of {name} "
+                                 "sets no data.seq_len (it takes the shards'); give budget: {steps: N}, or "
+                                 "data.seq_len=N in objectives." + name + ".overrides")
             steps = math.ceil(study.budget["tokens"] / (cfg.data.global_batch_size * cfg.data.seq_len))
         if not 1 <= study.eval_every <= steps:
             raise StudyError(f"{study.path}: eval_every: {study.eval_every} must be in [1, {steps}] "

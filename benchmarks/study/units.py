@@ -1,10 +1,31 @@
-"""The units of a SLURM study, each run inside a job and each leaving its result files.
+"""The units of the time-to-quality study, each leaving its result files; both executors run them.
 
-The CPU study's units (`benchmarks.quality.ttq_study`: `heldout_at`, `downstream_at`,
-`run_record`, `select_lrs`) are used as they are; what differs is who trains (a
-`slurm/pretrain.sbatch` job per run) and who evaluates (one array task per evaluation point).
+The study walks sweep -> selection -> seeds -> final over these units: a pretraining run per
+(objective, lr, seed) (`pretrain_overrides`, recorded by `train_record`), one evaluation per
+checkpoint (`eval_point`: conversion, held-out metrics, fine-tuning on each task), the learning-rate
+selection (`select_lrs`, on a selection split only) and the test splits once (`final_test`). Who
+runs them is the executor's business: `benchmarks.study.local` (in this process; the CPU study and
+`cpt-study run`) or `benchmarks.study.jobs` (SLURM jobs; `cpt-study submit`).
 
-Layout under the study's work dir (the CPU study's, so a unit is "done" when its file exists):
+Order of work (each unit leaves a JSON file; a re-run skips every unit whose file exists, and an
+interrupted training run resumes from its last checkpoint through `pipeline.train`'s own exact resume):
+
+1. **sweep**: every objective (MLM included) trains once per learning rate with the first seed;
+   every checkpoint gets the held-out masked-LM metrics; the final one is fine-tuned on each task;
+2. **selection** (`select_lrs`): per objective, the learning rate with the best *selection* metric
+   at the final checkpoint: the first task's accuracy on its selection split (train examples never
+   fine-tuned on; ties broken by the next item), or, without tasks, the masked-LM loss on the
+   `heldout-select` half. The reported numbers (dev and test, the `heldout-report` half) never take part;
+3. **seeds**: the remaining seeds at the selected learning rate; every checkpoint of every selected
+   run is fine-tuned (the downstream curves);
+4. **final**: the final checkpoint of every selected run is fine-tuned once more with `test.tsv`
+   scored (the only time it is), and once, beside MLM's first seed, the randomly initialised model
+   of the same shape (the floor).
+
+A training run that the non-finite guard stops (exit 3) is recorded as failed and the study goes on
+(such a learning rate cannot be selected).
+
+Layout under the study's work dir (a unit is "done" when its file exists):
 
     runs/<objective>/lr_<lr>/seed_<seed>/   the pretraining run (checkpoints/, metrics.jsonl, logs/)
         train.json                          GPU-seconds and health from the run's own metrics (`train_record`)
@@ -17,13 +38,128 @@ Layout under the study's work dir (the CPU study's, so a unit is "done" when its
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from benchmarks.quality.ttq_data import StudyData, prepare_sst2
-from benchmarks.quality.ttq_eval import cached, convert_once, top_token_of, write_json
-from benchmarks.quality.ttq_study import EXIT_NONFINITE, RunKey, downstream_at, heldout_at, run_record
+from benchmarks.quality.ttq_eval import cached, convert_once, finetune_sst2, heldout_metrics, merge_finetune_summaries
+from benchmarks.common.report import write_json
+from benchmarks.quality.ttq_eval import top_token_of
 from benchmarks.study.spec import Study, StudyError, Task
+
+#: pipeline.train exit code of the non-finite loss guard (a run that diverged: recorded, not fatal).
+EXIT_NONFINITE = 3
+
+
+@dataclass(frozen=True)
+class RunKey:
+    objective: str
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.objective}/lr{self.lr:g}/seed{self.seed}"
+
+    def directory(self, work: Path) -> Path:
+        return work / "runs" / self.objective / f"lr_{self.lr:g}" / f"seed_{self.seed}"
+
+
+def cumulative_hours(records: list[dict], world_size: int) -> dict[int, float]:
+    """step -> device-hours of training steps up to it (each logged step's time x world size).
+
+    Needs `train.log_every=1` (every step logged), which the study sets."""
+    hours, total = {}, 0.0
+    for r in sorted(records, key=lambda r: r["step"]):
+        total += r["step_time_s"] * world_size / 3600.0
+        hours[r["step"]] = total
+    return hours
+
+
+def run_record(key: RunKey, records: list[dict], steps: list[int], world_size: int) -> dict:
+    """A finished run's `train.json`: its evaluation steps, the device-hours of the training steps up
+    to each (`cumulative_hours`; `gpu_seconds` the same in seconds), and its training health.
+    `pipeline.train` truncates `metrics.jsonl` to the checkpoint it resumes from, so a step redone after
+    a preemption is logged, and counted, once (`counted_steps`)."""
+    from pipeline.monitor.signals import final_signals
+
+    hours = cumulative_hours(records, world_size)
+    last = records[-1] if records else {}
+    return {
+        "run": key.name, "status": "ok", "steps": steps,
+        "device_hours": {str(s): hours[s] for s in steps},
+        "gpu_seconds": {str(s): hours[s] * 3600.0 for s in steps},
+        "counted_steps": len({r["step"] for r in records}), "world_size": world_size,
+        "train_health": {
+            "token_cosine": last.get("health/token_cosine"),
+            "positive_cosines": {k: v for k, v in last.items() if k.endswith("positive_cosine")},
+            "collapsed_steps": sum(1 for r in records if r.get("health/collapsed")),
+            "logged_steps": len(records),
+            # each learning signal against its chance level over the last 20% of the logged steps
+            "signals": [s.to_dict() for s in final_signals(records)],
+        },
+        "final_train_loss": last.get("loss"),
+    }
+
+
+def heldout_at(key: RunKey, step: int, data: StudyData, top_token: int, args, work: Path) -> dict:
+    hf = key.directory(work) / "hf" / f"step_{step}"
+    return cached(key.directory(work) / "eval" / f"heldout_step_{step}.json", lambda: {
+        split: heldout_metrics(hf, shards, top_token, args.eval_sequences)
+        for split, shards in (("select", data.select_shards), ("report", data.report_shards))})
+
+
+def downstream_at(key: RunKey, step: int, data: StudyData, args, work: Path, final_test: bool = False,
+                  random_init: bool = False, task: Optional[str] = None) -> Optional[dict]:
+    """SST-2 at one checkpoint (dev + selection split; `final_test`: test as well, in its own files),
+    one cached fine-tuning per `--finetune-seeds` seed (`downstream/<point>/seed_<s>.json`), merged
+    in the order given: adding fine-tuning seeds to a study fine-tunes only the new ones.
+    `task`: another GLUE task in `data.sst2_dir` (the SLURM study's), under `downstream/<task>/`."""
+    if data.sst2_dir is None:
+        return None
+    run_dir = key.directory(work)
+    point = run_dir / "downstream" / (task or "") / ("final_test" if final_test else f"step_{step}")
+
+    def one_seed(seed: int) -> dict:
+        return cached(point / f"seed_{seed}.json", lambda: finetune_sst2(
+            run_dir / "hf" / f"step_{step}", data.sst2_dir, data.select_file, args,
+            point / f"seed_{seed}.finetune.json", [seed], with_test=final_test, random_init=random_init,
+            task=task or "sst2"))
+
+    return merge_finetune_summaries([one_seed(seed) for seed in args.finetune_seeds])
+
+
+#: selection metric -> (where it is read from a run record, higher is better)
+SELECTION_METRICS = {"sst2_select_accuracy": True, "heldout_select_mlm_loss": False}
+
+
+def selection_value(record: dict, metric: str) -> Optional[float]:
+    """The selection metric of a run record (`evaluate_run`'s output) at its final checkpoint."""
+    final = record.get("final") or {}
+    if metric == "sst2_select_accuracy":
+        return ((final.get("downstream") or {}).get("pretrained", {}).get("select") or {}).get("mean")
+    return ((final.get("heldout") or {}).get("select") or {}).get("mlm_loss")
+
+
+def select_lrs(sweep: dict[str, dict[float, dict]], metric: str) -> dict[str, dict]:
+    """Per objective, the learning rate whose final checkpoint is best on `metric` (a *selection*
+    split: never a reported one); ties go to the smaller rate; failed runs are not candidates."""
+    higher = SELECTION_METRICS[metric]
+    chosen = {}
+    for objective, by_lr in sweep.items():
+        values = {lr: selection_value(rec, metric) for lr, rec in by_lr.items() if rec.get("status") == "ok"}
+        values = {lr: v for lr, v in values.items() if v is not None}
+        if not values:
+            chosen[objective] = {"lr": None, "metric": metric, "values": {}, "note": "no run finished"}
+            continue
+        # ties (e.g. every rate fine-tunes to the majority class) go to the lower loss on the held-out
+        # selection half (also never reported), then to the smaller rate
+        tiebreak = {lr: selection_value(by_lr[lr], "heldout_select_mlm_loss") for lr in values}
+        best = max(values, key=lambda lr: ((values[lr] if higher else -values[lr]),
+                                           -(tiebreak[lr] if tiebreak[lr] is not None else float("inf")), -lr))
+        chosen[objective] = {"lr": best, "metric": metric, "values": {f"{lr:g}": v for lr, v in sorted(values.items())}}
+    return chosen
 
 
 def parse_run(name: str) -> RunKey:
@@ -130,12 +266,15 @@ def point_done(study: Study, key: RunKey, step: int, curves: bool) -> bool:
     return all(p.is_file() for p in point_files(study, key, step, curves))
 
 
-def eval_point(study: Study, key: RunKey, step: int, curves: bool) -> None:
-    """One array task: record the run, convert the checkpoint, held-out metrics, fine-tune each task."""
+def eval_point(study: Study, key: RunKey, step: int, curves: bool) -> Optional[dict]:
+    """The evaluation of one checkpoint (a SLURM array task, or a step of the local executor): record the
+    run, convert the checkpoint, held-out metrics, fine-tune each task. A metric added to the study is
+    computed here (and cached in its own file under the run, listed by `point_files`). Returns the held-out
+    metrics ({"select": ..., "report": ...}), None for a run that failed."""
     record = train_record(study, key)
     if record["status"] != "ok":
         print(f"[{key.name}] {record['status']}: {record['error']}: nothing to evaluate", flush=True)
-        return
+        return None
     run_dir = key.directory(study.work)
     hf = run_dir / "hf" / f"step_{step}"
     if not (hf / "config.json").is_file():
@@ -147,6 +286,7 @@ def eval_point(study: Study, key: RunKey, step: int, curves: bool) -> None:
             result = downstream_at(key, step, study_data(study, task), study.args(key.objective, task), study.work,
                                    task=task.name)
             print(f"[{key.name}] step {step}: {task.name} dev {result['pretrained']['dev']['mean']:.4f}", flush=True)
+    return held
 
 
 def final_files(study: Study, key: RunKey) -> list[Path]:

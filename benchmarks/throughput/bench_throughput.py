@@ -1,56 +1,17 @@
 """Throughput of every objective against MLM: tokens/s, step time, MFU, peak memory, overhead ratio.
 
-For each objective x encoder family x model size x sequence length x ZeRO stage x precision, this runs the real
-training command (`python -m pipeline.train`, DeepSpeed engine, the objective's `tiny-<objective>`
-preset for the objective weights) for `--warmup + --steps` steps in a fresh process, then reads
-its `metrics.jsonl`: step time, tokens/s, MFU (from `pipeline.train.metrics`' FLOP counter) and peak
-memory are the training loop's own measurements, taken over the steps after the warm-up. A fresh
-process per configuration keeps peak memory per configuration and lets one failure (say, out of
-memory) be recorded while the sweep goes on. MLM is measured in the same invocation, so
-`overhead_vs_mlm = step time / MLM's step time` compares runs taken side by side.
+Each configuration (objective x encoder family x size x length x ZeRO stage x precision x micro-batch)
+is one real `python -m pipeline.train` run in a fresh process (its `tiny-<objective>` preset, the
+requested size); step time, tokens/s, MFU and peak memory are the training loop's own `metrics.jsonl`
+after `--warmup` steps, and MLM runs in the same invocation, so `overhead_vs_mlm` compares runs
+taken side by side. A failed configuration (say, out of memory) is recorded and the sweep goes on.
+Every flag, the ratios (`vs_hf_bert`, `tokens_vs_bert`, `mfu_vs_bert`), the MFU formula and the
+targets: benchmarks/README.md#throughput-bench_throughputpy (one home for the prose).
 
     python benchmarks/throughput/bench_throughput.py --objectives mlm,taco,capt,cocolm,infoword --sizes tiny \\
         --seq-lens 128 --zero 1 --precision fp32 --steps 10 --out benchmarks/results/cpu
     python benchmarks/throughput/bench_throughput.py --sizes large --seq-lens 128,512 --precision bf16 \\
         --micro-batch 32 --options paper --out results/h100            # one GPU, synthetic data
-
-Data: `--shards DIR` (repeatable; one directory per sequence length, e.g. built by
-`data_prep.build_shards`), otherwise synthetic shards (`benchmarks/data/synthetic_shards.py`,
-vocabulary `--vocab-size`) written under `<out>/data/` - speed does not depend on token values.
-
-Objective options: `--options tiny` keeps the tiny presets' small settings (TACO 8 negatives,
-CAPT queue 64, ...: quick CPU runs); `--options paper` uses the objective options of each
-objective's paper preset (`taco-small`, `capt-small`, `cocolm-base`/`-large`, `infoword-base`).
-`--set key=value` adds any training override to every run.
-
-Gradient accumulation: every run takes `--grad-accum` micro-batches per optimizer step, by default
-the presets' (`preset`: what the `tiny-<objective>` presets the runs load take on one rank, 2 today;
-the presets must agree, since `overhead_vs_mlm` compares equal steps), so the optimizer steps as
-often as in the presets' training, not every micro-batch. `--grad-accum N` sets it, e.g. a paper
-preset's on one GPU (16 for capt-small, 256 for capt-large: `plan_batches(load_config(p).data, 1)`).
-
-Multi-rank / multi-node (the SLURM sweep, `slurm/bench.sbatch`): `--launcher` replaces `python`
-in the training command, e.g. `--launcher "torchrun --nproc_per_node 2"` or
-`--launcher "srun --ntasks-per-node 8 slurm/run_rank.sh LOGDIR python3"`; `--world-size` (default
-`$SLURM_NTASKS` or 1) sets the global batch to micro x accumulation x world size (weak scaling: the
-accumulation does not depend on the world size), `--nodes`
-(default `$SLURM_JOB_NUM_NODES` or 1) is recorded for `benchmarks/throughput/scaling.py`, which turns the
-JSON files of several node counts into scaling efficiency.
-
-Encoder families: `--archs bert,modernbert` runs every configuration for each family
-(`model.arch`); `--sizes` names each family's size presets, a plain name for every listed family
-that has it, `family:size` for one family only (`--archs bert,modernbert --sizes
-capt-small,small`, or `bert:large,modernbert:large-24` on a GPU). Every ModernBERT row with a BERT
-row of the same shape (`bert_partner_size`: equal layers, hidden size and heads; capt-small <->
-small, large <-> large-24) and the same objective, length, ZeRO stage, precision and micro-batch
-gets `tokens_vs_bert` = its tokens/s / the BERT row's and `mfu_vs_bert` likewise
-(`add_arch_ratios`); a row without such a partner gets none.
-
-Hugging Face baseline: `--hf-baseline` adds, per size x length x precision x micro-batch, a row
-`hf-bert`: `transformers.BertForMaskedLM` with SDPA attention in a plain torch loop with fused
-AdamW, on the same shards, micro-batches, accumulation and precision (`benchmarks/throughput/hf_baseline.py`, one rank).
-Every BERT row then gets `vs_hf_bert` = its tokens/s / hf-bert's tokens/s, printed with the
-MFU formula (`MFU_FORMULA`, each family's) next to the table.
 
 Output: `<out>/throughput.json`, `throughput.md` and PNG bar charts (tokens/s, overhead vs MLM,
 and MFU when measured), with hardware and library versions.
@@ -75,17 +36,11 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable f
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.common.report import bar_chart, write_report  # noqa: E402
+from benchmarks.common.runs import (MFU_FORMULA, add_arch_ratios, family_sizes, last_error_line,  # noqa: E402
+                                   parse_list, quiet_overrides)
 
 OPTIONS_MODES = ("tiny", "paper")
 HF_ROW = "hf-bert"
-#: How MFU is computed, per family: what the training loop's FLOP counter adds up (`pipeline.train.metrics`
-#: for BERT, `ModernBertLayerStack.pass_flops` for ModernBERT); the hf-bert row applies BERT's to the same model.
-MFU_FORMULA = ("MFU = FLOPs / (step time x devices x peak); FLOPs per micro-batch = 3 [n_layers (2 B s (4 h^2 + 2 h f) "
-               "+ 4 B s^2 h) + 2 N h^2 + 2 N h V] for BERT, 3 [sum_l (2 T (4 h^2 + 3 h f) + 4 h P_l) + 2 N h^2 + 2 N h V] "
-               "for ModernBERT (T tokens processed; 3 h f: GeGLU's W_i maps h to 2f; P_l = sum_b s_b^2 in global layers, "
-               "sum_b window_pairs(s_b, w) in local ones, w = local_attention / 2, window_pairs(s, w) = s (2w + 1) - "
-               "w (w + 1) for s > w, else s^2) (Megatron-style; MLM head on the N predicted rows only; "
-               "backward = 2x forward; every extra encoder pass of an objective counted the same way)")
 
 
 @dataclass(frozen=True)
@@ -106,17 +61,6 @@ class BenchCase:
         return f"{family}{self.objective}-{self.preset}-L{self.seq_len}-z{self.zero}-{self.precision}-mb{self.micro_batch}"
 
 
-def parse_list(text: str, kind: type = str) -> list:
-    """`"a,b"` -> `["a", "b"]` (converted with `kind`); a clear error names the bad item."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
-        raise ValueError(f"empty list {text!r}")
-    try:
-        return [kind(t) for t in items]
-    except ValueError as err:
-        raise ValueError(f"{text!r}: {err}") from err
-
-
 def train_overrides(case: BenchCase, shards_dir: Path, run_dir: Path, steps: int, world_size: int,
                     options: str, extra: Sequence[str], num_workers: int = 0, grad_accum: int = 1) -> list[str]:
     """Dotted overrides of `pipeline.train` for one case (on top of the `tiny-<objective>` preset):
@@ -127,9 +71,7 @@ def train_overrides(case: BenchCase, shards_dir: Path, run_dir: Path, steps: int
         f"data.micro_batch_size={case.micro_batch}",
         f"data.global_batch_size={case.micro_batch * grad_accum * world_size}",
         f"deepspeed.config=zero{case.zero}", f"deepspeed.precision={case.precision}",
-        f"train.total_steps={steps}", "train.log_every=1", f"train.checkpoint_every={steps}",
-        "train.keep_last=1", "train.resume=never", "train.tensorboard=false", "train.progress_bar=false",
-        f"train.output_dir={run_dir}", f"data.num_workers={num_workers}",
+        *quiet_overrides(run_dir, steps), f"data.num_workers={num_workers}",
     ]
     if options == "paper":
         overrides.append(f"objective_options={json.dumps(paper_objective_options(case.objective, case.preset))}")
@@ -227,63 +169,6 @@ def add_hf_ratios(rows: list[dict]) -> list[str]:
                          f" z{row['zero']}: {row['tokens_per_s']:.0f} / {ref:.0f} tokens/s = "
                          f"{row['vs_hf_bert']:.2f}x {HF_ROW}")
     return lines
-
-
-def family_sizes(arch: str) -> dict[str, dict[str, int]]:
-    """Size presets of a family (`ModelConfig.size_presets`: the model config's own dispatch)."""
-    from pipeline.model.config import ModelConfig
-
-    return ModelConfig(arch=arch).size_presets()
-
-
-def bert_partner_size(arch: str, size: str) -> Optional[str]:
-    """The BERT size preset of the same shape (layers, hidden size, heads) as `arch`'s `size`, or None:
-    ModernBERT `small` <-> BERT `capt-small` (6 x 256 x 4), `large-24` <-> `large` (24 x 1024 x 16). The
-    MLP differs by design (GeGLU against a GELU FFN), so it is not part of the shape compared."""
-    shape = ("num_layers", "hidden_size", "num_heads")
-    mine = family_sizes(arch).get(size)
-    if mine is None:
-        return None
-    return next((name for name, other in family_sizes("bert").items()
-                 if all(other[k] == mine[k] for k in shape)), None)
-
-
-#: What an architecture ratio holds fixed besides the objective and the paired size (bench_throughput's rows).
-ARCH_MATCH = ("seq_len", "zero", "precision", "micro_batch")
-
-
-def add_arch_ratios(rows: list[dict], name: str = "objective", size: str = "preset",
-                    match: Sequence[str] = ARCH_MATCH) -> list[str]:
-    """`tokens_vs_bert` = a non-BERT row's tokens/s / the tokens/s of the BERT row with the same `name`
-    (objective), the paired size (`bert_partner_size`) and the same `match` fields; `mfu_vs_bert` the
-    same with MFU. A row without such a partner (no BERT row of its shape, or the partner failed) gets
-    None, never a ratio to another configuration. BERT rows get None. Returns one printable line per ratio."""
-    def key(row: dict, row_size: Optional[str]) -> tuple:
-        return (row.get(name), row_size) + tuple(row.get(k) for k in match)
-
-    bert = {key(r, r.get(size)): r for r in rows if r.get("arch", "bert") == "bert" and r.get("tokens_per_s")}
-    lines = []
-    for row in rows:
-        arch = row.get("arch", "bert")
-        partner = None if arch == "bert" else bert.get(key(row, bert_partner_size(arch, row.get(size))))
-        ours = row.get("tokens_per_s")
-        row["tokens_vs_bert"] = ours / partner["tokens_per_s"] if partner and ours else None
-        row["mfu_vs_bert"] = row["mfu"] / partner["mfu"] if partner and row.get("mfu") and partner.get("mfu") else None
-        if row["tokens_vs_bert"] is not None:
-            lines.append(f"{arch} {row.get(name)} {row.get(size)} vs bert {partner.get(size)} "
-                         + " ".join(f"{k}={row.get(k)}" for k in match)
-                         + f": {ours:.0f} / {partner['tokens_per_s']:.0f} tokens/s = {row['tokens_vs_bert']:.3f}x"
-                         + (f", MFU {row['mfu_vs_bert']:.3f}x" if row["mfu_vs_bert"] is not None else ""))
-    return lines
-
-
-def last_error_line(log_text: str) -> str:
-    """The most telling line of a failed run's log (an `error:` line, else the last exception line)."""
-    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ln.startswith("error:") or "Error" in ln.split(":")[0]:
-            return ln[:300]
-    return lines[-1][:300] if lines else "no output"
 
 
 def run_case(case: BenchCase, shards_dir: Path, work_dir: Path, args: argparse.Namespace) -> dict:

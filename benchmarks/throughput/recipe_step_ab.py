@@ -59,12 +59,13 @@ def worker(tree: Path, argv: list[str]) -> int:
 
 
 def run_once(tree: Path, recipe: str, shards: Path, steps: int, warmup: int, extra: Sequence[str]) -> float:
-    """Median `step_time_s` (CPU seconds) of steps warmup+1 .. steps of one training process in `tree`."""
+    """Median `step_time_s` (CPU seconds) of steps warmup+1 .. steps of one training process in `tree`
+    (the loop's own step, timed by the loop)."""
+    from benchmarks.common.runs import quiet_overrides  # here, not at the top: the worker imports only the tree's code
+
     with tempfile.TemporaryDirectory(prefix="recipe_ab_") as tmp:
         out = Path(tmp) / "run"
-        train_args = ["--config", recipe, f"data.shards_dir={shards}", f"train.output_dir={out}",
-                      f"train.total_steps={steps}", "train.log_every=1", f"train.checkpoint_every={steps}",
-                      "train.progress_bar=false", "train.tensorboard=false", *extra]
+        train_args = ["--config", recipe, f"data.shards_dir={shards}", *quiet_overrides(out, steps), *extra]
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(tree), "--", *train_args]
         env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -6,16 +6,13 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.common.runs import MFU_FORMULA, add_arch_ratios, bert_partner_size, last_error_line
 from benchmarks.throughput.bench_throughput import (
-    MFU_FORMULA,
     BenchCase,
-    add_arch_ratios,
     add_hf_ratios,
     add_overhead_ratios,
     arch_sizes,
-    bert_partner_size,
     cases,
-    last_error_line,
     main,
     paper_objective_options,
     parse_args,

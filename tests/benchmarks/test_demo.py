@@ -87,32 +87,3 @@ def test_a_user_corpus_too_small_to_hold_out_is_trained_on_whole(tmp_path: Path)
     stats = build_demo_corpus(tmp_path / "c.txt", [tmp_path / "a.txt"], heldout_path=tmp_path / "h.txt")
     assert stats.heldout is None and stats.documents == 1 and not (tmp_path / "h.txt").exists()
 
-
-@pytest.mark.timeout(300)
-def test_demo_health_measures_the_real_demo_and_reuses_finished_objectives(tmp_path: Path, monkeypatch) -> None:
-    from benchmarks.health.demo_health import main as health_main
-
-    monkeypatch.chdir(REPO)
-    monkeypatch.setenv("PYTHONPATH", str(REPO))
-    corpus = tmp_path / "texts"
-    corpus.mkdir()
-    (corpus / "a.txt").write_text("\n\n".join(f"The river number {i} flows past the old mill near the hills."
-                                             for i in range(300)))
-    heldout = tmp_path / "heldout.txt"
-    heldout.write_text("\n\n".join(f"A boat number {i} sails past the old mill and the river." for i in range(200)))
-    argv = ["--heldout", str(heldout), "--objectives", "mlm", "--steps", "2", "--eval-sequences", "16",
-            "--demo-args", f"--corpus {corpus} --vocab-size 200 --seq-len 32", "--work", str(tmp_path / "work"),
-            "--out", str(tmp_path / "report")]
-    assert health_main(argv) == 0
-    row = json.loads((tmp_path / "report" / "demo_health.json").read_text())["rows"][0]
-    assert row["objective"] == "mlm" and row["steps"] == 2 and row["logged_steps"] >= 1
-    assert -1.0 <= row["heldout_token_cosine"] <= 1.0 and row["collapsed"] == (row["heldout_token_cosine"] > 0.9)
-    assert row["acc_minus_unigram"] == pytest.approx(row["heldout_mlm_acc"] - row["unigram_acc"])
-    assert row["seed"] == 1234  # the demo's own default seed
-    assert row["train_signals_learned"].endswith("/3")  # mlm/accuracy, mlm/loss and the token cosine, judged
-    assert isinstance(row["train_signals_at_chance"], str)
-    demo_json = tmp_path / "work" / "seed_1234" / "mlm" / SUMMARY_FILE
-    stamp = demo_json.stat().st_mtime_ns
-    assert health_main(argv) == 0 and demo_json.stat().st_mtime_ns == stamp  # finished: not re-run
-    assert health_main([*argv[:2], "--objectives", "nope", *argv[4:]]) == 2
-    assert health_main([*argv, "--seeds", "1,x"]) == 2

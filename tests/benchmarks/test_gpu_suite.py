@@ -107,6 +107,9 @@ def test_plan_prints_the_commands_and_what_to_prepare_without_failing(tmp_path):
     assert "--stage headline --out $OUT" in proc.stdout and "--stage more --out $OUT" in proc.stdout
     assert "plan check: fits the lease and every limit" in proc.stdout
     assert "= 900 s = 15.0 min" in proc.stdout and "--local --out DIR" in proc.stdout
+    # someone with a GPU of their own is told how to run the same commands without a lease
+    assert "On a GPU machine of your own (no lease)" in proc.stdout
+    assert "python -m benchmarks.gpu_suite --stage NAME --out DIR --deadline-s inf" in proc.stdout
     if not any((ROOT / plan.WHEELS_DIR).glob("deepspeed-*.whl")):
         assert "not prepared yet: .whl/ has no DeepSpeed wheel" in proc.stdout
 

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _bert_base_output() -> str:
     out = subprocess.run([sys.executable, "-m", "benchmarks.study.cli", "plan", str(REPO / "studies" / "bert-base.yaml")],
-                         env={"CPT_STUDY_DATA": "/nonexistent/study", "PATH": "/usr/bin:/bin"}, cwd=REPO,
+                         env={"PATH": "/usr/bin:/bin"}, cwd=REPO,  # no CPT_STUDY_DATA: a plan needs no data
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return out.stdout
@@ -71,8 +71,11 @@ def test_a_measured_rate_replaces_the_flops_estimate(tmp_path: Path) -> None:
     ({"seeds": [1, 1]}, "seeds: give distinct"),
     ({"lrs": [0]}, "lrs: give positive"),
     ({"tasks": [{"name": "stsb", "dir": "x"}]}, "tasks[0].name: 'stsb': give a GLUE classification task"),
-    ({"shards": {"train": "${CPT_NO_SUCH_VARIABLE}", "heldout_select": "s", "heldout_report": "s"}},
-     "shards.train: '${CPT_NO_SUCH_VARIABLE}' names an environment variable that is not set"),
+    ({"seeds": ["a", "b"]}, "seeds: expected a list of integers, got ['a', 'b']"),
+    ({"lrs": ["fast"]}, "lrs: expected a list of numbers"),
+    ({"finetune": [1]}, "finetune: expected {seeds: [..], lr: X, epochs: N}, got [1]"),
+    ({"finetune": {"seeds": ["x"]}}, "finetune: seeds: expected a list of integers"),
+    ({"budget": {"tokens": 100000}}, "budget.tokens: preset 'tiny-mlm' of mlm sets no data.seq_len"),
     ({"epochs": 3}, "unknown field(s) ['epochs']"),
 ])
 def test_study_file_errors_name_the_file_and_field(tmp_path: Path, changes: dict, message: str) -> None:
@@ -86,3 +89,44 @@ def test_submit_checks_the_data_before_anything_is_queued(tmp_path: Path) -> Non
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "shards.train:" in out.stderr and "has no manifest.json" in out.stderr
     assert not (tmp_path / "work").exists()
+
+
+def _cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks.study.cli", *argv], cwd=REPO, capture_output=True,
+                          text=True, timeout=300, env=env)
+
+
+def test_plan_needs_no_data_variables_and_prints_the_paths_as_written_submit_checks_them(tmp_path: Path) -> None:
+    shards = {"train": "${CPT_NO_SUCH_VARIABLE}/train", "heldout_select": "s", "heldout_report": "s"}
+    path = _study(tmp_path, shards=shards, work_dir="${CPT_NO_SUCH_WORK}")
+    out = _cli("plan", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "data (as written; checked at submit): train ${CPT_NO_SUCH_VARIABLE}/train" in out.stdout
+    out = _cli("submit", str(path))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "shards.train: '${CPT_NO_SUCH_VARIABLE}/train' names an environment variable that is not set" in out.stderr
+
+
+def test_malformed_yaml_is_one_line_with_its_line_and_column(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: t\nseeds: [1, 2\nlrs: [1e-3]\n")
+    out = _cli("plan", str(path))
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"{path}: not valid YAML at line 3, column 4" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("command", ["submit", "status"])
+def test_submit_and_status_without_slurm_on_path_say_so_in_one_line(tmp_path: Path, tiny_shards_dir: Path,
+                                                                      command: str) -> None:
+    shards = {k: str(tiny_shards_dir) for k in ("train", "heldout_select", "heldout_report")}
+    path = _study(tmp_path, shards=shards)
+    (tmp_path / "work").mkdir()  # status asks the queue about the jobs submitted before
+    (tmp_path / "work" / "jobs.jsonl").write_text('{"job": "7", "kind": "pretrain", "unit": "mlm", "time": ""}\n')
+    bare = tmp_path / "bin"  # python only: no sbatch, no squeue
+    bare.mkdir()
+    (bare / "python").symlink_to(sys.executable)
+    out = _cli(command, str(path), env={"PATH": str(bare), "HOME": str(tmp_path)})
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
+    assert "SLURM's commands are not on PATH" in out.stderr
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["jobs.jsonl"]  # nothing made or queued

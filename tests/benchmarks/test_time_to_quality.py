@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from benchmarks.quality.quality_targets import EvalPoint
-from benchmarks.quality.time_to_quality import ALL_OBJECTIVES, parse_args
+from benchmarks.quality.time_to_quality import ALL_OBJECTIVES, check_study_args, cpu_study, parse_args
 from benchmarks.quality.ttq_data import prepare_sst2, split_halves
 from benchmarks.quality.ttq_eval import cached, heldout_metrics, merge_finetune_summaries, top_token_of
 from benchmarks.quality.ttq_report import baseline_health, target_rows
-from benchmarks.quality.ttq_study import RunKey, check_study_args, cumulative_hours, downstream_at, select_lrs, train_run
+from benchmarks.study.local import evaluate_run
+from benchmarks.study.units import RunKey, cumulative_hours, downstream_at, select_lrs
 
 
 def test_arguments_are_checked_before_any_work(tmp_path: Path, capsys) -> None:
@@ -24,6 +25,9 @@ def test_arguments_are_checked_before_any_work(tmp_path: Path, capsys) -> None:
                           ([*base, "--eval-every", "0"], "--eval-every"),
                           ([*base, "--objectives", "nope"], "nope"),
                           ([*base, "--set", "optim.lr=1e-3"], "the study sets these itself"),
+                          # one owner list with study files (benchmarks.study.spec.STUDY_OWNED), and the flags' own keys
+                          ([*base, "--set", "train.keep_last=3"], "the study sets these itself"),
+                          ([*base, "--set", "model.size=base"], "use --size"),
                           ([*base, "--seeds", "1,1"], "distinct seeds"),
                           ([*base, "--lrs", "0"], "positive")):
         with pytest.raises(SystemExit):
@@ -170,16 +174,18 @@ def test_a_finished_run_is_skipped_on_a_rerun(tiny_shards_dir: Path, tmp_path: P
     text.write_text("x\n")
     args = parse_args(["--text", str(text), "--heldout", str(text), "--out", str(tmp_path / "o"), "--steps", "2",
                        "--eval-every", "1", "--micro-batch", "4"])
-    data = StudyData(tiny_shards_dir, tiny_shards_dir, tiny_shards_dir, None, None)
+    study = cpu_study(args, [tiny_shards_dir] * 3, tmp_path)  # the study these flags describe, run locally
+    assert study.tasks == [] and study.steps_of["mlm"] == 2 and study.eval_steps("mlm") == [1, 2]
     key = RunKey("mlm", 1e-3, 1)
-    first = train_run(key, data, args, tmp_path)
+    first = evaluate_run(study, key, curves=False)
     run_dir = key.directory(tmp_path)
+    assert (run_dir / "eval" / "heldout_step_1.json").is_file() and (run_dir / "eval" / "heldout_step_2.json").is_file()
     assert first["status"] == "ok" and first["steps"] == [1, 2] and set(first["device_hours"]) == {"1", "2"}
     assert (run_dir / "hf" / "step_2" / "config.json").is_file() and not (run_dir / "checkpoints").exists()
     assert first["train_health"]["logged_steps"] == 2 and first["train_health"]["token_cosine"] is not None
     assert {s["term"] for s in first["train_health"]["signals"]} == {"mlm/accuracy", "mlm/loss", "health/token_cosine"}
     log = (run_dir / "train.log").read_text()
-    assert train_run(key, data, args, tmp_path) == first  # nothing re-trained or re-converted
+    assert evaluate_run(study, key, curves=False) == first  # nothing re-trained or re-converted
     assert (run_dir / "train.log").read_text() == log
 
     top = top_token_of(tiny_shards_dir)
@@ -262,8 +268,7 @@ def _check_heldout_against_direct(model_dir: Path, shards: Path, top: int, metri
 
 def test_namespace_fields_the_study_reads_exist() -> None:
     """`DEFINING_ARGS` names only real flags (a typo would silently drop a setting from the check)."""
-    from benchmarks.quality.time_to_quality import build_parser
-    from benchmarks.quality.ttq_study import DEFINING_ARGS
+    from benchmarks.quality.time_to_quality import DEFINING_ARGS, build_parser
 
     dests = {a.dest for a in build_parser()._actions if isinstance(a, argparse.Action)}
     assert set(DEFINING_ARGS) <= dests

@@ -119,22 +119,3 @@ def test_long_context_preset_accepts_the_8192_token_shards_the_data_stage_builds
         load_config("modernbert-long", [f"data.shards_dir={shards}", "model.max_position=1024"]).model.encoder_config(
             plan.manifest.vocab_size, 8192, plan.manifest.special_tokens)
 
-
-def test_arch_cpu_ratio_benchmark_writes_a_well_formed_report(tmp_path):
-    """`benchmarks/throughput/arch_cpu_ratios.py` (tiny run): one row per family x objective, MLM's ratio 1, ratios = medians'
-    quotient, JSON + Markdown with the conditions."""
-    import json
-
-    from benchmarks.throughput.arch_cpu_ratios import main
-
-    assert main(["--objectives", "mlm,taco", "--steps", "2", "--warmup", "0", "--seq-len", "32", "--micro-batch", "2",
-                 "--vocab-size", "300", "--data", str(tmp_path / "data"), "--out", str(tmp_path / "out")]) == 0
-    report = json.loads((tmp_path / "out" / "arch_cpu_ratios.json").read_text())
-    rows = {(r["family"], r["objective"]): r for r in report["rows"]}
-    assert set(rows) == {("modernbert", "mlm"), ("modernbert", "taco"), ("bert", "mlm"), ("bert", "taco")}
-    for family in ("modernbert", "bert"):
-        assert rows[(family, "mlm")]["cpu_vs_mlm"] == 1.0
-        taco, mlm = rows[(family, "taco")], rows[(family, "mlm")]
-        assert taco["cpu_vs_mlm"] == pytest.approx(taco["cpu_ms"] / mlm["cpu_ms"], rel=0.02)
-        assert taco["objectives"] == "mlm+taco"
-    assert any("thread CPU time" in n for n in report["notes"]) and (tmp_path / "out" / "arch_cpu_ratios.md").is_file()

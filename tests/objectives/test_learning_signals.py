@@ -19,7 +19,7 @@ head's bias started at log p scored 0.97x chance and 0.139 accuracy over all sel
 study's size, and 1.03x / the plateau at `[MASK]`). A row with `context=True` therefore also converts
 the final checkpoint and scores it at `[MASK]` positions only, through the exported head as a user
 loads it (`benchmarks.quality.ttq_eval.heldout_metrics`, the held-out evaluation of the study and of
-`benchmarks.health.learning_signals`; for BERT-NCE the conversion adds log q to the bias): its
+the retired issue 29 harness; for BERT-NCE the conversion adds log q to the bias): its
 accuracy there must clear the unigram plateau by `PLATEAU_MARGIN`. The tiny shards have no held-out
 half, so it scores rows the run trained on, with masks of its own seed; reading a memorised
 sentence's `[MASK]` still needs the context. `test_the_mask_guard_fails_a_run_that_only_copies`

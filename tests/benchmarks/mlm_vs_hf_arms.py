@@ -1,4 +1,5 @@
-"""The two arms of `benchmarks.throughput.mlm_vs_hf`: our real training command and `BertForMaskedLM` in a plain loop.
+"""The two arms of the MLM-vs-HF parity test (once `benchmarks/throughput/mlm_vs_hf.py`): our real training command and
+`BertForMaskedLM` in a plain loop.
 
 * `run_pipeline`: `python -m pipeline.train --config tiny-mlm <overrides>` in a child process (DeepSpeed
   ZeRO-1, exactly what a user runs), then `pipeline.export.convert` of its final checkpoint;

@@ -1,1 +1,0 @@
-"""Recipe health benchmarks (collapse checks)."""

@@ -1,0 +1,57 @@
+"""`cpt-study run`: the tiny study (2 objectives x 2 seeds x 1 learning rate, 2 evaluation points, 1 task)
+through the local executor, over the units and result files the SLURM executor uses (tests/slurm/test_study.py
+runs the same file on a cluster): every unit leaves its file, `collect` reads the report back from them,
+and a second run trains and evaluates nothing."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks.study.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+STUDY = REPO / "studies" / "tiny.yaml"
+
+
+@pytest.mark.timeout(900)
+def test_the_tiny_study_runs_locally_over_the_slurm_units(tiny_shards_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from benchmarks.study.results import selected_keys, selection, sweep_keys
+    from benchmarks.study.spec import load_study
+    from benchmarks.study.units import final_files, point_done
+
+    task = tmp_path / "sst2"
+    task.mkdir()
+    rows = [(f"sentence number {i} is {'good' if i % 2 else 'bad'}", i % 2) for i in range(40)]
+    for split, part in (("train", rows), ("dev", rows[:10]), ("test", rows[10:20])):
+        (task / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in part))
+    work = tmp_path / "work"
+    monkeypatch.chdir(REPO)  # the training children import `pipeline` from the checkout
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    for name, value in (("CPT_STUDY_SHARDS", tiny_shards_dir), ("CPT_STUDY_TASK", task), ("CPT_STUDY_WORK", work)):
+        monkeypatch.setenv(name, str(value))
+
+    assert main(["run", str(STUDY)]) == 0
+    study = load_study(STUDY)
+    chosen, metric = selection(study)
+    assert metric == "sst2_select_accuracy" and {o: s["lr"] for o, s in chosen.items()} == {"mlm": 1e-3, "taco": 1e-3}
+    keys = selected_keys(study, chosen)
+    assert [k.name for k in keys] == ["mlm/lr0.001/seed1", "mlm/lr0.001/seed2", "taco/lr0.001/seed1", "taco/lr0.001/seed2"]
+    assert all(point_done(study, k, s, curves=True) for k in keys for s in study.eval_steps(k.objective))
+    assert all(p.is_file() for k in keys for p in final_files(study, k))
+    for key in [*sweep_keys(study), *keys]:
+        run_dir = key.directory(work)
+        record = json.loads((run_dir / "train.json").read_text())
+        assert record["status"] == "ok" and record["steps"] == [4, 8] and record["counted_steps"] == 8
+        assert not (run_dir / "checkpoints").exists()  # keep_checkpoints: false, every point converted
+    report = json.loads((work / "report" / "sst2" / "time_to_quality.json").read_text())
+    assert report["task"] == "sst2" and report["floor"] is not None
+    assert sorted(r["run"] for r in report["gpu_seconds"]) == [k.name for k in keys]
+
+    logs = {p: p.stat().st_size for p in work.glob("runs/*/*/*/train.log")}
+    results = {p: p.stat().st_mtime_ns for p in work.glob("runs/**/*.json")}
+    assert len(logs) == 4 and main(["run", str(STUDY)]) == 0  # finished: nothing trains or evaluates again
+    assert {p: p.stat().st_size for p in logs} == logs
+    assert {p: p.stat().st_mtime_ns for p in results} == results
