@@ -18,7 +18,7 @@ post-processor) is `pipeline.model.warm_start.tokenizer_difference`, used by tra
 
 A converted directory's tokenizer is its own: `cpt-convert` records `tokenizer_fingerprint(dir)` (sha256
 over the names and contents of its tokenizer files, as training records the shards' `tokenizer_hash`)
-in the export's `pipeline_meta.json`, and every tool that reads a converted directory
+in the export's `pipeline_meta.json` (`conversion.tokenizer_fingerprint`), and every tool that reads a converted directory
 (`cpt-finetune`, `cpt-sts`) refuses one whose tokenizer files were swapped since
 (`converted_tokenizer_problem`): a model of 800 embeddings fed a 600-entry tokenizer's ids would
 fine-tune and report a number on ids it never learnt.
@@ -36,8 +36,9 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", 
                    "tokenizer.model")
 #: Files beside them that change how text is split or numbered (special tokens, casing, added tokens).
 TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
-#: The key of a converted directory's pipeline_meta.json holding `tokenizer_fingerprint` at conversion.
-FINGERPRINT_KEY = "tokenizer_fingerprint"
+#: Where a converted directory's pipeline_meta.json holds the fingerprint taken at conversion:
+#: `conversion.tokenizer_fingerprint` (`pipeline.export.convert.CONVERSION_KEY`).
+CONVERSION_RECORD, FINGERPRINT_KEY = "conversion", "tokenizer_fingerprint"
 #: A vocabulary below this cannot represent text (the special tokens and an alphabet need more).
 MIN_VOCAB = 64
 #: More of the first documents' tokens than this unknown: the tokenizer does not fit the text.
@@ -98,7 +99,8 @@ def converted_tokenizer_problem(directory: str | os.PathLike, flag: str) -> str:
     naming the directory and both fingerprints."""
     meta = Path(directory) / "pipeline_meta.json"
     try:
-        recorded = json.loads(meta.read_text()).get(FINGERPRINT_KEY) if meta.is_file() else None
+        recorded = (json.loads(meta.read_text()).get(CONVERSION_RECORD) or {}).get(FINGERPRINT_KEY) \
+            if meta.is_file() else None
     except (OSError, ValueError, AttributeError):
         return f"{flag} {directory}: {meta.name} is not readable JSON; convert the checkpoint again"
     if not recorded:

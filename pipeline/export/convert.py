@@ -92,7 +92,9 @@ EXIT_WRITE_FAILED = 4
 class ExportWriteError(OSError):
     """OUT_DIR cannot be written (read-only, full, quota); the message says what survived."""
 #: The key the export's `pipeline_meta.json` (and the printed summary) adds: what conversion changed
-#: (`mlm_head_bias`: the NCE log-q correction of the MLM head, `hf_adapter.HeadBiasCorrection`).
+#: (`mlm_head_bias`: the NCE log-q correction of the MLM head, `hf_adapter.HeadBiasCorrection`) and
+#: added (`tokenizer_fingerprint`, read by `tokenizer_checks.converted_tokenizer_problem`;
+#: `sentence_embedding`, the sentence-transformers pooling and why).
 CONVERSION_KEY = "conversion"
 #: Keys `save_pretrained` copies from the *loading* call into tokenizer_config.json; they describe
 #: how the converter happened to load the tokenizer (and may hold local paths), not the tokenizer.
@@ -292,10 +294,11 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
     # The run's full record, with local paths reduced to their last component (exports are shared:
     # they must not reveal where the data or the run lived), and what the conversion changed.
     record = public(json.loads((tag_dir / META_FILE).read_text()))
+    conversion = record.setdefault(CONVERSION_KEY, {})
     if export.head_bias is not None:
-        record[CONVERSION_KEY] = {"mlm_head_bias": export.head_bias.record()}
-    record[FINGERPRINT_KEY] = tokenizer_fingerprint(directory)
-    record[SENTENCE_KEY] = sentence.record()
+        conversion["mlm_head_bias"] = export.head_bias.record()
+    conversion[FINGERPRINT_KEY] = tokenizer_fingerprint(directory)
+    conversion[SENTENCE_KEY] = sentence.record()
     (directory / META_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     (directory / "README.md").write_text(render_model_card(meta, export, card, False))
     _make_readable(directory)

@@ -79,7 +79,8 @@ def test_sentence_transformers_gives_the_projects_embeddings(preset, family, run
     meta = json.loads((out / "pipeline_meta.json").read_text())
     declared = read_sentence_config(out)
     assert (declared.mode, declared.normalize) == EXPECTED[preset]
-    assert meta["sentence_embedding"]["mode"] == declared.mode and meta["sentence_embedding"]["source"]
+    assert meta["conversion"]["sentence_embedding"]["mode"] == declared.mode
+    assert meta["conversion"]["sentence_embedding"]["source"].split(":")[0].count(preset.removeprefix("tiny-")) == 1
     assert declared.max_seq_length == meta["encoder_config"]["max_position"]
 
     model, encoded = st_encode(out, monkeypatch)
@@ -99,7 +100,7 @@ def test_pooling_flag_chooses_another(flags, mode, normalize, runs, tiny_shards_
     assert convert_main([str(run), str(tmp_path / "hf"), *flags]) == 0
     declared = read_sentence_config(tmp_path / "hf")
     assert (declared.mode, declared.normalize) == (mode, normalize)
-    record = json.loads((tmp_path / "hf" / "pipeline_meta.json").read_text())["sentence_embedding"]
+    record = json.loads((tmp_path / "hf" / "pipeline_meta.json").read_text())["conversion"]["sentence_embedding"]
     assert record["source"].startswith(" ".join(flags[:2])) and "run's own: mean" in record["source"]
     _, encoded = st_encode(tmp_path / "hf", monkeypatch)
     torch.testing.assert_close(encoded, own_embeddings(run, tiny_shards_dir / "tokenizer", declared), rtol=0, atol=2e-5)
