@@ -95,9 +95,12 @@ def tokenizer_fingerprint(directory: str | os.PathLike) -> str:
 
 def converted_tokenizer_problem(directory: str | os.PathLike, flag: str) -> str:
     """'' when `directory` (given with `flag`, e.g. "--model") still holds the tokenizer it was converted
-    with, or records none (not a converted directory, or converted before fingerprints); else one line
-    naming the directory and both fingerprints."""
+    with, or records none (not a converted directory, or converted before fingerprints), or has no
+    tokenizer files at all (`no_tokenizer_message`'s case, said better there); else one line naming the
+    directory and both fingerprints."""
     meta = Path(directory) / "pipeline_meta.json"
+    if not tokenizer_files(directory):
+        return ""
     try:
         recorded = (json.loads(meta.read_text()).get(CONVERSION_RECORD) or {}).get(FINGERPRINT_KEY) \
             if meta.is_file() else None

@@ -42,6 +42,7 @@ class Encoder:
     model: torch.nn.Module
     tokenizer: object
     pooling: SentencePooling
+    weights: str = "converted"  # "converted" (the directory's), or "random_init" (`random_init`)
 
     def inputs(self, sentences: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tokenizer's batch, truncated at `max_seq_length`, with only the keys the model's forward takes
@@ -79,7 +80,7 @@ class Encoder:
             model = AutoModel.from_config(self.model.config).eval()
         finally:
             torch.random.set_rng_state(generator_state)
-        return replace(self, model=model)
+        return replace(self, model=model, weights="random_init")
 
 
 def content_ids(tokenizer, sentence: str) -> list[int]:

@@ -97,10 +97,12 @@ def read_sts(path: str | Path) -> StsPairs:
 
 
 def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """Row-wise cosine of two [N, H] arrays (a zero row scores 0)."""
+    """Row-wise cosine of two [N, H] arrays in float64 (a zero row scores 0), rounded to 1e-12: pairs of
+    equal embeddings (a sentence paired with itself) then tie at 1 exactly instead of being ordered by
+    the last bits of the norms; float32 embeddings carry no information at that precision."""
     a, b = a.astype(np.float64), b.astype(np.float64)
     norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
-    return np.divide((a * b).sum(1), norms, out=np.zeros(len(a)), where=norms > 0)
+    return np.round(np.divide((a * b).sum(1), norms, out=np.zeros(len(a)), where=norms > 0), 12)
 
 
 def token_overlap(encoder: Encoder, pairs: StsPairs) -> np.ndarray:
