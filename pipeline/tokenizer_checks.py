@@ -111,5 +111,6 @@ def converted_tokenizer_problem(directory: str | os.PathLike, flag: str) -> str:
     current = tokenizer_fingerprint(directory)
     if current == recorded:
         return ""
-    return (f"{flag} {directory}: its tokenizer files are not the ones it was converted with (fingerprint {current[:16]} "
-            f"now, {FINGERPRINT_KEY} {str(recorded)[:16]} in {meta.name}); restore them or convert the checkpoint again")
+    return (f"{flag} {directory}: its tokenizer files are not the ones it was converted with (fingerprint "
+            f"{current[:16]} now, {CONVERSION_RECORD}.{FINGERPRINT_KEY} {str(recorded)[:16]} in {meta.name}); "
+            "restore them or convert the checkpoint again")
