@@ -18,10 +18,10 @@ post-processor) is `pipeline.model.warm_start.tokenizer_difference`, used by tra
 
 A converted directory's tokenizer is its own: `cpt-convert` records `tokenizer_fingerprint(dir)` (sha256
 over the names and contents of its tokenizer files, as training records the shards' `tokenizer_hash`)
-in the export's `pipeline_meta.json` (`conversion.tokenizer_fingerprint`), and every tool that reads a converted directory
-(`cpt-finetune`, `cpt-sts`) refuses one whose tokenizer files were swapped since
-(`converted_tokenizer_problem`): a model of 800 embeddings fed a 600-entry tokenizer's ids would
-fine-tune and report a number on ids it never learnt.
+in the export's `pipeline_meta.json` (`conversion.tokenizer_fingerprint`), and every tool that reads a
+converted directory (`cpt-finetune`, `cpt-sts`, the demo's outcome) refuses one whose tokenizer files
+were swapped since (`converted_tokenizer_problem`): a model of 800 embeddings fed a 600-entry
+tokenizer's ids would fine-tune and report a number on ids it never learnt.
 """
 from __future__ import annotations
 

@@ -154,7 +154,8 @@ def sts_spearman(converted_dir: str | Path, pairs: StsPairs, *, references: Sequ
     predicted = {"model": cosines(encoder.embed(pairs.first, batch_size), encoder.embed(pairs.second, batch_size))}
     if "random_init" in references:
         random = encoder.random_init(seed)
-        predicted["random_init"] = cosines(random.embed(pairs.first, batch_size), random.embed(pairs.second, batch_size))
+        predicted["random_init"] = cosines(random.embed(pairs.first, batch_size),
+                                           random.embed(pairs.second, batch_size))
     if "input_embeddings" in references:
         predicted["input_embeddings"] = cosines(encoder.mean_input_embeddings(pairs.first),
                                                 encoder.mean_input_embeddings(pairs.second))

@@ -31,8 +31,9 @@ Steps, each failing with a message that names the file at fault and leaving OUT_
    (`pipeline.export.model_card`), the sentence-transformers configuration with the pooling of the
    run's own sequence representation or `--pooling` (`pipeline.export.sentence_embedding`; a pooling
    the tokenizer cannot honour is refused in step 1) and the tokenizer's fingerprint, which the tools
-   that read the export check (`pipeline.tokenizer_checks.converted_tokenizer_problem`), into a temporary sibling directory (`.OUT_DIR.tmp-HOST-PID`) and
-   rename it to OUT_DIR only when everything is written.
+   that read the export check (`pipeline.tokenizer_checks.converted_tokenizer_problem`), into a
+   temporary sibling directory (`.OUT_DIR.tmp-HOST-PID`) and rename it to OUT_DIR only when
+   everything is written.
 An output that cannot be written (read-only or full filesystem, quota) ends with one line naming
 it and exit 4 (`EXIT_WRITE_FAILED`, as training's failed saves); a previous export in OUT_DIR is
 left as it was. A SIGTERM/SIGINT removes the temporary directory before exiting; what a killed (`kill -9`)
@@ -71,9 +72,8 @@ from pipeline.export.consolidated import consolidated_files, fill_tied, load_con
 from pipeline.export.health_check import HealthReport, announce, check_health
 from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
-from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY
-from pipeline.export.sentence_embedding import (POOLINGS, SentencePooling, chosen_pooling, pooling_problem,
-                                                write_sentence_config)
+from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY, POOLINGS, SentencePooling, chosen_pooling, \
+    pooling_problem, write_sentence_config
 from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.model.build import model_from_meta

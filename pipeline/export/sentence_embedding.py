@@ -179,9 +179,11 @@ def read_sentence_config(directory: Path) -> Optional[SentencePooling]:
     try:
         modules = json.loads(modules_file.read_text())
         kinds = [str(m["type"]).rsplit(".", 1)[-1] for m in modules]
-        pooling_path = directory / next(m["path"] for m in modules if str(m["type"]).endswith("Pooling")) / "config.json"
+        pooling_dir = next(m["path"] for m in modules if str(m["type"]).endswith("Pooling"))
+        pooling_path = directory / pooling_dir / "config.json"
         config = json.loads(pooling_path.read_text())
-        st_config = json.loads((directory / ST_CONFIG_FILE).read_text()) if (directory / ST_CONFIG_FILE).is_file() else {}
+        st_file = directory / ST_CONFIG_FILE
+        st_config = json.loads(st_file.read_text()) if st_file.is_file() else {}
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as err:
         raise ValueError(f"{modules_file}: not a sentence-transformers layout this project reads "
                          f"(Transformer, Pooling[, Normalize]): {type(err).__name__}: {err}") from err

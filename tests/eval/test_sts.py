@@ -146,7 +146,8 @@ def test_out_is_the_printed_json(sts_model, tmp_path, capsys):
 
 
 BAD_LINES = {
-    "missing column": ("main\tMSRvid\t2012test\t0001\t3.000\ta man is running .", "6 tab-separated columns, expected 7"),
+    "missing column": ("main\tMSRvid\t2012test\t0001\t3.000\ta man is running .",
+                       "6 tab-separated columns, expected 7"),
     "score above 5": ("main\tMSRvid\t2012test\t0001\t5.200\ta man .\ta woman .", "score 5.200 outside 0-5"),
     "negative score": ("main\tMSRvid\t2012test\t0001\t-0.5\ta man .\ta woman .", "score -0.5 outside 0-5"),
     "score not a number": ("main\tMSRvid\t2012test\t0001\tfive\ta man .\ta woman .", "score 'five' is not a number"),
@@ -217,8 +218,8 @@ def test_pooling_flag_overrides_the_declared_one(sts_model, tmp_path, capsys):
     record = json.loads(capsys.readouterr().out)
     assert record["pooling"]["mode"] == "cls" and record["pooling"]["source"] == "--pooling cls"
     pairs = sts.read_sts(data / "dev.tsv")
-    np.testing.assert_allclose(seen[True, tuple(pairs.first)], open_encoder(sts_model, pooling="cls").embed(pairs.first),
-                               rtol=0, atol=1e-5)
+    cls_vectors = open_encoder(sts_model, pooling="cls").embed(pairs.first)
+    np.testing.assert_allclose(seen[True, tuple(pairs.first)], cls_vectors, rtol=0, atol=1e-5)
     assert not np.allclose(seen[True, tuple(pairs.first)], open_encoder(sts_model).embed(pairs.first), atol=1e-3)
     expected = scipy_spearman(model_cosines(seen, pairs), pairs.scores)
     assert record["splits"]["dev"]["model"]["spearman"] == pytest.approx(expected, abs=1e-4)
