@@ -35,6 +35,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from pipeline.tokenizer_checks import converted_tokenizer_problem
+
 HELDOUT_ROWS = 256
 TACO_DEFAULTS = dict(window=5, num_negatives=50, tau=0.07)  # TokenAlignmentContrastive's (the paper's)
 
@@ -198,6 +200,9 @@ def load_demo(out: Path, objective: Optional[str]) -> tuple[Path, int]:
     hf_dir = out / "hf" / objective
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"{hf_dir}: no converted model ({state}); re-run the demo (bash scripts/demo.sh)")
+    swapped = converted_tokenizer_problem(hf_dir, "demo output")
+    if swapped:
+        raise ValueError(swapped)
     return hf_dir, int(summary.get("seq_len", 128))
 
 

@@ -212,14 +212,18 @@ def resolve_max_length(requested: Optional[int], model_dir: Path) -> int:
 
 def check_model_dir(model_dir: Path, train: Split) -> None:
     """Before any training: the weights are readable (a truncated `model.safetensors` is named, not
-    a safetensors traceback: `warm_start.read_weight_shapes`), and the directory's tokenizer can
-    represent the task's text (`pipeline.tokenizer_checks`: a directory without tokenizer files loads
-    as a 5-token placeholder that maps every word to [UNK], and the accuracy would be meaningless)."""
+    a safetensors traceback: `warm_start.read_weight_shapes`), the directory's tokenizer is the one it
+    was converted with (`tokenizer_checks.converted_tokenizer_problem`) and can represent the task's
+    text (`pipeline.tokenizer_checks`: a directory without tokenizer files loads as a 5-token
+    placeholder that maps every word to [UNK], and the accuracy would be meaningless)."""
     from transformers import AutoTokenizer
 
     from pipeline.model.warm_start import read_weight_shapes
-    from pipeline.tokenizer_checks import SAMPLE_DOCUMENTS, coverage_problem, unknown_share
+    from pipeline.tokenizer_checks import SAMPLE_DOCUMENTS, converted_tokenizer_problem, coverage_problem, unknown_share
 
+    swapped = converted_tokenizer_problem(model_dir, "--model")
+    if swapped:
+        raise ValueError(f"{swapped}; nothing was trained")
     read_weight_shapes(model_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

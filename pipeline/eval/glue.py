@@ -230,15 +230,12 @@ def pearson(x: np.ndarray, y: np.ndarray) -> float:
 def average_ranks(x: np.ndarray) -> np.ndarray:
     """1-based ranks, ties sharing their average rank."""
     order = np.argsort(x, kind="mergesort")
-    ranks = np.empty(len(x), dtype=np.float64)
     sorted_x = x[order]
-    start = 0
-    while start < len(x):
-        end = start
-        while end + 1 < len(x) and sorted_x[end + 1] == sorted_x[start]:
-            end += 1
-        ranks[order[start : end + 1]] = (start + end) / 2 + 1
-        start = end + 1
+    first = np.r_[True, sorted_x[1:] != sorted_x[:-1]] if len(x) else np.zeros(0, dtype=bool)
+    starts = np.flatnonzero(first)  # each run of equal values shares (start + end) / 2 + 1 (0-based ends)
+    ends = np.r_[starts[1:], len(x)] - 1
+    ranks = np.empty(len(x), dtype=np.float64)
+    ranks[order] = ((starts + ends) / 2 + 1)[np.cumsum(first) - 1]
     return ranks
 
 

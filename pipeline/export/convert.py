@@ -28,8 +28,12 @@ Steps, each failing with a message that names the file at fault and leaving OUT_
    identity equals the one recorded at training, else a note in the card says why it was not);
 5. write config, safetensors, tokenizer (config cleaned of load-time keys), objective heads with
    their rebuild recipe (`pipeline.export.objective_heads`), `pipeline_meta.json` and the model card
-   (`pipeline.export.model_card`) into a temporary sibling directory (`.OUT_DIR.tmp-HOST-PID`) and
-   rename it to OUT_DIR only when everything is written.
+   (`pipeline.export.model_card`), the sentence-transformers configuration with the pooling of the
+   run's own sequence representation or `--pooling` (`pipeline.export.sentence_embedding`; a pooling
+   the tokenizer cannot honour is refused in step 1) and the tokenizer's fingerprint, which the tools
+   that read the export check (`pipeline.tokenizer_checks.converted_tokenizer_problem`), into a
+   temporary sibling directory (`.OUT_DIR.tmp-HOST-PID`) and rename it to OUT_DIR only when
+   everything is written.
 An output that cannot be written (read-only or full filesystem, quota) ends with one line naming
 it and exit 4 (`EXIT_WRITE_FAILED`, as training's failed saves); a previous export in OUT_DIR is
 left as it was. A SIGTERM/SIGINT removes the temporary directory before exiting; what a killed (`kill -9`)
@@ -67,6 +71,8 @@ from pipeline.export.consolidated import consolidated_files, fill_tied, load_con
 from pipeline.export.health_check import HealthReport, announce, check_health
 from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
+from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY, POOLINGS, SentencePooling, chosen_pooling, \
+    pooling_problem, write_sentence_config
 from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.pretrain.build import model_from_meta
@@ -74,7 +80,7 @@ from pipeline.model.encoder import fuse_qkv
 from pipeline.model.hf_names import ExportError
 from pipeline.model.modernbert import is_modernbert
 from pipeline.model.warm_start import tokenizer_difference
-from pipeline.tokenizer_checks import no_tokenizer_message
+from pipeline.tokenizer_checks import FINGERPRINT_KEY, no_tokenizer_message, tokenizer_fingerprint
 from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
 from pipeline.train.safe_load import load_pt
@@ -87,7 +93,9 @@ EXIT_WRITE_FAILED = 4
 class ExportWriteError(OSError):
     """OUT_DIR cannot be written (read-only, full, quota); the message says what survived."""
 #: The key the export's `pipeline_meta.json` (and the printed summary) adds: what conversion changed
-#: (`mlm_head_bias`: the NCE log-q correction of the MLM head, `hf_adapter.HeadBiasCorrection`).
+#: (`mlm_head_bias`: the NCE log-q correction of the MLM head, `hf_adapter.HeadBiasCorrection`) and
+#: added (`tokenizer_fingerprint`, read by `tokenizer_checks.converted_tokenizer_problem`;
+#: `sentence_embedding`, the sentence-transformers pooling and why).
 CONVERSION_KEY = "conversion"
 #: Keys `save_pretrained` copies from the *loading* call into tokenizer_config.json; they describe
 #: how the converter happened to load the tokenizer (and may hold local paths), not the tokenizer.
@@ -270,10 +278,13 @@ def clean_tokenizer_config(directory: Path) -> None:
 
 
 def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, tag_dir: Path, model,
-                 with_generator: bool, card: CardInputs) -> None:
-    """Everything OUT_DIR holds, written into `directory` (`model`: the training model of the meta)."""
+                 with_generator: bool, card: CardInputs, sentence: Optional[SentencePooling] = None) -> None:
+    """Everything OUT_DIR holds, written into `directory` (`model`: the training model of the meta;
+    `sentence`: the sentence-transformers pooling, default the run's own)."""
     encoder = encoder_config_from_dict(meta.encoder_config)
     _write_hf_model(directory, export.main, encoder, meta, tokenizer)
+    sentence = sentence or sentence_pooling(meta, encoder, tokenizer, None, None)
+    write_sentence_config(directory, sentence, encoder.hidden_size)
     if export.objective_heads:
         write_objective_heads(directory / OBJECTIVE_HEADS_FILE, model, export.objective_heads, meta)
     if with_generator:
@@ -284,11 +295,25 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
     # The run's full record, with local paths reduced to their last component (exports are shared:
     # they must not reveal where the data or the run lived), and what the conversion changed.
     record = public(json.loads((tag_dir / META_FILE).read_text()))
+    conversion = record.setdefault(CONVERSION_KEY, {})
     if export.head_bias is not None:
-        record[CONVERSION_KEY] = {"mlm_head_bias": export.head_bias.record()}
+        conversion["mlm_head_bias"] = export.head_bias.record()
+    conversion[FINGERPRINT_KEY] = tokenizer_fingerprint(directory)
+    conversion[SENTENCE_KEY] = sentence.record()
     (directory / META_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     (directory / "README.md").write_text(render_model_card(meta, export, card, False))
     _make_readable(directory)
+
+
+def sentence_pooling(meta: RunMeta, encoder: AnyEncoderConfig, tokenizer, mode: Optional[str],
+                     normalize: Optional[bool]) -> SentencePooling:
+    """The export's sentence pooling (`--pooling` / `--normalize`, else the run's own), checked against
+    the tokenizer; `max_seq_length` is the model's position table."""
+    chosen = chosen_pooling(meta.objectives, meta.objective_options, mode, normalize)
+    problem = pooling_problem(chosen, tokenizer)
+    if problem:
+        raise ExportError(problem)
+    return SentencePooling(chosen.mode, chosen.normalize, chosen.source, int(encoder.max_position))
 
 
 def _make_readable(directory: Path) -> None:
@@ -390,13 +415,16 @@ def convert(
     license_id: Optional[str] = None,
     base_model: Optional[str] = None,
     weights: Optional[str | os.PathLike] = None,
+    pooling: Optional[str] = None,
+    normalize: Optional[bool] = None,
 ) -> Path:
     """Convert one checkpoint; returns OUT_DIR. Nothing is written to OUT_DIR on any error.
 
     shards_dir: the run's shards for the health check (default: `data_dir` of the meta);
     license_id / base_model: the card's `license` and `base_model` metadata (defaults: the base
     model's license and directory name for a warm-started run, else `unknown` / none); weights: the
-    output of DeepSpeed's `zero_to_fp32.py` for this tag, read instead of the ZeRO partitions."""
+    output of DeepSpeed's `zero_to_fp32.py` for this tag, read instead of the ZeRO partitions;
+    pooling / normalize: the sentence-transformers pooling instead of the run's own (`sentence_embedding`)."""
     out_dir = Path(out_dir)
     clean_stale_siblings(out_dir)  # first: a previous export a killed conversion had set aside comes back
     _check_out_dir(out_dir, overwrite)
@@ -405,6 +433,7 @@ def convert(
         meta = RunMeta.read(tag_dir)
         encoder = encoder_config_from_dict(meta.encoder_config)
         tokenizer = load_tokenizer(meta, tokenizer_dir, encoder)
+        sentence = sentence_pooling(meta, encoder, tokenizer, pooling, normalize)
         model = model_from_meta(meta)
 
         if weights is not None:
@@ -429,7 +458,7 @@ def convert(
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-        write_export(tmp, export, meta, tokenizer, tag_dir, model, with_generator, card)
+        write_export(tmp, export, meta, tokenizer, tag_dir, model, with_generator, card, sentence)
         _check_out_dir(out_dir, overwrite)  # someone may have written there meanwhile
         _publish(tmp, out_dir)
     except (OSError, SafetensorError) as err:
@@ -470,6 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", default=None, metavar="DIR",
                    help="the output of DeepSpeed's zero_to_fp32.py for this checkpoint (pytorch_model.bin, sharded "
                         ".bin or safetensors), used instead of consolidating the ZeRO partitions")
+    p.add_argument("--pooling", default=None, choices=POOLINGS,
+                   help="sentence-transformers pooling (default: the sequence representation the run's objective "
+                        "reads in pretraining, else mean; docs/conversion.md#sentence-transformers)")
+    p.add_argument("--normalize", default=None, action=argparse.BooleanOptionalAction,
+                   help="l2-normalise sentence embeddings (default: when the run's objective compares them by cosine)")
     return p
 
 
@@ -492,6 +526,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             license_id=args.license,
             base_model=args.base_model,
             weights=args.weights,
+            pooling=args.pooling,
+            normalize=args.normalize,
         )
     except ExportWriteError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,251 @@
+"""`cpt-sts CONVERTED_DIR --data DIR`: zero-shot semantic textual similarity of a converted model.
+
+The field's zero-shot measure of sentence representations (Reimers & Gurevych 2019, Sec. 4.1; Gao et
+al. 2021, SimCSE, Sec. 5): embed both sentences of every STS Benchmark pair (Cer et al. 2017), score
+each pair by the cosine of the two embeddings, and report Spearman's rank correlation between those
+cosines and the human scores, x 100. No training: it moves with exactly what sequence-contrastive
+objectives train. Embeddings are those `SentenceTransformer(dir).encode` gives (`pipeline.eval.embed`).
+
+Reference points measured the same way on the same pairs (a result is only a result against them; at
+small sizes lexical overlap beats a weak encoder):
+  * `random_init`: the same architecture with fresh weights (seeded), same tokenizer and pooling;
+  * `input_embeddings`: the mean of the model's own input embedding rows of each sentence's tokens;
+  * `token_overlap`: Jaccard |A n B| / |A u B| of the two sentences' sets of content token ids.
+
+Uncertainty: a percentile bootstrap over pairs (Efron & Tibshirani 1993, ch. 13): `--bootstrap B`
+resamples of the pairs with replacement, drawn once from `--seed` and shared by every method (paired),
+Spearman recomputed on each; the interval is the (1 - level)/2 and (1 + level)/2 quantiles. The same
+draws give an interval for the model's difference to each reference (`minus_<reference>`).
+
+Data: the SentEval copy of STS-B (`DIR/{dev,test}.tsv`, no header, tab-separated, 7 columns
+`genre, file, year, id, score, sentence1, sentence2`). Every problem is one line before any compute
+(exit 2): a missing file or directory, a line without its 7 columns, a score that is not a number in
+0-5, an empty sentence; a converted directory without its tokenizer, with a swapped one, or one that
+maps more than a quarter of the sentences' tokens to the unknown token. `--out FILE` also writes
+the JSON result atomically. `sts_spearman(dir, pairs)` is the same measurement as a function.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from pipeline.eval.embed import Encoder, content_ids, open_encoder
+from pipeline.export.sentence_embedding import POOLINGS
+from pipeline.eval.finetune import write_atomic
+from pipeline.eval.glue import spearman
+
+COLUMNS = ("genre", "file", "year", "id", "score", "sentence1", "sentence2")
+SPLITS = ("dev", "test")
+REFERENCES = ("random_init", "input_embeddings", "token_overlap")
+SCORE_RANGE = (0.0, 5.0)
+
+
+@dataclass(frozen=True)
+class StsPairs:
+    """One STS split: sentence pairs and their human scores (0-5)."""
+
+    path: Path
+    first: list[str]
+    second: list[str]
+    scores: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.scores)
+
+
+def read_sts(path: str | Path) -> StsPairs:
+    """A SentEval STS-B file, every line checked (module docstring); a ValueError names file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such STS file")
+    first, second, scores = [], [], []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text ({err})") from err
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        where = f"{path}:{number}"
+        if len(fields) != len(COLUMNS):
+            raise ValueError(f"{where}: {len(fields)} tab-separated columns, expected {len(COLUMNS)} "
+                             f"({', '.join(COLUMNS)}; SentEval's STS-B, no header)")
+        try:
+            score = float(fields[4])
+        except ValueError:
+            raise ValueError(f"{where}: score {fields[4]!r} is not a number") from None
+        if not SCORE_RANGE[0] <= score <= SCORE_RANGE[1]:
+            raise ValueError(f"{where}: score {fields[4]} outside {SCORE_RANGE[0]:g}-{SCORE_RANGE[1]:g}")
+        for name, sentence in (("sentence1", fields[5]), ("sentence2", fields[6])):
+            if not sentence.strip():
+                raise ValueError(f"{where}: {name} is empty")
+        first.append(fields[5])
+        second.append(fields[6])
+        scores.append(score)
+    if not scores:
+        raise ValueError(f"{path}: no sentence pairs")
+    return StsPairs(path, first, second, np.asarray(scores, dtype=np.float64))
+
+
+def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Row-wise cosine of two [N, H] arrays in float64 (a zero row scores 0), rounded to 1e-12: pairs of
+    equal embeddings (a sentence paired with itself) then tie at 1 exactly instead of being ordered by
+    the last bits of the norms; float32 embeddings carry no information at that precision."""
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    return np.round(np.divide((a * b).sum(1), norms, out=np.zeros(len(a)), where=norms > 0), 12)
+
+
+def token_overlap(encoder: Encoder, pairs: StsPairs) -> np.ndarray:
+    """Jaccard similarity of the two sentences' sets of content token ids."""
+    out = np.zeros(len(pairs))
+    for i, (s1, s2) in enumerate(zip(pairs.first, pairs.second)):
+        a, b = set(content_ids(encoder.tokenizer, s1)), set(content_ids(encoder.tokenizer, s2))
+        out[i] = len(a & b) / len(a | b) if a | b else 0.0
+    return out
+
+
+def bootstrap_draws(n: int, samples: int, seed: int) -> np.ndarray:
+    """[samples, n] indices of pairs drawn with replacement (numpy's PCG64 from `seed`)."""
+    return np.random.default_rng(seed).integers(0, n, size=(samples, n))
+
+
+def _interval(values: np.ndarray, level: float) -> list[float]:
+    low, high = np.quantile(values, [(1 - level) / 2, (1 + level) / 2])
+    return [round(float(low), 4), round(float(high), 4)]
+
+
+def summarise(predicted: dict[str, np.ndarray], gold: np.ndarray, draws: np.ndarray, level: float) -> dict:
+    """Per method: Spearman x 100 and its bootstrap interval; the model's difference to each reference."""
+    boot = {name: np.array([100 * spearman(p[d], gold[d]) for d in draws]) if len(draws) else np.zeros(0)
+            for name, p in predicted.items()}
+    out: dict[str, dict] = {}
+    for name, p in predicted.items():
+        out[name] = {"spearman": round(100 * spearman(p, gold), 4)}
+        if len(draws):
+            out[name]["interval"] = _interval(boot[name], level)
+    if "model" in predicted and len(draws):
+        for name in predicted:
+            if name != "model":
+                out["model"][f"minus_{name}"] = {
+                    "spearman": round(out["model"]["spearman"] - out[name]["spearman"], 4),
+                    "interval": _interval(boot["model"] - boot[name], level)}
+    return out
+
+
+def sts_spearman(converted_dir: str | Path, pairs: StsPairs, *, references: Sequence[str] = REFERENCES,
+                 bootstrap: int = 1000, seed: int = 0, level: float = 0.95, batch_size: int = 64,
+                 encoder: Optional[Encoder] = None) -> dict:
+    """Zero-shot STS of one split: {"n_pairs", "model": {"spearman", "interval", "minus_<ref>"},
+    <reference>: {...}} (Spearman x 100). `encoder`: an already opened `converted_dir`."""
+    encoder = encoder or open_encoder(converted_dir, "CONVERTED_DIR")
+    unknown = [name for name in references if name not in REFERENCES]
+    if unknown:
+        raise ValueError(f"references {unknown}: not among {', '.join(REFERENCES)}")
+    predicted = {"model": cosines(encoder.embed(pairs.first, batch_size), encoder.embed(pairs.second, batch_size))}
+    if "random_init" in references:
+        random = encoder.random_init(seed)
+        predicted["random_init"] = cosines(random.embed(pairs.first, batch_size),
+                                           random.embed(pairs.second, batch_size))
+    if "input_embeddings" in references:
+        predicted["input_embeddings"] = cosines(encoder.mean_input_embeddings(pairs.first),
+                                                encoder.mean_input_embeddings(pairs.second))
+    if "token_overlap" in references:
+        predicted["token_overlap"] = token_overlap(encoder, pairs)
+    draws = bootstrap_draws(len(pairs), bootstrap, seed) if bootstrap else np.zeros((0, len(pairs)), dtype=np.int64)
+    return {"n_pairs": len(pairs), **summarise(predicted, pairs.scores, draws, level)}
+
+
+def check_coverage(encoder: Encoder, splits: dict[str, StsPairs]) -> None:
+    """The tokenizer represents the sentences (`pipeline.tokenizer_checks.coverage_problem`)."""
+    from pipeline.tokenizer_checks import SAMPLE_DOCUMENTS, coverage_problem, unknown_share
+
+    texts = [s for pairs in splits.values() for s in pairs.first[:SAMPLE_DOCUMENTS]]
+    share, tokens = unknown_share((content_ids(encoder.tokenizer, t) for t in texts), encoder.tokenizer.unk_token_id)
+    problem = coverage_problem(encoder.directory, len(encoder.tokenizer), share, tokens,
+                               f"the first {len(texts)} STS sentences")
+    if problem:
+        raise ValueError(f"CONVERTED_DIR {problem}")
+
+
+def evaluate(args: argparse.Namespace) -> dict:
+    """Every input checked (model, data, output), then each split measured."""
+    data = Path(args.data)
+    if not data.is_dir():
+        raise ValueError(f"--data {data}: no such directory (the SentEval STS-B copy: dev.tsv, test.tsv)")
+    splits = {name: read_sts(data / f"{name}.tsv") for name in args.splits}
+    if args.out and Path(args.out).is_dir():
+        raise ValueError(f"--out {args.out}: is a directory; give a file name")
+    encoder = open_encoder(args.converted_dir, "CONVERTED_DIR", args.pooling)
+    check_coverage(encoder, splits)
+    started = time.perf_counter()
+    results = {name: sts_spearman(args.converted_dir, pairs, references=args.references, bootstrap=args.bootstrap,
+                                  seed=args.seed, level=args.level, batch_size=args.batch_size, encoder=encoder)
+               for name, pairs in splits.items()}
+    return {
+        "model": str(args.converted_dir),
+        "data": str(data),
+        "metric": "spearman x 100 of cosine(embedding 1, embedding 2) against the human score",
+        "pooling": encoder.pooling.record(),
+        "bootstrap": {"samples": args.bootstrap, "seed": args.seed, "level": args.level, "over": "pairs",
+                      "paired": "the same draws for every method"},
+        "random_init_seed": args.seed if "random_init" in args.references else None,
+        "splits": results,
+        "seconds": round(time.perf_counter() - started, 2),
+        "command": " ".join(["cpt-sts", *args.argv]),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cpt-sts", description=__doc__.split("\n\n")[0])
+    p.add_argument("converted_dir", help="a cpt-convert output directory")
+    p.add_argument("--data", required=True, help="the SentEval STS-B directory (dev.tsv, test.tsv; no header)")
+    p.add_argument("--splits", nargs="+", default=list(SPLITS), choices=SPLITS)
+    p.add_argument("--references", nargs="*", default=list(REFERENCES), choices=REFERENCES,
+                   help="reference points measured the same way (default: all; none with an empty list)")
+    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the pairs (0: no interval)")
+    p.add_argument("--level", type=float, default=0.95, help="the intervals' coverage")
+    p.add_argument("--seed", type=int, default=0, help="seeds the bootstrap draws and the random-init reference")
+    p.add_argument("--pooling", default=None, choices=POOLINGS, help="instead of the directory's declared pooling")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
+    p.add_argument("--out", default=None, help="also write the JSON result to this file (atomically)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    for flag, bad in (("--bootstrap", args.bootstrap < 0), ("--batch-size", args.batch_size <= 0),
+                      ("--level", not 0 < args.level < 1)):
+        if bad:
+            print(f"error: {flag} {getattr(args, flag[2:].replace('-', '_'))}: out of range", file=sys.stderr)
+            return 2
+    previous_threads = torch.get_num_threads()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    try:
+        result = evaluate(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(previous_threads)
+    text = json.dumps(result, indent=2)
+    if args.out:
+        write_atomic(Path(args.out), text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
