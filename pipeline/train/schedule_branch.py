@@ -41,7 +41,11 @@ def schedule_branch(old: dict[str, Any], new: dict[str, Any], step: int) -> tupl
     if "train.total_steps" in changed:
         readers = [f"objectives.{o}" for o, w in (new.get("objectives") or {}).items()
                    if o in TOTAL_STEPS_OBJECTIVES and float(w) != 0]
-        readers += [k for k in ("phases", "data.sources") if b.get(k)]
+        readers += ["phases"] if b.get("phases") else []
+        # a weight-only mixture's interleave is per block, whatever the run's length; a token budget is a
+        # share of train.total_steps x global batch, so a new total moves it
+        readers += ["data.sources token budgets"] if any(
+            isinstance(src, dict) and src.get("tokens") is not None for src in b.get("data.sources") or []) else []
         if readers:
             return False, (f"train.total_steps also shapes {', '.join(readers)}, so a new total changes more than the "
                            "LR after the checkpoint")

@@ -4,6 +4,7 @@ a stable-phase checkpoint changes no rate already trained (`pipeline.train.sched
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 import math
 
 import pytest
@@ -170,3 +171,22 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_a_wsd_branch_of_a_weight_only_mixture_is_a_schedule_change(tmp_path: Path) -> None:
+    """Issue 49: a WSD decay branched off a weight-only mixture was refused with "train.total_steps also
+    shapes data.sources"; weights set a per-block interleave whatever the run's length, so only token
+    budgets (a share of total_steps x batch) make a new total more than an LR change."""
+    from pipeline.train.run_config import load_config
+    from pipeline.train.schedule_branch import schedule_branch
+
+    def config(total: int, sources: str) -> dict:
+        return load_config("tiny-mlm", [f"train.total_steps={total}", "optim.schedule=wsd", "optim.decay_steps=4",
+                                        "optim.warmup_steps=2", "data.shards_dir=", f"data.sources={sources}"]).to_dict()
+
+    weights = f"[{{path: {tmp_path / 'a'}, weight: 3}}, {{path: {tmp_path / 'b'}, weight: 1}}]"
+    accepted, reason = schedule_branch(config(10, weights), config(20, weights), 6)
+    assert accepted, reason
+    budgets = f"[{{path: {tmp_path / 'a'}, tokens: 5000}}, {{path: {tmp_path / 'b'}, weight: 1}}]"
+    accepted, reason = schedule_branch(config(10, budgets), config(20, budgets), 6)
+    assert not accepted and "train.total_steps also shapes data.sources token budgets" in reason
