@@ -90,11 +90,18 @@ def test_a_default_corpus_too_small_to_hold_out_is_an_error_before_training(tmp_
     assert not (out / "runs").exists()  # no training
 
 
-def test_a_user_corpus_too_small_to_hold_out_is_trained_on_whole(tmp_path: Path) -> None:
-    from demo.corpus import build_demo_corpus
+def test_a_user_corpus_too_small_to_hold_out_is_trained_on_whole(tmp_path: Path, tiny_tokenizer_dir) -> None:
+    import argparse
 
-    (tmp_path / "a.txt").write_text("\n\n".join(f"The river number {i} flows past the old mill near the hills."
-                                                 for i in range(300)))
-    stats = build_demo_corpus(tmp_path / "c.txt", [tmp_path / "a.txt"], heldout_path=tmp_path / "h.txt")
-    assert stats.heldout is None and stats.documents == 1 and not (tmp_path / "h.txt").exists()
+    from data_prep.holdout import DEFAULT_SUBDIR
+    from demo.run import build_demo_shards
 
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"The river number {i} flows past the old mill near the hills." for i in range(20)))
+    args = argparse.Namespace(seq_len=32, corpus=[str(corpus)], max_corpus_mb=4.0)
+    manifest, held = build_demo_shards(corpus, tiny_tokenizer_dir, tmp_path / "shards", args, num_proc=1)
+    assert held is None and not (tmp_path / "shards" / DEFAULT_SUBDIR).exists()  # no validation, all trained on
+    assert manifest.stats["documents"] == 20
+    args.corpus = []  # the installation's documentation that small: an error naming --corpus
+    with pytest.raises(ValueError, match="too small.*--corpus PATH"):
+        build_demo_shards(corpus, tiny_tokenizer_dir, tmp_path / "shards2", args, num_proc=1)

@@ -91,23 +91,16 @@ def _paragraph(doc: int, para: int) -> str:
     return " ".join(f"w{_letters(doc)}x{_letters(para)}y{_letters(k)}" for k in range(MIN_WORDS + 2)) + "."
 
 
-def test_heldout_text_is_one_document_in_ten_of_the_capped_corpus_and_shares_nothing_with_it(tmp_path):
+def test_the_corpus_under_its_cap_is_written_whole_and_deterministically(tmp_path):
+    """The corpus stage holds nothing out (the shards stage does, by document: `data_prep.holdout`)."""
     sources = [("user-text", "\n\n".join(_paragraph(d, p) for p in range(3))) for d in range(45)]
     total = sum(len(("\n".join(_paragraph(d, p) for p in range(3)) + "\n\n").encode()) for d in range(45))
-    train = write_corpus(sources, tmp_path / "train.txt", max_bytes=total, heldout_path=tmp_path / "held.txt")
-    train_text, held_text = (tmp_path / "train.txt").read_text(), (tmp_path / "held.txt").read_text()
-    assert not set(train_text.split()) & set(held_text.split())
-    # by document, by position: the 10th, 20th, 30th and 40th documents, whole, in order
-    assert held_text == "".join("\n".join(_paragraph(d, p) for p in range(3)) + "\n\n" for d in (9, 19, 29, 39))
-    assert (train.documents, train.heldout.documents) == (41, 4) and train.heldout.paragraphs == 12
-    assert train.bytes + train.heldout.bytes == total  # all of a corpus under its cap: nothing lies "beyond" it
-    assert "trained on" in train.summary() and "held out" in train.summary()
-    again = write_corpus(sources, tmp_path / "train2.txt", max_bytes=total, heldout_path=tmp_path / "held2.txt")
-    assert (tmp_path / "held2.txt").read_text() == held_text and again.bytes == train.bytes  # deterministic
-    # a corpus too small to hold out min_heldout_bytes: nothing held out, all of it trained on
-    small = write_corpus(sources, tmp_path / "s.txt", max_bytes=total, heldout_path=tmp_path / "s_held.txt",
-                         min_heldout_bytes=train.heldout.bytes + 1)
-    assert small.heldout is None and small.bytes == total and not (tmp_path / "s_held.txt").exists()
+    train = write_corpus(sources, tmp_path / "train.txt", max_bytes=total)
+    assert (train.documents, train.paragraphs, train.bytes) == (45, 135, total)
+    again = write_corpus(sources, tmp_path / "train2.txt", max_bytes=total)
+    assert (tmp_path / "train2.txt").read_text() == (tmp_path / "train.txt").read_text() and again.bytes == total
+    capped = write_corpus(sources, tmp_path / "capped.txt", max_bytes=total - 1)
+    assert capped.documents == 44  # the cap drops whole documents
 
 
 @pytest.fixture(scope="module")
