@@ -196,7 +196,8 @@ def verdict(result: dict) -> str:
 def report_lines(result: dict) -> list[str]:
     t, r = result["trained"], result["random_init"]
     return [
-        f"held-out text (validation at step {result.get('validation_step', '?')}, documents the demo never trained on):",
+        f"held-out text (validation at step {result.get('validation_step', '?')}, documents the demo never "
+        "trained on):",
         f"  masked-LM accuracy  {t['mlm_acc']:.3f} trained   {r['mlm_acc']:.3f} random init   "
         f"{t['unigram_acc']:.3f} always the most frequent token",
         f"  masked-LM loss      {t['mlm_loss']:.2f}  trained   {r['mlm_loss']:.2f}  random init",

@@ -355,7 +355,9 @@ def print_summary(summary: dict) -> None:
         print(f"  {label:<20} {paths[key]}")
     print(f"  {'summary':<20} {Path(paths['run']).parent.parent / SUMMARY_FILE}")
     corpus, held = summary["corpus"], summary["corpus"].get("heldout")
-    print(f"\nTrained on {corpus['bytes'] / 1e6:.2f} MB ({corpus['documents']} documents); " +
+    trained = corpus["documents"] - (held["documents"] if held else 0)
+    print(f"\nTrained on {trained} of the corpus's {corpus['documents']} documents "
+          f"({corpus['bytes'] / 1e6:.2f} MB); " +
           (f"held out {held['documents']} documents ({held['sequences']:,} sequences) in {held['path']}, "
            "validated during training (val/* in metrics.jsonl) and reported in outcome.json"
            if held else "nothing held out (corpus too small to split)"))

@@ -15,7 +15,8 @@ interrupted training run resumes from its last checkpoint through `pipeline.trai
 2. **selection** (`select_lrs`): per objective, the learning rate with the best *selection* metric
    at the final checkpoint: the first task's accuracy on its selection split (train examples never
    fine-tuned on; ties broken by the next item), or, without tasks, the masked-LM loss on the
-   `heldout-select` half. The reported numbers (dev and test, the `heldout-report` half) never take part;
+   `heldout-select` half, or the study's `select: val/<metric>` (the runs' last validation record, on the
+   `heldout-select` half). The reported numbers (dev and test, the `heldout-report` half) never take part;
 3. **seeds**: the remaining seeds at the selected learning rate; every checkpoint of every selected
    run is fine-tuned (the downstream curves);
 4. **final**: the final checkpoint of every selected run is fine-tuned once more with `test.tsv`

@@ -67,7 +67,8 @@ def test_selection_on_a_validation_metric_follows_its_direction() -> None:
                      3e-3: _run({"step": 8, "val/mlm_head/loss": 1.0, "val/mlm_head/accuracy": 0.90}, "failed"),
                      1e-2: _run(None)}}
     by_loss = select_lrs(sweep, "val/mlm_head/loss")["mlm"]
-    assert by_loss["lr"] == 1e-3 and by_loss["values"] == {"0.0001": 5.0, "0.001": 4.0}  # lowest; failed / unvalidated out
+    # the lowest loss; a failed run and one without a validation record are no candidates
+    assert by_loss["lr"] == 1e-3 and by_loss["values"] == {"0.0001": 5.0, "0.001": 4.0}
     assert select_lrs(sweep, "val/mlm_head/accuracy")["mlm"]["lr"] == 1e-4  # highest
 
 
