@@ -240,7 +240,7 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
                   keep_checkpoints=bool(raw.get("keep_checkpoints", True)),
                   select=str(raw.get("select") or ""))
     resolve_steps(study)
-    check_select(study)
+    check_select(study, check_data)
     if check_data:
         for key, p in shards.items():
             if not (p / "manifest.json").is_file():
@@ -283,13 +283,15 @@ def resolve_steps(study: Study) -> None:
     study.steps = max(study.steps_of.values())
 
 
-def check_select(study: Study) -> None:
+def check_select(study: Study, check_data: bool = False) -> None:
     """`select: val/<metric>`: the learning rate is selected on a validation metric, the run's last `val/` record
     (`pipeline.train.validation`, with `eval.shards_dir` = the `heldout_select` shards, evaluated every
     `eval_every` steps), lowest or highest by the name's direction (`pipeline.monitor.signals.direction_of`).
     Refused (before any job) unless every objective's run logs it: `val/` + `loss`, `health/...`, one of its
     objectives' terms, or `mlm_head/...` where an objective trains the shared MLM head; and its direction must
-    be known (`..._loss` lower, `..._accuracy` / `..._auc` higher)."""
+    be known (`..._loss` lower, `..._accuracy` / `..._auc` higher). `check_data`: `heldout_select` must pass the
+    runs' own `eval.shards_dir` checks (`pipeline.train.eval_config.check_eval_set`: tokenizer, seq_len, not the
+    training set, one evaluation batch per rank)."""
     if not study.select:
         return
     from pipeline.monitor.signals import direction_of
@@ -307,3 +309,15 @@ def check_select(study: Study) -> None:
         if name.split("/", 1)[0] not in known:
             raise StudyError(f"{where}: objectives.{objective} does not log it; its validation metrics start with "
                              f"{', '.join('val/' + k for k in known)}")
+        if check_data:
+            from pipeline.config.checks import ConfigError
+            from pipeline.data.shards import read_manifest
+            from pipeline.train.eval_config import EvalConfig, check_eval_set
+
+            held, cfg = str(study.shards["heldout_select"]), run_config(study, objective)
+            try:
+                check_eval_set(EvalConfig(shards_dir=held, every=study.eval_every), read_manifest(study.shards["train"]),
+                               str(study.shards["train"]), [], study.world_size, cfg.data.micro_batch_size)
+            except (ConfigError, ValueError, OSError) as err:
+                raise StudyError(f"{where}: shards.heldout_select (the runs' eval.shards_dir, objectives.{objective}): "
+                                 f"{err}") from None

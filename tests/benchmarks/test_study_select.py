@@ -85,6 +85,9 @@ def test_runs_of_a_select_study_record_their_last_validation(tiny_corpus_file, t
                  progress=False, holdout_fraction=0.2)
     monkeypatch.chdir(REPO)  # the training children import `pipeline` from the checkout
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    with pytest.raises(StudyError) as err:  # the runs would refuse it as eval.shards_dir: the study does, first
+        load_study(write_study(tmp_path, "val/mlm_head/loss", shards, shards))
+    assert "shards.heldout_select" in str(err.value) and "the training data itself" in str(err.value)
     study = load_study(write_study(tmp_path, "val/mlm_head/loss", shards, shards / "validation",
                                    lrs="[1.0e-4, 3.0e-3]"))
     sweep = {"mlm": {}}
