@@ -44,8 +44,7 @@ import yaml
 #: pipeline.train keys the study sets per run (an objective override of one would defeat the sweep): the one
 #: owner list, for study files and for the CPU study's `--set` (whose flags own the model size and batch too).
 STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_steps", "train.checkpoint_every",
-               "train.output_dir", "train.resume", "data.shards_dir", "train.log_every", "train.keep_last",
-               "eval.shards_dir", "eval.every")
+               "train.output_dir", "train.resume", "data.shards_dir", "train.log_every", "train.keep_last")
 TOP_KEYS = {"name", "work_dir", "objectives", "seeds", "lrs", "warmup_ratio", "budget", "eval_every", "shards",
             "tasks", "finetune", "eval_sequences", "plateau_margin", "resources", "cost", "subset_seed",
             "keep_checkpoints", "select"}
@@ -304,6 +303,11 @@ def check_select(study: Study, check_data: bool = False) -> None:
         raise StudyError(f"{where}: its direction is unknown; give a loss (..._loss, lower is better) or an "
                          "accuracy / AUC (higher is better), e.g. val/mlm_head/loss")
     for objective in study.objectives:
+        owned = [o for o in study.objectives[objective].overrides
+                 if o.split("=", 1)[0] in ("eval.shards_dir", "eval.every")]
+        if owned:
+            raise StudyError(f"{where}: objectives.{objective}.overrides: {owned}: with select the study sets these "
+                             "itself (shards.heldout_select, eval_every)")
         objectives = run_config(study, objective).objectives
         known = ["loss", "health", *objectives, *(["mlm_head"] if mlm_head_training(objectives) else [])]
         if name.split("/", 1)[0] not in known:
@@ -316,8 +320,9 @@ def check_select(study: Study, check_data: bool = False) -> None:
 
             held, cfg = str(study.shards["heldout_select"]), run_config(study, objective)
             try:
-                check_eval_set(EvalConfig(shards_dir=held, every=study.eval_every), read_manifest(study.shards["train"]),
-                               str(study.shards["train"]), [], study.world_size, cfg.data.micro_batch_size)
+                check_eval_set(EvalConfig(shards_dir=held, every=study.eval_every),
+                               read_manifest(study.shards["train"]), str(study.shards["train"]), [],
+                               study.world_size, cfg.data.micro_batch_size)
             except (ConfigError, ValueError, OSError) as err:
                 raise StudyError(f"{where}: shards.heldout_select (the runs' eval.shards_dir, objectives.{objective}): "
                                  f"{err}") from None

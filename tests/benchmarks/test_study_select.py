@@ -53,6 +53,10 @@ def test_select_sets_eval_on_the_selection_half(tmp_path) -> None:
     study = load_study(path, check_data=False)
     overrides = pretrain_overrides(study, RunKey("taco", 1e-3, 1))
     assert f"eval.shards_dir={tmp_path / 'held'}" in overrides and "eval.every=2" in overrides
+    owned = write_study(tmp_path, "val/mlm_head/loss", tmp_path / "train", tmp_path / "held",
+                        objectives="mlm: {preset: tiny-mlm, overrides: [eval.every=1]}")
+    with pytest.raises(StudyError, match=r"objectives.mlm.overrides: \['eval.every=1'\]: with select the study sets"):
+        load_study(owned, check_data=False)
     plain = load_study(write_study(tmp_path, "", tmp_path / "train", tmp_path / "held"), check_data=False)
     assert not any(o.startswith("eval.") for o in pretrain_overrides(plain, RunKey("mlm", 1e-3, 1)))
 
