@@ -6,9 +6,8 @@ the long descriptions (READMEs) of installed distributions in `*.dist-info/METAD
 `.rst`/`.md`/`.txt` documentation some packages ship. This module gathers them *without importing
 anything* (docstrings come from `ast`, so no module's import-time side effects run and broken
 optional packages cannot crash the demo), cleans them into prose paragraphs and writes one text
-file, one paragraph per line, documents separated by blank lines. One document in ten, by position,
-goes to a held-out file instead (`write_corpus(heldout_path=...)`): the demo measures its checkpoint
-on text of the same sources it never trained on, whatever the corpus's size.
+file, one paragraph per line, documents separated by blank lines (the unit `data_prep.build_shards
+--holdout-fraction` holds out by, which is where the demo's held-out set comes from).
 
 The user can point at their own files or folders instead (`collect_user_corpus`): `.py` files
 contribute their docstrings, any other file is read as UTF-8 text.
@@ -28,7 +27,7 @@ import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Iterable, Iterator
 
 #: Stdlib folders whose docstrings are test scaffolding or generated tables, not prose.
 SKIPPED_DIRS = frozenset(
@@ -43,26 +42,15 @@ MIN_WORDS = 6
 MIN_LETTER_FRACTION = 0.6
 
 
-#: One document in this many is held out (the 10th, 20th, ... in the corpus's fixed source order): a fixed
-#: share of whatever corpus there is, spread over every source kind, so held-out text is the training
-#: text's domain without any of its documents.
-HELDOUT_EVERY = 10
-#: Smallest held-out text the demo's outcome stage can use: about one batch of 32 rows of 128 tokens
-#: (4,096 tokens at ~5 bytes of English per WordPiece token). A corpus that holds out less is too small
-#: for both training and a held-out measurement (about 200 KB of prose at one document in ten).
-MIN_HELDOUT_BYTES = 20_000
-
-
 @dataclass
 class CorpusStats:
-    """What went into the corpus file (and, split off it, the held-out file), printed by the demo."""
+    """What went into the corpus file, printed by the demo."""
 
     path: Path
     paragraphs: int = 0
     documents: int = 0
     bytes: int = 0
     sources: dict[str, int] = field(default_factory=dict)  # source kind -> paragraphs
-    heldout: Optional["CorpusStats"] = None  # the documents held out, when a split was asked for and possible
 
     def add(self, kind: str, chunk: str, paragraphs: int) -> None:
         self.bytes += len(chunk.encode("utf-8"))
@@ -74,9 +62,6 @@ class CorpusStats:
         parts = ", ".join(f"{k}: {v}" for k, v in sorted(self.sources.items()))
         text = (f"{self.path} ({self.bytes / 1e6:.2f} MB, {self.documents} documents, "
                 f"{self.paragraphs} paragraphs; {parts})")
-        if self.heldout is not None:
-            text = (f"trained on {text}; held out {self.heldout.bytes / 1e6:.2f} MB ({self.heldout.documents} "
-                    f"documents, one in {HELDOUT_EVERY}) in {self.heldout.path}")
         return text
 
     def as_json(self) -> dict:
@@ -207,11 +192,6 @@ def user_sources(paths: Iterable[str | os.PathLike]) -> Iterator[tuple[str, str]
                 yield "user-text", f.read_text(encoding="utf-8", errors="replace")
 
 
-def is_heldout(index: int) -> bool:
-    """Whether the corpus's `index`-th document (0-based, in source order) is held out: the 10th, 20th, ..."""
-    return index % HELDOUT_EVERY == HELDOUT_EVERY - 1
-
-
 def _write_atomic(path: Path, chunks: list[str]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as fh:
@@ -220,15 +200,8 @@ def _write_atomic(path: Path, chunks: list[str]) -> None:
 
 
 def write_corpus(sources: Iterable[tuple[str, str]], out_path: str | os.PathLike,
-                 max_bytes: int = 8_000_000, heldout_path: str | os.PathLike | None = None,
-                 min_heldout_bytes: int = 0) -> CorpusStats:
+                 max_bytes: int = 8_000_000) -> CorpusStats:
     """Clean, de-duplicate and write `sources` to `out_path` (atomically), up to `max_bytes` in all.
-
-    heldout_path: one document in `HELDOUT_EVERY` (`is_heldout`, by position in the fixed source order,
-    so the same installation always gives the same split) goes there instead, whatever the corpus's
-    size: held-out text of the same sources that shares no paragraph with the training text (the
-    de-duplication spans both). When that held-out text would be under `min_heldout_bytes`, nothing is
-    held out (`stats.heldout` stays None, `heldout_path` is not written) and the caller decides.
 
     Raises ValueError when nothing usable was found (e.g. user files with no prose).
     """
@@ -255,30 +228,18 @@ def write_corpus(sources: Iterable[tuple[str, str]], out_path: str | os.PathLike
     if not documents:
         raise ValueError(f"no prose paragraphs (>= {MIN_WORDS} words) found for {out}")
     stats = CorpusStats(path=out)
-    held = CorpusStats(path=Path(heldout_path)) if heldout_path is not None else None
-    for index, (kind, chunk, paragraphs) in enumerate(documents):
-        (held if held is not None and is_heldout(index) else stats).add(kind, chunk, paragraphs)
-    if held is not None and (held.bytes < max(1, min_heldout_bytes) or stats.documents == 0):
-        stats, held = CorpusStats(path=out), None  # too small to split: all of it is training text
-        for kind, chunk, paragraphs in documents:
-            stats.add(kind, chunk, paragraphs)
-    if held is not None:
-        held.path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(held.path, [c for i, (_, c, _) in enumerate(documents) if is_heldout(i)])
-        stats.heldout = held
-    _write_atomic(out, [c for i, (_, c, _) in enumerate(documents) if held is None or not is_heldout(i)])
+    for kind, chunk, paragraphs in documents:
+        stats.add(kind, chunk, paragraphs)
+    _write_atomic(out, [chunk for _, chunk, _ in documents])
     return stats
 
 
 def build_demo_corpus(out_path: str | os.PathLike, user_paths: Iterable[str | os.PathLike] = (),
-                      max_bytes: int = 8_000_000, heldout_path: str | os.PathLike | None = None,
-                      min_heldout_bytes: int = MIN_HELDOUT_BYTES) -> CorpusStats:
-    """The demo's corpus: the user's files when given, else this Python installation's documentation;
-    with `heldout_path`, one document in `HELDOUT_EVERY` held out there (`write_corpus`)."""
+                      max_bytes: int = 8_000_000) -> CorpusStats:
+    """The demo's corpus: the user's files when given, else this Python installation's documentation."""
     user_paths = list(user_paths)
     sources = user_sources(user_paths) if user_paths else default_sources()
-    return write_corpus(sources, out_path, max_bytes=max_bytes, heldout_path=heldout_path,
-                        min_heldout_bytes=min_heldout_bytes)
+    return write_corpus(sources, out_path, max_bytes=max_bytes)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -288,14 +249,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", help="output text file")
     parser.add_argument("--corpus", nargs="*", default=[], help="files/folders to use instead of installed docs")
     parser.add_argument("--max-mb", type=float, default=8.0, help="cap on the corpus (training + held-out text)")
-    parser.add_argument("--heldout", default=None,
-                        help=f"hold out one document in {HELDOUT_EVERY} into this file (>= {MIN_HELDOUT_BYTES:,} bytes)")
     args = parser.parse_args(argv)
-    stats = build_demo_corpus(args.out, args.corpus, int(args.max_mb * 1e6), heldout_path=args.heldout)
-    print(stats.summary())
-    if args.heldout and stats.heldout is None:
-        print(f"nothing held out: the corpus is too small ({stats.documents} documents, {stats.bytes:,} bytes) to "
-              f"hold out one document in {HELDOUT_EVERY} with >= {MIN_HELDOUT_BYTES:,} bytes", file=sys.stderr)
+    print(build_demo_corpus(args.out, args.corpus, int(args.max_mb * 1e6)).summary())
 
 
 if __name__ == "__main__":

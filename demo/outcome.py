@@ -1,18 +1,22 @@
-"""What the demo's pretraining changed, on text it never saw: the converted checkpoint against a
-random-init model of the same shape (`python -m demo.outcome DEMO_OUT`, also the demo's last stage).
+"""What the demo's pretraining changed, on text it never saw: the run's held-out validation against the
+same model at its initialisation (`python -m demo.outcome DEMO_OUT`, also the demo's last stage).
 
-Held-out text: the one document in ten the corpus stage held out (`demo.corpus.HELDOUT_EVERY`,
-`DEMO_OUT/heldout/heldout.txt`: the corpus's own sources, no paragraph of the training text),
-tokenized with the demo's tokenizer into `DEMO_OUT/heldout/shards`.
+Held-out text: the documents `data_prep.build_shards --holdout-fraction` held out (by document,
+`data_prep.holdout`) into `DEMO_OUT/shards/validation`, the run's `eval.shards_dir`.
 
-For both models, on the same held-out rows (a random sample in random order, as training draws
-them) and masks (BERT 15% masking, the collator's seed):
+The masked-LM numbers have one home, the validation during training (`pipeline.train.validation`):
 
-* masked-LM accuracy and loss at the masked positions, and the unigram plateau (the accuracy of
-  always answering the training corpus's most frequent token) — a working run beats both the
-  random model and the plateau;
-* the mean cosine between the last hidden states of two different tokens (`pipeline.monitor.health`;
-  above 0.9 = collapsed: every token has nearly the same vector);
+* trained: the run's last `val/` record in its `metrics.jsonl` — `val/mlm_head/accuracy` and
+  `val/mlm_head/loss` on the held-out masked positions, `val/health/unigram_accuracy` (the plateau: always
+  answering the training corpus's most frequent token) and `val/health/token_cosine` (the mean cosine
+  between the last hidden states of two different tokens; above 0.9 = collapsed);
+* random init: the same `Validator`, same held-out rows and masks (`eval.seed`), applied to the run's own
+  model at step 0 (`build_run_model`: the run's seed, its unigram output-bias start) — a working run
+  beats both it and the plateau.
+
+Besides, on the converted (Hugging Face) checkpoint and a random-init model of the same shape, on
+held-out rows in random order, what validation does not measure:
+
 * TACO's loss (Fu et al. 2022, Eq. 6-8; g = hidden_states[-1] - hidden_states[0], the masked view,
   negatives from other documents, `pipeline.objectives.taco`, with the run's window, negatives and
   tau: the demo's `tiny-taco` preset draws 8 negatives, not the paper's 50) on held-out rows, and the same with every content token replaced by a uniformly random token (documents,
@@ -48,22 +52,11 @@ def taco_options(hf_dir: Path) -> dict:
     return {k: chosen.get(k, v) for k, v in TACO_DEFAULTS.items()}
 
 
-def heldout_text(demo_out: Path) -> Path:
-    """The held-out text the demo's corpus stage wrote (`demo.corpus.write_corpus(heldout_path=...)`)."""
-    return demo_out / "heldout" / "heldout.txt"
+def heldout_shards(demo_out: Path) -> Path:
+    """The demo's held-out shard set (`build_shards(holdout_fraction=...)`'s validation directory)."""
+    from data_prep.holdout import DEFAULT_SUBDIR
 
-
-def build_heldout(demo_out: Path, seq_len: int = 128) -> Path:
-    """`DEMO_OUT/heldout/shards`: the held-out documents, tokenized with the demo's tokenizer."""
-    from data_prep.build_shards import build_shards
-
-    text = heldout_text(demo_out)
-    if not text.is_file():
-        raise FileNotFoundError(f"{text}: no held-out text (written by the demo's corpus stage; a demo output from "
-                                "before the held-out split, or a --corpus too small to split, has none): re-run the demo")
-    shards = demo_out / "heldout" / "shards"
-    build_shards([str(text)], demo_out / "tokenizer", shards, seq_len=seq_len, num_proc=1, progress=False)
-    return shards
+    return demo_out / "shards" / DEFAULT_SUBDIR
 
 
 def random_tokens(batch: dict, vocab_size: int, structure: Sequence[int], seed: int) -> torch.Tensor:
@@ -76,26 +69,16 @@ def random_tokens(batch: dict, vocab_size: int, structure: Sequence[int], seed: 
     return ids
 
 
-def evaluate(model, batches: list[dict], top_token: int, structure: Sequence[int], vocab_size: int,
-             taco: dict) -> dict:
-    from pipeline.data.batch import IGNORE_INDEX, content_tokens
-    from pipeline.monitor.health import mean_token_cosine
+def evaluate(model, batches: list[dict], structure: Sequence[int], vocab_size: int, taco: dict) -> dict:
+    """TACO's loss on the held-out rows and on random tokens, and the leak counts (module doc)."""
+    from pipeline.data.batch import content_tokens
     from pipeline.kernels.functional import token_contrastive_loss
     from pipeline.objectives.taco import sample_taco_indices
 
-    sums = dict(loss=0.0, correct=0, plateau=0, count=0, taco=0.0, taco_random=0.0, anchors=0,
-                pos_is_anchor=0, pos_other_doc=0, neg_same_doc=0)
-    cosines = []
+    sums = dict(taco=0.0, taco_random=0.0, anchors=0, pos_is_anchor=0, pos_other_doc=0, neg_same_doc=0)
     with torch.no_grad():
         for i, batch in enumerate(batches):
-            labels = batch["mlm_labels"]
             out = model(input_ids=batch["masked_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
-            selected = labels != IGNORE_INDEX
-            scores, target = out.logits[selected].float(), labels[selected]
-            sums["loss"] += float(torch.nn.functional.cross_entropy(scores, target, reduction="sum"))
-            sums["correct"] += int((scores.argmax(-1) == target).sum())
-            sums["plateau"] += int((target == top_token).sum())
-            sums["count"] += int(selected.sum())
             eligible = content_tokens(batch)
             docs = batch["document_ids"]
             a, p, n = sample_taco_indices(eligible, eligible, taco["window"], taco["num_negatives"],
@@ -111,27 +94,21 @@ def evaluate(model, batches: list[dict], top_token: int, structure: Sequence[int
             hs = model(input_ids=noise, attention_mask=batch["attention_mask"], output_hidden_states=True).hidden_states
             g_noise = (hs[-1] - hs[0]).reshape(-1, hs[0].shape[-1])
             sums["taco_random"] += float(token_contrastive_loss(g_noise, a, p, n, taco["tau"])) * a.numel()
-            cosines.append(mean_token_cosine(out.hidden_states[-1], eligible))
-    count, anchors = max(1, sums["count"]), max(1, sums["anchors"])
-    return {"mlm_acc": sums["correct"] / count, "mlm_loss": sums["loss"] / count,
-            "unigram_acc": sums["plateau"] / count, "masked_tokens": sums["count"],
-            "token_cosine": float(np.mean(cosines)), "taco_loss": sums["taco"] / anchors,
-            "taco_loss_random_tokens": sums["taco_random"] / anchors, "taco_anchors": sums["anchors"],
-            "leak_positive_is_anchor": sums["pos_is_anchor"], "leak_positive_other_document": sums["pos_other_doc"],
-            "leak_negative_same_document": sums["neg_same_doc"]}
+    anchors = max(1, sums["anchors"])
+    return {"taco_loss": sums["taco"] / anchors, "taco_loss_random_tokens": sums["taco_random"] / anchors,
+            "taco_anchors": sums["anchors"], "leak_positive_is_anchor": sums["pos_is_anchor"],
+            "leak_positive_other_document": sums["pos_other_doc"], "leak_negative_same_document": sums["neg_same_doc"]}
 
 
-def measure(hf_dir: Path, heldout_shards: Path, train_shards: Path, seed: int = 0, rows: int = HELDOUT_ROWS) -> dict:
-    """Trained (converted) model vs the same architecture at random init, on held-out rows."""
+def measure(hf_dir: Path, heldout: Path, seed: int = 0, rows: int = HELDOUT_ROWS) -> dict:
+    """TACO and leak checks (`evaluate`) of the converted model vs the same architecture at random init."""
     from transformers import BertConfig, BertForMaskedLM
 
     from pipeline.data.batch import STRUCTURE_TOKENS
     from pipeline.data.corruption import CorruptionCollator
     from pipeline.data.reader import ShardDataset
-    from pipeline.monitor.health import unigram_counts
 
-    dataset = ShardDataset(heldout_shards)
-    top_token = int(unigram_counts(ShardDataset(train_shards)).argmax())
+    dataset = ShardDataset(heldout)
     collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, seed)
     n = min(rows, len(dataset))
     # rows in a random order, as training draws them: consecutive rows continue one document, and as
@@ -145,9 +122,65 @@ def measure(hf_dir: Path, heldout_shards: Path, train_shards: Path, seed: int = 
     random_init = BertForMaskedLM(BertConfig.from_pretrained(str(hf_dir))).eval()
     taco = taco_options(hf_dir)
     result = {"heldout_sequences": n, "taco_options": taco,
-              "trained": evaluate(trained, batches, top_token, structure, dataset.vocab_size, taco),
-              "random_init": evaluate(random_init, batches, top_token, structure, dataset.vocab_size, taco)}
+              "trained": evaluate(trained, batches, structure, dataset.vocab_size, taco),
+              "random_init": evaluate(random_init, batches, structure, dataset.vocab_size, taco)}
     result["taco_loss_uniform_guess"] = math.log(1 + taco["num_negatives"])  # all candidates alike
+    return result
+
+
+#: outcome key <- `val/` metric (`pipeline.train.validation`): the masked-LM yardstick, plateau, collapse check
+VALIDATION_KEYS = {"mlm_acc": "val/mlm_head/accuracy", "mlm_loss": "val/mlm_head/loss",
+                   "unigram_acc": "val/health/unigram_accuracy", "token_cosine": "val/health/token_cosine"}
+
+
+def validation_numbers(record: dict, where: str) -> dict:
+    """The outcome's masked-LM numbers from one validation record (`VALIDATION_KEYS`)."""
+    missing = [k for k in VALIDATION_KEYS.values() if not isinstance(record.get(k), (int, float))]
+    if missing:
+        raise ValueError(f"{where}: the validation record logs no {', '.join(missing)} (an objective without the "
+                         "shared MLM head, or a run without eval.shards_dir)")
+    return {key: float(record[name]) for key, name in VALIDATION_KEYS.items()}
+
+
+def last_validation(metrics_path: Path) -> dict:
+    """The run's last `val/` record in its `metrics.jsonl` (the trained model's held-out numbers)."""
+    from pipeline.train.metrics import read_jsonl
+    from pipeline.train.validation import is_validation_record
+
+    records = [r for r in read_jsonl(metrics_path) if is_validation_record(r)] if metrics_path.is_file() else []
+    if not records:
+        raise ValueError(f"{metrics_path}: no validation record (val/*); the run needs eval.shards_dir and eval.every")
+    return records[-1]
+
+
+def initial_validation(preset: str, overrides: Sequence[str]) -> dict:
+    """The run's `Validator` (same held-out rows, masks and metrics as during training) applied to the run's
+    own model at initialisation (`build_run_model`, the run's seed): the random-init reference, in-process
+    on one CPU rank."""
+    from pipeline.train.loop import build_run_model, open_data
+    from pipeline.train.run_config import check_run, load_config
+    from pipeline.train.validation import open_validator
+
+    cfg = load_config(preset, overrides)
+    plan = check_run(cfg, 1, False, fresh_start=True)
+    run_cfg = plan.schedule.run_config(plan.schedule.phases[0])
+    model = build_run_model(run_cfg, plan)
+    open_data(run_cfg, plan, model)  # the health references (plateau) from the training shards, as the run sets them
+    validator = open_validator(cfg, plan, model, 0, 1, torch.device("cpu"))
+    if validator is None:
+        raise ValueError(f"{preset} {' '.join(overrides)}: no eval.shards_dir, so no validation to apply")
+    return {"step": 0, **validator.evaluate(model, model, 0, cfg.train.total_steps, plan.batch.grad_accum)}
+
+
+def outcome(demo_out: Path, hf_dir: Path, run_dir: Path, preset: str, overrides: Sequence[str]) -> dict:
+    """The demo's outcome (module doc): validation's masked-LM numbers, trained and at init, merged with the
+    converted model's TACO and leak checks on the held-out shards."""
+    final = last_validation(run_dir / "metrics.jsonl")
+    start = initial_validation(preset, overrides)
+    result = measure(hf_dir, heldout_shards(demo_out))
+    result["validation_step"] = final["step"]
+    result["trained"].update(validation_numbers(final, f"{run_dir / 'metrics.jsonl'} step {final['step']}"))
+    result["random_init"].update(validation_numbers(start, "the validation of the initial model"))
     return result
 
 
@@ -163,7 +196,8 @@ def verdict(result: dict) -> str:
 def report_lines(result: dict) -> list[str]:
     t, r = result["trained"], result["random_init"]
     return [
-        f"held-out text ({result['heldout_sequences']} sequences the demo never trained on):",
+        f"held-out text (validation at step {result.get('validation_step', '?')}, documents the demo never "
+        "trained on):",
         f"  masked-LM accuracy  {t['mlm_acc']:.3f} trained   {r['mlm_acc']:.3f} random init   "
         f"{t['unigram_acc']:.3f} always the most frequent token",
         f"  masked-LM loss      {t['mlm_loss']:.2f}  trained   {r['mlm_loss']:.2f}  random init",
@@ -213,12 +247,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.demo_out)
     try:
-        hf_dir, seq_len = load_demo(out, args.objective)
-        heldout = build_heldout(out, seq_len=seq_len)
+        hf_dir, _ = load_demo(out, args.objective)
+        training = json.loads((out / "demo.json").read_text()).get("training")
+        if not training:
+            raise ValueError(f"{out / 'demo.json'}: no training record (a demo output from before validation "
+                             "during training, or a --corpus too small to hold out): re-run the demo")
+        result = outcome(out, hf_dir, Path(training["run_dir"]), training["preset"], training["overrides"])
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    result = measure(hf_dir, heldout, out / "shards")
     print("\n".join(report_lines(result)))
     write_outcome(out, result)
     return 0

@@ -10,8 +10,11 @@ and prints where every artefact went and the equivalent command of every stage, 
 
 The default corpus is this Python installation's own documentation (`demo.corpus`):
 real English prose that needs no download. `--corpus` uses the user's files or folders instead.
-One document in ten is held out, whatever the corpus's size, for the outcome stage's measurement on
-text the model never saw; a default corpus too small for that is an error before any training.
+One document in ten is held out by the shards stage (`build_shards(holdout_fraction=0.1)`, by document,
+`data_prep.holdout`) into `shards/validation`, the run's `eval.shards_dir`: validation during training
+(`pipeline.train.validation`) measures the held-out masked-LM accuracy every `--steps // 5` steps, and
+the outcome stage reports its last record; a default corpus too small for one evaluation batch of
+held-out rows is an error before any training.
 The model is the `tiny-<objective>` preset widened to hidden 128 / 4 layers, trained for 1000
 steps of 32 sequences of 128 tokens on an 8k WordPiece vocabulary (about 4 minutes on two idle
 cores); enough for the fill-mask output to start depending on the context, not a useful model.
@@ -35,7 +38,7 @@ from typing import Optional, Sequence
 
 #: Written last into `--out`; its presence says "this directory is the demo's, safe to clear".
 SUMMARY_FILE = "demo.json"
-STAGE_ENTRIES = ("corpus.txt", "tokenizer", "shards", "runs", "hf", "heldout", "outcome.json")
+STAGE_ENTRIES = ("corpus.txt", "tokenizer", "shards", "runs", "hf", "heldout", "outcome.json")  # heldout: older demos'
 STAGE_COUNT = 7
 #: Lines of the training log shown although DeepSpeed tags them [INFO]/[WARNING]: its op builds.
 BUILD_LINE = re.compile(r"(?i)building extension|loading extension|built successfully|ninja|compil")
@@ -51,6 +54,13 @@ DEFAULT_PROMPTS = (
 #: installed with pip."). At today's lr 1e-3 MLM's top predictions after 1000 steps are still frequent
 #: tokens ("the", "."); longer runs were not measured at 1e-3.
 DEFAULT_STEPS = 1000
+#: Share of the documents held out into the validation shard set (`data_prep.holdout`, by document).
+HOLDOUT_FRACTION = 0.1
+#: Micro-batches of 32 held-out sequences per evaluation (`eval.batches`): 256 rows, as many as the earlier
+#: post-conversion measurement used.
+EVAL_BATCHES = 8
+#: Evaluations per run (`eval.every` = steps // this; plus the last step).
+EVALUATIONS = 5
 #: Model and run overrides applied on top of the `tiny-<objective>` preset (see module docstring).
 DEMO_OVERRIDES = (
     "model.num_layers=4", "model.hidden_size=128", "model.num_heads=4", "model.ffn_size=512",
@@ -175,6 +185,33 @@ def startup_note() -> str:
             f"run in this environment only, about half a minute; cached in {cache}), then step 1")
 
 
+def build_demo_shards(corpus: Path, tok_dir: Path, shards: Path, args: argparse.Namespace,
+                      num_proc: int) -> tuple:
+    """The training shards and, one document in `1 / HOLDOUT_FRACTION` held out (`data_prep.holdout`), the
+    validation set `shards/validation`: (training manifest, held-out record or None). A held-out set under one
+    evaluation batch (32 sequences) is an error for the default corpus; a user's small corpus is then
+    rebuilt whole and trained on without validation."""
+    from data_prep.build_shards import build_shards
+    from data_prep.holdout import DEFAULT_SUBDIR
+    from pipeline.data.shards import read_manifest
+
+    options = dict(seq_len=args.seq_len, num_proc=num_proc, progress=False)
+    manifest = build_shards([str(corpus)], tok_dir, shards, holdout_fraction=HOLDOUT_FRACTION, **options)
+    held_dir = shards / DEFAULT_SUBDIR
+    held = read_manifest(held_dir)
+    if held.total_sequences >= 32:
+        return manifest, {"path": str(held_dir), "sequences": held.total_sequences, "tokens": held.total_tokens,
+                          "documents": int(held.stats.get("documents", 0))}
+    if not args.corpus:
+        raise ValueError(f"the corpus of this Python installation's documentation (--max-corpus-mb "
+                         f"{args.max_corpus_mb:g}) is too small to train on and hold out one document in "
+                         f"{round(1 / HOLDOUT_FRACTION)} with at least one evaluation batch (32 sequences; "
+                         f"{held.total_sequences} held out); give the demo more text with --corpus PATH (files or "
+                         "folders)" + ("" if args.max_corpus_mb >= 4 else " or raise --max-corpus-mb"))
+    shutil.rmtree(shards)
+    return build_shards([str(corpus)], tok_dir, shards, **options), None
+
+
 def fill_mask(model_dir: Path, prompts: Sequence[str], top_k: int = 5) -> list[dict]:
     """Top-k predictions of the converted model for each prompt (`[MASK]` = the tokenizer's mask token)."""
     from transformers import pipeline
@@ -193,12 +230,11 @@ def fill_mask(model_dir: Path, prompts: Sequence[str], top_k: int = 5) -> list[d
 
 
 def run_demo(args: argparse.Namespace, stages: Optional[Stages] = None) -> dict:
-    from data_prep.build_shards import build_shards
     from data_prep.train_tokenizer import train_tokenizer
     from pipeline.export.convert import convert
-    from demo.corpus import HELDOUT_EVERY, MIN_HELDOUT_BYTES, build_demo_corpus
-    from demo.outcome import heldout_text
+    from demo.corpus import build_demo_corpus
     from pipeline.train.metrics import read_jsonl
+    from pipeline.train.validation import is_validation_record
 
     objectives = demo_objectives()
     if args.objective not in objectives:
@@ -215,18 +251,11 @@ def run_demo(args: argparse.Namespace, stages: Optional[Stages] = None) -> dict:
     started = time.perf_counter()
 
     source = " ".join(map(str, args.corpus)) or "this Python installation's documentation"
-    heldout_txt = heldout_text(out)
-    stages.begin("corpus", f"corpus: real text from {source}, one document in {HELDOUT_EVERY} held out",
+    stages.begin("corpus", f"corpus: real text from {source}",
                  command_line("demo.corpus", corpus, *(["--corpus", *args.corpus] if args.corpus else []),
-                              "--max-mb", args.max_corpus_mb, "--heldout", heldout_txt))
-    stats = build_demo_corpus(corpus, args.corpus, int(args.max_corpus_mb * 1e6), heldout_path=heldout_txt)
-    if stats.heldout is None and not args.corpus:
-        raise ValueError(f"the corpus of this Python installation's documentation ({stats.bytes / 1e6:.2f} MB, "
-                         f"{stats.documents} documents, --max-corpus-mb {args.max_corpus_mb:g}) is too small to train "
-                         f"on and hold out one document in {HELDOUT_EVERY} with >= {MIN_HELDOUT_BYTES // 1000} KB of "
-                         "held-out text (about 200 KB of prose in all); give the demo more text with --corpus PATH "
-                         "(files or folders)" + ("" if args.max_corpus_mb >= 4 else " or raise --max-corpus-mb"))
-    stages.record["corpus"] = {**stats.as_json(), "heldout": stats.heldout.as_json() if stats.heldout else None}
+                              "--max-mb", args.max_corpus_mb))
+    stats = build_demo_corpus(corpus, args.corpus, int(args.max_corpus_mb * 1e6))
+    stages.record["corpus"] = {**stats.as_json(), "heldout": None}
     stages.end(stats.summary())
 
     stages.begin("tokenizer", f"tokenizer: WordPiece, {args.vocab_size} entries",
@@ -236,25 +265,36 @@ def run_demo(args: argparse.Namespace, stages: Optional[Stages] = None) -> dict:
     stages.end(str(tok_dir))
 
     num_proc = min(2, os.cpu_count() or 1)
-    stages.begin("shards", f"shards: {args.seq_len}-token sequences",
+    stages.begin("shards", f"shards: {args.seq_len}-token sequences, one document in "
+                 f"{round(1 / HOLDOUT_FRACTION)} held out into a validation set",
                  command_line("data_prep.build_shards", "--input", corpus, "--tokenizer", tok_dir,
-                              "--seq-len", args.seq_len, "--out", shards, "--num-proc", num_proc))
-    manifest = build_shards([str(corpus)], tok_dir, shards, seq_len=args.seq_len, num_proc=num_proc, progress=False)
-    stages.end(f"{manifest.total_sequences:,} sequences, {manifest.total_tokens:,} tokens in {shards}")
+                              "--seq-len", args.seq_len, "--out", shards, "--num-proc", num_proc,
+                              "--holdout-fraction", HOLDOUT_FRACTION))
+    manifest, held = build_demo_shards(corpus, tok_dir, shards, args, num_proc)
+    stages.record["corpus"]["heldout"] = held
+    stages.end(f"{manifest.total_sequences:,} sequences, {manifest.total_tokens:,} tokens in {shards}" +
+               (f"; held out {held['sequences']:,} sequences ({held['documents']} documents) in {held['path']}"
+                if held else "; nothing held out (corpus too small for one evaluation batch: all of it trained on)"))
 
     preset = f"tiny-{args.objective}"
     overrides = [f"data.shards_dir={shards}", f"train.output_dir={run_dir}", *DEMO_OVERRIDES,
                  f"train.total_steps={args.steps}", f"train.checkpoint_every={args.steps}",
                  f"optim.warmup_steps={max(1, args.steps // 10)}", f"train.seed={args.seed}"]
+    if held:  # validation during training: the outcome's held-out numbers (pipeline.train.validation)
+        overrides += [f"eval.shards_dir={held['path']}", f"eval.every={max(1, args.steps // EVALUATIONS)}",
+                      f"eval.batches={EVAL_BATCHES}"]
+    stages.record["training"] = {"preset": preset, "overrides": overrides, "run_dir": str(run_dir)}
     stages.begin("pretrain", f"pretraining: {args.objective}, {args.steps} steps (DeepSpeed, CPU)",
                  command_line("pipeline.train", "--config", preset, *overrides))
     run_dir.mkdir(parents=True, exist_ok=True)
     print(f"   {startup_note()}", flush=True)
     run_training(preset, overrides, run_dir / "train.log")
     records = read_jsonl(run_dir / "metrics.jsonl")
-    last = records[-1] if records else {}
-    stages.end(f"final loss {last.get('loss', float('nan')):.3f}, MLM accuracy "
-               f"{last.get('mlm/accuracy', float('nan')):.3f}" if last else "")
+    steps = [r for r in records if not is_validation_record(r)]
+    last, val = (steps[-1] if steps else {}), next((r for r in reversed(records) if is_validation_record(r)), {})
+    stages.end((f"final loss {last.get('loss', float('nan')):.3f}, MLM accuracy "
+                f"{last.get('mlm/accuracy', float('nan')):.3f}" if last else "") +
+               (f"; held-out (val/) loss {val.get('val/loss', float('nan')):.3f}" if val else ""))
 
     stages.begin("convert", "conversion to Hugging Face", command_line("pipeline.export.convert", run_dir, hf_dir))
     convert(run_dir, hf_dir, overwrite=True)
@@ -270,14 +310,13 @@ def run_demo(args: argparse.Namespace, stages: Optional[Stages] = None) -> dict:
     stages.begin("outcome", "outcome: the checkpoint against a random-init model on held-out text (docs/demo.md)",
                  shlex.join(["python", "-m", "demo.outcome", str(out)]))
     outcome = None
-    if stats.heldout is None:
-        stages.end(f"skipped: --corpus too small to hold out one document in {HELDOUT_EVERY} with >= "
-                   f"{MIN_HELDOUT_BYTES // 1000} KB of text ({stats.documents} documents, {stats.bytes / 1e6:.2f} MB; "
-                   "all of it trained on)")
+    if not held:
+        stages.end(f"skipped: --corpus too small to hold out one evaluation batch ({stats.documents} documents, "
+                   f"{stats.bytes / 1e6:.2f} MB; all of it trained on)")
     else:
-        from demo.outcome import build_heldout, measure, report_lines, write_outcome
+        from demo.outcome import outcome as measure_outcome, report_lines, write_outcome
 
-        outcome = measure(hf_dir, build_heldout(out, seq_len=args.seq_len), shards)
+        outcome = measure_outcome(out, hf_dir, run_dir, preset, overrides)
         write_outcome(out, outcome)
         stages.end()
         print("\n".join("   " + line for line in report_lines(outcome)))
@@ -296,6 +335,8 @@ def run_demo(args: argparse.Namespace, stages: Optional[Stages] = None) -> dict:
         "corpus": stages.record["corpus"],
         "final_metrics": {k: v for k, v in last.items() if k in ("step", "loss", "mlm/loss", "mlm/accuracy",
                                                                  "tokens_seen", "tokens_per_s")},
+        "final_validation": val,
+        "training": stages.record["training"],
         "fill_mask": predictions,
         "outcome": outcome,
         "epochs": round(args.steps * 32 / max(1, manifest.total_sequences), 2),
@@ -314,8 +355,11 @@ def print_summary(summary: dict) -> None:
         print(f"  {label:<20} {paths[key]}")
     print(f"  {'summary':<20} {Path(paths['run']).parent.parent / SUMMARY_FILE}")
     corpus, held = summary["corpus"], summary["corpus"].get("heldout")
-    print(f"\nTrained on {corpus['bytes'] / 1e6:.2f} MB ({corpus['documents']} documents); " +
-          (f"held out {held['bytes'] / 1e6:.2f} MB ({held['documents']} documents), measured in outcome.json"
+    trained = corpus["documents"] - (held["documents"] if held else 0)
+    print(f"\nTrained on {trained} of the corpus's {corpus['documents']} documents "
+          f"({corpus['bytes'] / 1e6:.2f} MB); " +
+          (f"held out {held['documents']} documents ({held['sequences']:,} sequences) in {held['path']}, "
+           "validated during training (val/* in metrics.jsonl) and reported in outcome.json"
            if held else "nothing held out (corpus too small to split)"))
     print("\nLoad it anywhere:\n  from transformers import pipeline\n"
           f"  pipeline('fill-mask', model='{paths['hf_model']}')('...[MASK]...')")

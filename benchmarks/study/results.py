@@ -66,10 +66,11 @@ def sweep_keys(study: Study) -> list[RunKey]:
 
 
 def selection(study: Study) -> tuple[dict, str]:
-    """The learning rate of each objective, chosen on the first task's selection split (no task: the
-    held-out selection half), from the sweep's files; raises `Missing` while the sweep is unfinished."""
+    """The learning rate of each objective, chosen on the study's `select` validation metric, else the first
+    task's selection split (no task: the held-out selection half), from the sweep's files; raises `Missing`
+    while the sweep is unfinished."""
     task = study.tasks[0] if study.tasks else None
-    metric = "sst2_select_accuracy" if task else "heldout_select_mlm_loss"
+    metric = study.select or ("sst2_select_accuracy" if task else "heldout_select_mlm_loss")
     missing: list[Path] = []
     sweep: dict[str, dict[float, dict]] = {}
     for key in sweep_keys(study):

@@ -24,6 +24,7 @@ A YAML file (see `studies/tiny.yaml`, `studies/bert-base.yaml` and docs/slurm.md
       sbatch: [--partition=gpu, --account=me]   # every job
     cost: {mfu: 0.4, device: H100, tokens_per_s: {mlm: 250000}, flops_factor: {cocolm: 1.33}}
     keep_checkpoints: true                # false: the final job deletes converted runs' DeepSpeed checkpoints
+    select: val/mlm_head/loss             # optional: select the lr on this validation metric (`check_select`)
 
 `${VAR}` in a path is expanded from the environment (the tiny study names its data that way); `plan`
 needs no data and keeps a path whose variable is unset as written, `submit` and `run` refuse it.
@@ -46,7 +47,7 @@ STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_step
                "train.output_dir", "train.resume", "data.shards_dir", "train.log_every", "train.keep_last")
 TOP_KEYS = {"name", "work_dir", "objectives", "seeds", "lrs", "warmup_ratio", "budget", "eval_every", "shards",
             "tasks", "finetune", "eval_sequences", "plateau_margin", "resources", "cost", "subset_seed",
-            "keep_checkpoints"}
+            "keep_checkpoints", "select"}
 
 
 class StudyError(ValueError):
@@ -88,6 +89,7 @@ class Study:
     cost: dict[str, Any]
     subset_seed: int = 0
     keep_checkpoints: bool = True
+    select: str = ""  # a val/ metric the lr is selected on (`check_select`); "": the first task / held-out MLM loss
     steps: int = 0  # resolved by `resolve_steps` (a token budget needs the preset's batch and seq_len)
     steps_of: dict[str, int] = field(default_factory=dict)
 
@@ -234,8 +236,10 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
                   finetune=finetune, eval_sequences=int(raw.get("eval_sequences", 512)),
                   plateau_margin=float(raw.get("plateau_margin", 0.05)), resources=raw.get("resources") or {},
                   cost=raw.get("cost") or {}, subset_seed=int(raw.get("subset_seed", 0)),
-                  keep_checkpoints=bool(raw.get("keep_checkpoints", True)))
+                  keep_checkpoints=bool(raw.get("keep_checkpoints", True)),
+                  select=str(raw.get("select") or ""))
     resolve_steps(study)
+    check_select(study, check_data)
     if check_data:
         for key, p in shards.items():
             if not (p / "manifest.json").is_file():
@@ -276,3 +280,49 @@ def resolve_steps(study: Study) -> None:
                              f"(the budget of {name} in steps)")
         study.steps_of[name] = steps
     study.steps = max(study.steps_of.values())
+
+
+def check_select(study: Study, check_data: bool = False) -> None:
+    """`select: val/<metric>`: the learning rate is selected on a validation metric, the run's last `val/` record
+    (`pipeline.train.validation`, with `eval.shards_dir` = the `heldout_select` shards, evaluated every
+    `eval_every` steps), lowest or highest by the name's direction (`pipeline.monitor.signals.direction_of`).
+    Refused (before any job) unless every objective's run logs it: `val/` + `loss`, `health/...`, one of its
+    objectives' terms, or `mlm_head/...` where an objective trains the shared MLM head; and its direction must
+    be known (`..._loss` lower, `..._accuracy` / `..._auc` higher). `check_data`: `heldout_select` must pass the
+    runs' own `eval.shards_dir` checks (`pipeline.train.eval_config.check_eval_set`: tokenizer, seq_len, not the
+    training set, one evaluation batch per rank)."""
+    if not study.select:
+        return
+    from pipeline.monitor.signals import direction_of
+    from pipeline.objectives.registry import mlm_head_training
+
+    where, name = f"{study.path}: select: {study.select}", study.select.removeprefix("val/")
+    if not study.select.startswith("val/"):
+        raise StudyError(f"{where}: give a validation metric, val/<term> (e.g. val/mlm_head/loss)")
+    if direction_of(name) is None:
+        raise StudyError(f"{where}: its direction is unknown; give a loss (..._loss, lower is better) or an "
+                         "accuracy / AUC (higher is better), e.g. val/mlm_head/loss")
+    for objective in study.objectives:
+        owned = [o for o in study.objectives[objective].overrides
+                 if o.split("=", 1)[0] in ("eval.shards_dir", "eval.every")]
+        if owned:
+            raise StudyError(f"{where}: objectives.{objective}.overrides: {owned}: with select the study sets these "
+                             "itself (shards.heldout_select, eval_every)")
+        objectives = run_config(study, objective).objectives
+        known = ["loss", "health", *objectives, *(["mlm_head"] if mlm_head_training(objectives) else [])]
+        if name.split("/", 1)[0] not in known:
+            raise StudyError(f"{where}: objectives.{objective} does not log it; its validation metrics start with "
+                             f"{', '.join('val/' + k for k in known)}")
+        if check_data:
+            from pipeline.config.checks import ConfigError
+            from pipeline.data.shards import read_manifest
+            from pipeline.train.eval_config import EvalConfig, check_eval_set
+
+            held, cfg = str(study.shards["heldout_select"]), run_config(study, objective)
+            try:
+                check_eval_set(EvalConfig(shards_dir=held, every=study.eval_every),
+                               read_manifest(study.shards["train"]), str(study.shards["train"]), [],
+                               study.world_size, cfg.data.micro_batch_size)
+            except (ConfigError, ValueError, OSError) as err:
+                raise StudyError(f"{where}: shards.heldout_select (the runs' eval.shards_dir, objectives.{objective}): "
+                                 f"{err}") from None

@@ -15,7 +15,8 @@ interrupted training run resumes from its last checkpoint through `pipeline.trai
 2. **selection** (`select_lrs`): per objective, the learning rate with the best *selection* metric
    at the final checkpoint: the first task's accuracy on its selection split (train examples never
    fine-tuned on; ties broken by the next item), or, without tasks, the masked-LM loss on the
-   `heldout-select` half. The reported numbers (dev and test, the `heldout-report` half) never take part;
+   `heldout-select` half, or the study's `select: val/<metric>` (the runs' last validation record, on the
+   `heldout-select` half). The reported numbers (dev and test, the `heldout-report` half) never take part;
 3. **seeds**: the remaining seeds at the selected learning rate; every checkpoint of every selected
    run is fine-tuned (the downstream curves);
 4. **final**: the final checkpoint of every selected run is fine-tuned once more with `test.tsv`
@@ -77,7 +78,8 @@ def cumulative_hours(records: list[dict], world_size: int) -> dict[int, float]:
     return hours
 
 
-def run_record(key: RunKey, records: list[dict], steps: list[int], world_size: int) -> dict:
+def run_record(key: RunKey, records: list[dict], steps: list[int], world_size: int,
+               validation: Optional[dict] = None) -> dict:
     """A finished run's `train.json`: its evaluation steps, the device-hours of the training steps up
     to each (`cumulative_hours`; `gpu_seconds` the same in seconds), and its training health.
     `pipeline.train` truncates `metrics.jsonl` to the checkpoint it resumes from, so a step redone after
@@ -100,6 +102,7 @@ def run_record(key: RunKey, records: list[dict], steps: list[int], world_size: i
             "signals": [s.to_dict() for s in final_signals(records)],
         },
         "final_train_loss": last.get("loss"),
+        "validation": validation or None,  # the last val/ record (eval.* set: the study's `select`)
     }
 
 
@@ -130,12 +133,22 @@ def downstream_at(key: RunKey, step: int, data: StudyData, args, work: Path, fin
     return merge_finetune_summaries([one_seed(seed) for seed in args.finetune_seeds])
 
 
-#: selection metric -> (where it is read from a run record, higher is better)
+#: selection metric -> (where it is read from a run record, higher is better); a `val/` metric (the study's
+#: `select`, `spec.check_select`): its direction by name (`pipeline.monitor.signals.direction_of`)
 SELECTION_METRICS = {"sst2_select_accuracy": True, "heldout_select_mlm_loss": False}
 
 
+def higher_is_better(metric: str) -> bool:
+    from pipeline.monitor.signals import direction_of
+
+    return SELECTION_METRICS[metric] if metric in SELECTION_METRICS else direction_of(metric) == "higher"
+
+
 def selection_value(record: dict, metric: str) -> Optional[float]:
-    """The selection metric of a run record (`evaluate_run`'s output) at its final checkpoint."""
+    """The selection metric of a run record (`evaluate_run`'s output) at its final checkpoint; a `val/` metric
+    from the run's last validation record (`train.json`'s `validation`, `run_record`)."""
+    if metric.startswith("val/"):
+        return ((record.get("train") or {}).get("validation") or {}).get(metric)
     final = record.get("final") or {}
     if metric == "sst2_select_accuracy":
         return ((final.get("downstream") or {}).get("pretrained", {}).get("select") or {}).get("mean")
@@ -145,7 +158,7 @@ def selection_value(record: dict, metric: str) -> Optional[float]:
 def select_lrs(sweep: dict[str, dict[float, dict]], metric: str) -> dict[str, dict]:
     """Per objective, the learning rate whose final checkpoint is best on `metric` (a *selection*
     split: never a reported one); ties go to the smaller rate; failed runs are not candidates."""
-    higher = SELECTION_METRICS[metric]
+    higher = higher_is_better(metric)
     chosen = {}
     for objective, by_lr in sweep.items():
         values = {lr: selection_value(rec, metric) for lr, rec in by_lr.items() if rec.get("status") == "ok"}
@@ -196,7 +209,9 @@ def pretrain_overrides(study: Study, key: RunKey) -> list[str]:
     return [*study.objectives[key.objective].overrides, f"data.shards_dir={study.shards['train']}",
             f"train.total_steps={steps}", f"train.checkpoint_every={study.eval_every}", "train.keep_last=1000000",
             "train.log_every=1", "train.resume=auto", f"train.seed={key.seed}", f"optim.lr={key.lr}",
-            f"optim.warmup_steps={max(1, round(study.warmup_ratio * steps))}"]
+            f"optim.warmup_steps={max(1, round(study.warmup_ratio * steps))}",
+            *([f"eval.shards_dir={study.shards['heldout_select']}", f"eval.every={study.eval_every}"]
+              if study.select else [])]  # validation on the selection half only: the study's `select`
 
 
 def final_tags(study: Study, key: RunKey) -> dict[int, Path]:
@@ -238,13 +253,17 @@ def train_record(study: Study, key: RunKey) -> dict:
             return record
         raise StudyError(f"{key.name}: pretraining not finished (complete checkpoints at steps {sorted(tags)} of "
                          f"{steps}; logs: {run_dir / 'logs'}): run `cpt-study submit {study.path}` again")
+    from pipeline.train.validation import is_validation_record
+
     meta = json.loads((tags[steps] / "pipeline_meta.json").read_text())
     records = read_jsonl(run_dir / "metrics.jsonl")
+    evaluations = [r for r in records if is_validation_record(r)]  # eval.* (the study's `select`): own records
+    records = [r for r in records if not is_validation_record(r)]
     logged = [r["step"] for r in records]
     if logged != list(range(1, steps + 1)):
         raise StudyError(f"{run_dir / 'metrics.jsonl'}: expected steps 1..{steps} once each (train.log_every=1), "
                          f"found {len(logged)} records")
-    record = run_record(key, records, sorted(tags), int(meta["world_size"]))
+    record = run_record(key, records, sorted(tags), int(meta["world_size"]), evaluations[-1] if evaluations else None)
     write_json(done, record)
     return record
 

@@ -57,9 +57,20 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
     assert summary["status"] == "done"
     assert list(summary["stage_seconds"]) == ["corpus", "tokenizer", "shards", "pretrain", "convert", "fill_mask",
                                                "outcome"]
-    assert (summary["corpus"]["documents"], summary["corpus"]["heldout"]["documents"]) == (36, 4)
+    held = summary["corpus"]["heldout"]  # by document, build_shards' holdout (data_prep.holdout)
+    assert summary["corpus"]["documents"] == 40 and 0 < held["documents"] < 40 and held["sequences"] >= 32
+    assert held["path"] == str(out / "shards" / "validation")
     assert "held out" in printed and "Trained on" in printed
+    # the held-out numbers are validation's (one home): eval.* set on the run, its last val/ record reported
+    assert any(o.startswith("eval.shards_dir=") for o in summary["training"]["overrides"])
+    val = summary["final_validation"]
+    assert val["step"] == 2 and summary["outcome"]["validation_step"] == 2
+    assert summary["outcome"]["trained"]["mlm_acc"] == val["val/mlm_head/accuracy"]
+    assert summary["outcome"]["trained"]["unigram_acc"] == val["val/health/unigram_accuracy"]
+    init = summary["outcome"]["random_init"]
+    assert 0 <= init["mlm_acc"] <= 1 and init["mlm_loss"] > 0 and init["mlm_loss"] != val["val/mlm_head/loss"]
     assert summary["outcome"]["heldout_sequences"] > 0 and (out / "outcome.json").is_file()
+    assert "validation at step 2" in printed
     assert "starting: imports, config and data checks" in printed  # the op-build note before the quiet start
     predictions = summary["fill_mask"][0]["predictions"]
     assert len(predictions) == 5 and all(0 <= p["score"] <= 1 for p in predictions)
@@ -75,15 +86,22 @@ def test_a_default_corpus_too_small_to_hold_out_is_an_error_before_training(tmp_
     err = capsys.readouterr().err
     assert "too small" in err and "--corpus PATH" in err and "--max-corpus-mb" in err
     summary = json.loads((out / SUMMARY_FILE).read_text())
-    assert summary["status"] == "failed" and summary["stage"] == "corpus" and "too small" in summary["error"]
-    assert not (out / "runs").exists() and not (out / "tokenizer").exists()  # nothing after the corpus ran
+    assert summary["status"] == "failed" and summary["stage"] == "shards" and "too small" in summary["error"]
+    assert not (out / "runs").exists()  # no training
 
 
-def test_a_user_corpus_too_small_to_hold_out_is_trained_on_whole(tmp_path: Path) -> None:
-    from demo.corpus import build_demo_corpus
+def test_a_user_corpus_too_small_to_hold_out_is_trained_on_whole(tmp_path: Path, tiny_tokenizer_dir) -> None:
+    import argparse
 
-    (tmp_path / "a.txt").write_text("\n\n".join(f"The river number {i} flows past the old mill near the hills."
-                                                 for i in range(300)))
-    stats = build_demo_corpus(tmp_path / "c.txt", [tmp_path / "a.txt"], heldout_path=tmp_path / "h.txt")
-    assert stats.heldout is None and stats.documents == 1 and not (tmp_path / "h.txt").exists()
+    from data_prep.holdout import DEFAULT_SUBDIR
+    from demo.run import build_demo_shards
 
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n\n".join(f"The river number {i} flows past the old mill near the hills." for i in range(20)))
+    args = argparse.Namespace(seq_len=32, corpus=[str(corpus)], max_corpus_mb=4.0)
+    manifest, held = build_demo_shards(corpus, tiny_tokenizer_dir, tmp_path / "shards", args, num_proc=1)
+    assert held is None and not (tmp_path / "shards" / DEFAULT_SUBDIR).exists()  # no validation, all trained on
+    assert manifest.stats["documents"] == 20
+    args.corpus = []  # the installation's documentation that small: an error naming --corpus
+    with pytest.raises(ValueError, match="too small.*--corpus PATH"):
+        build_demo_shards(corpus, tiny_tokenizer_dir, tmp_path / "shards2", args, num_proc=1)

@@ -13,6 +13,7 @@ from demo.corpus import (
     python_docstrings,
     write_corpus,
 )
+from pipeline.data.shards import read_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 PROSE = "The quick brown fox jumps over the lazy dog while the farmer watches from the barn."
@@ -101,29 +102,31 @@ def test_a_clean_environments_corpus_is_split_not_emptied(tmp_path: Path) -> Non
     """Issue 42: where little is installed the corpus is under the 4 MB cap, and the held-out text used to
     be "what lies beyond the cap": nothing. Here the demo's corpus stage runs in the cleanest environment
     there is: a new virtual environment with nothing installed (no pip even; the interpreter's standard
-    library docstrings only, about 1.4 MB), with the demo's own default cap and held-out file."""
+    library docstrings only, about 1.4 MB), with the demo's own default cap; the demo's shards stage then
+    holds out one document in ten by document (`data_prep.holdout`), at least one evaluation batch."""
     import subprocess
     import venv
 
-    from demo.corpus import HELDOUT_EVERY, MIN_HELDOUT_BYTES
+    from data_prep.build_shards import build_shards
+    from data_prep.train_tokenizer import train_tokenizer
+    from demo.run import HOLDOUT_FRACTION
 
     env_dir = tmp_path / "clean-venv"
     venv.EnvBuilder(with_pip=False, symlinks=True).create(env_dir)
     python = env_dir / "bin" / "python"
     assert not list((env_dir / "lib").glob("python3*/site-packages/*"))  # nothing installed
-    corpus, held = tmp_path / "demo_output" / "corpus.txt", tmp_path / "demo_output" / "heldout" / "heldout.txt"
-    proc = subprocess.run([str(python), "-m", "demo.corpus", str(corpus), "--max-mb", "4", "--heldout", str(held)],
+    corpus = tmp_path / "demo_output" / "corpus.txt"
+    proc = subprocess.run([str(python), "-m", "demo.corpus", str(corpus), "--max-mb", "4"],
                           cwd=REPO, env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "trained on" in proc.stdout and "held out" in proc.stdout and "one in 10" in proc.stdout, proc.stdout
-    train_bytes, held_bytes = corpus.stat().st_size, held.stat().st_size
-    assert train_bytes + held_bytes < 4_000_000  # under the cap: the issue's case
-    assert held_bytes >= MIN_HELDOUT_BYTES
-    train_docs = corpus.read_text().split("\n\n")[:-1]
-    held_docs = held.read_text().split("\n\n")[:-1]
-    documents = len(train_docs) + len(held_docs)
-    assert len(held_docs) == documents // HELDOUT_EVERY  # a fixed share, by document
-    assert 0.05 < held_bytes / (train_bytes + held_bytes) < 0.2
-    train_paragraphs = set(corpus.read_text().splitlines())
-    assert not {p for p in held.read_text().splitlines() if p} & train_paragraphs  # no text seen in training
+    assert corpus.stat().st_size < 4_000_000  # under the cap: the issue's case
+    documents = len([d for d in corpus.read_text().split("\n\n") if d.strip()])
+    train_tokenizer([str(corpus)], tmp_path / "tok", vocab_size=2000, progress=False)
+    shards = tmp_path / "shards"
+    train = build_shards([str(corpus)], tmp_path / "tok", shards, seq_len=128, num_proc=1, progress=False,
+                         holdout_fraction=HOLDOUT_FRACTION)
+    held = read_manifest(shards / "validation")
+    assert held.total_sequences >= 32  # one evaluation batch of the demo
+    assert 0.05 < held.stats["documents"] / documents < 0.2
+    assert held.stats["documents"] + train.stats["documents"] == documents  # every document on one side

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from demo.corpus import MIN_WORDS, write_corpus
-from demo.outcome import measure, report_lines, verdict
+from demo.outcome import last_validation, measure, report_lines, validation_numbers, verdict
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -91,23 +91,16 @@ def _paragraph(doc: int, para: int) -> str:
     return " ".join(f"w{_letters(doc)}x{_letters(para)}y{_letters(k)}" for k in range(MIN_WORDS + 2)) + "."
 
 
-def test_heldout_text_is_one_document_in_ten_of_the_capped_corpus_and_shares_nothing_with_it(tmp_path):
+def test_the_corpus_under_its_cap_is_written_whole_and_deterministically(tmp_path):
+    """The corpus stage holds nothing out (the shards stage does, by document: `data_prep.holdout`)."""
     sources = [("user-text", "\n\n".join(_paragraph(d, p) for p in range(3))) for d in range(45)]
     total = sum(len(("\n".join(_paragraph(d, p) for p in range(3)) + "\n\n").encode()) for d in range(45))
-    train = write_corpus(sources, tmp_path / "train.txt", max_bytes=total, heldout_path=tmp_path / "held.txt")
-    train_text, held_text = (tmp_path / "train.txt").read_text(), (tmp_path / "held.txt").read_text()
-    assert not set(train_text.split()) & set(held_text.split())
-    # by document, by position: the 10th, 20th, 30th and 40th documents, whole, in order
-    assert held_text == "".join("\n".join(_paragraph(d, p) for p in range(3)) + "\n\n" for d in (9, 19, 29, 39))
-    assert (train.documents, train.heldout.documents) == (41, 4) and train.heldout.paragraphs == 12
-    assert train.bytes + train.heldout.bytes == total  # all of a corpus under its cap: nothing lies "beyond" it
-    assert "trained on" in train.summary() and "held out" in train.summary()
-    again = write_corpus(sources, tmp_path / "train2.txt", max_bytes=total, heldout_path=tmp_path / "held2.txt")
-    assert (tmp_path / "held2.txt").read_text() == held_text and again.bytes == train.bytes  # deterministic
-    # a corpus too small to hold out min_heldout_bytes: nothing held out, all of it trained on
-    small = write_corpus(sources, tmp_path / "s.txt", max_bytes=total, heldout_path=tmp_path / "s_held.txt",
-                         min_heldout_bytes=train.heldout.bytes + 1)
-    assert small.heldout is None and small.bytes == total and not (tmp_path / "s_held.txt").exists()
+    train = write_corpus(sources, tmp_path / "train.txt", max_bytes=total)
+    assert (train.documents, train.paragraphs, train.bytes) == (45, 135, total)
+    again = write_corpus(sources, tmp_path / "train2.txt", max_bytes=total)
+    assert (tmp_path / "train2.txt").read_text() == (tmp_path / "train.txt").read_text() and again.bytes == total
+    capped = write_corpus(sources, tmp_path / "capped.txt", max_bytes=total - 1)
+    assert capped.documents == 44  # the cap drops whole documents
 
 
 @pytest.fixture(scope="module")
@@ -125,17 +118,42 @@ def random_bert(tiny_shards_dir, tmp_path_factory) -> Path:
     return out
 
 
+def val_record(step: int, accuracy: float, plateau: float = 0.2, loss: float = 3.0, cosine: float = 0.4) -> dict:
+    return {"step": step, "val/loss": loss, "val/mlm_head/accuracy": accuracy, "val/mlm_head/loss": loss,
+            "val/health/unigram_accuracy": plateau, "val/health/token_cosine": cosine}
+
+
 def test_outcome_measures_both_models_and_finds_no_taco_leak(random_bert, tiny_shards_dir):
-    result = measure(random_bert, tiny_shards_dir, tiny_shards_dir, rows=64)
+    result = measure(random_bert, tiny_shards_dir, rows=64)
     for name in ("trained", "random_init"):
         r = result[name]
-        assert r["masked_tokens"] > 100 and r["taco_anchors"] > 1000
+        assert r["taco_anchors"] > 1000 and "mlm_acc" not in r  # the masked-LM numbers are validation's
         assert (r["leak_positive_is_anchor"], r["leak_positive_other_document"], r["leak_negative_same_document"]) == (0, 0, 0)
-        assert 0 <= r["mlm_acc"] <= 1 and math.isfinite(r["taco_loss"]) and math.isfinite(r["taco_loss_random_tokens"])
-    # an untrained model is no better than always answering the most frequent token: a broken run
-    assert result["trained"]["mlm_acc"] < result["trained"]["unigram_acc"]
+        assert math.isfinite(r["taco_loss"]) and math.isfinite(r["taco_loss_random_tokens"])
+    # the verdict reads validation's numbers: at the plateau is a broken run, above it and the init a working one
+    result["trained"].update(validation_numbers(val_record(100, accuracy=0.2), "trained"))
+    result["random_init"].update(validation_numbers(val_record(0, accuracy=0.2, loss=5.0), "init"))
     assert verdict(result).startswith("NOT working")
     assert any("leak checks (must be 0)" in line for line in report_lines(result))
+    result["trained"].update(validation_numbers(val_record(100, accuracy=0.31), "trained"))
+    assert verdict(result).startswith("working")
+    result["trained"].update(validation_numbers(val_record(100, accuracy=0.31, cosine=0.95), "trained"))
+    assert verdict(result).startswith("NOT working")  # collapsed
+
+
+def test_outcome_reads_the_runs_last_validation_record(tmp_path):
+    import json
+
+    metrics = tmp_path / "metrics.jsonl"
+    with pytest.raises(ValueError, match="no validation record"):
+        last_validation(metrics)
+    rows = [{"step": 1, "loss": 4.0}, val_record(1, 0.1), {"step": 2, "loss": 3.5}, val_record(2, 0.25),
+            {"step": 3, "loss": 3.0}]
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    last = last_validation(metrics)
+    assert last["step"] == 2 and validation_numbers(last, "x")["mlm_acc"] == 0.25
+    with pytest.raises(ValueError, match="val/mlm_head/accuracy"):
+        validation_numbers({"step": 2, "val/loss": 1.0}, "a run without the MLM head")
 
 
 def test_outcome_rerun_of_a_failed_or_unfinished_demo_says_what_is_missing(tmp_path, capsys):
