@@ -47,7 +47,6 @@ INSTALL_S = 45.0
 COMMAND_CHARS = 2000
 CARRY_LIMIT_BYTES = 64 * 2**20
 MAX_STAGE_FILES = 8
-LENGTHS = (128, 512)
 OBJECTIVES = ("mlm", "taco", "capt", "cocolm", "infoword")
 
 

@@ -1,49 +1,23 @@
-"""Peak activation memory with and without `model.activation_checkpointing`, on the CPU:
-`python -m benchmarks.memory.activation_checkpointing`.
+"""Activation checkpointing on a GPU: the suite's row (`benchmarks.gpu_suite`, command `more`, kind
+"checkpointing"): the largest micro-batch that fits with and without `model.activation_checkpointing`, and
+the tokens/s at each (`gpu_suite_row`), on the training model as `pipeline.train` builds it (`build_model`).
 
-A deep, narrow encoder on long rows is where activations dominate: by default 24 layers of hidden 64
-(2 heads; BERT's FFN 128, ModernBERT's GeGLU 96 and window 128) on rows of 1,024 and 2,048 tokens, both
-families, training mode with dropout 0.1 (so the checkpointed layers really replay their dropout masks),
-the MLM objective. Every setting (`none`, every k-th layer, `all`) of a family and length is measured in
-this one process, side by side, on the same micro-batch, so the ratios compare like with like.
-
-How peak memory is measured (the CPU has no allocator statistics): one training step (forward +
-backward) runs under `torch.profiler.profile(profile_memory=True)`, whose CPU allocator reporter records
-every allocation and free made while it is on, each with the running total of the bytes allocated since
-profiling started (`Total Allocated` of the `[memory]` events of the Chrome trace). `peak_mib` is the
-largest such total: the peak of what the step allocated on top of what already existed. An unprofiled
-step runs first, so the weights' gradients already exist (backward accumulates into them in place) and
-the peak is the step's activations and temporaries — what checkpointing trades. `ratio_vs_none` is a
-setting's peak over the `none` peak of the same family and length.
-
-`step_cpu_s` is the unprofiled step's thread CPU time (`time.thread_time`, robust on a shared CPU):
-checkpointing every layer replays each layer's forward once in backward (~+1/3 of the layers' compute).
-
-    python -m benchmarks.memory.activation_checkpointing --out benchmarks/results
+The CPU measurement of the peak activation memory per setting (torch.profiler's CPU allocator events) is
+committed in `benchmarks/results/activation_checkpointing.*` (its script is retired: results/README.md,
+"Retired scripts"); `tests/benchmarks/test_activation_checkpointing_bench.py` checks the same fall of the peak.
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
-import sys
-import tempfile
 import time
-from pathlib import Path
-from typing import Any, Optional, Sequence
-
-if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from typing import Any, Optional
 
 import numpy as np
 import torch
 
-from benchmarks.common.report import write_report
-
 SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
-#: model.arch -> model.size: the families' tiny shapes (hidden 64, 2 heads), deepened with --layers.
+#: model.arch -> model.size: the families' tiny shapes (hidden 64, 2 heads), deepened with `layers`.
 FAMILIES = {"bert": "tiny", "modernbert": "tiny"}
-NAME = "activation_checkpointing"
 
 
 def build_model(arch: str, layers: Optional[int], seq_len: int, vocab: int, setting: str, window: Optional[int],
@@ -74,62 +48,6 @@ def micro_batch(model: torch.nn.Module, batch: int, seq_len: int, vocab: int, se
     ids[:, 0], ids[:, -1] = SPECIAL["cls"], SPECIAL["sep"]
     collator = CorruptionCollator(model.views, SPECIAL, vocab, seed=1, plans=model.host_plans())
     return collator.collate(ids, np.ones((batch, seq_len), dtype=bool), np.arange(batch))
-
-
-def profiled_peak_bytes(step) -> int:
-    """Largest `Total Allocated` of the CPU `[memory]` events while `step()` runs under the profiler: the
-    peak of the bytes allocated on top of those that existed when profiling started."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-    totals = [e["args"]["Total Allocated"] for e in events
-              if e.get("name") == "[memory]" and e.get("args", {}).get("Device Type", 0) == 0]
-    if not totals:
-        raise RuntimeError("the profiler recorded no CPU memory events (profile_memory unsupported?)")
-    return int(max(totals))
-
-
-def measure(arch: str, setting: str, args: argparse.Namespace, seq_len: int) -> dict[str, Any]:
-    """One row: the unprofiled step's CPU time, then the profiled step's peak bytes and the loss."""
-    model = build_model(arch, args.layers, seq_len, args.vocab_size, setting, args.window)
-    model.train()
-    batch = micro_batch(model, args.micro_batch, seq_len, args.vocab_size)
-    losses: list[float] = []
-
-    def step() -> None:
-        torch.manual_seed(0)  # the same dropout masks for every setting: equal losses are a check
-        loss, _ = model(batch, sampling_seed=1)
-        loss.backward()
-        losses.append(float(loss.detach()))
-
-    start = time.thread_time()
-    step()
-    cpu_s = time.thread_time() - start
-    for p in model.parameters():  # keep the gradient buffers: the profiled step accumulates in place
-        if p.grad is not None:
-            p.grad.zero_()
-    peak = profiled_peak_bytes(step)
-    del model, batch
-    gc.collect()
-    return {"family": arch, "seq_len": seq_len, "micro_batch": args.micro_batch, "layers": args.layers,
-            "checkpointing": setting, "peak_mib": peak / 2**20, "step_cpu_s": cpu_s, "loss": losses[-1]}
-
-
-def with_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`ratio_vs_none` (peak / the `none` peak) and `cpu_vs_none` of the same family and length."""
-    base = {(r["family"], r["seq_len"]): r for r in rows if r["checkpointing"] == "none"}
-    for r in rows:
-        ref = base.get((r["family"], r["seq_len"]))
-        r["ratio_vs_none"] = r["peak_mib"] / ref["peak_mib"] if ref else None
-        r["cpu_vs_none"] = r["step_cpu_s"] / ref["step_cpu_s"] if ref else None
-        r["loss_equal_none"] = r["loss"] == ref["loss"] if ref else None  # the same step, recomputed or not
-        r["label"] = f"{r['family']} L={r['seq_len']} {r['checkpointing']}"
-    return rows
 
 
 # ---- the GPU suite's row (`benchmarks.gpu_suite`, command `more`: kind "checkpointing") ------------------------
@@ -256,55 +174,3 @@ def gpu_suite_row(ctx: Any, row: Any) -> dict[str, Any]:
                       f"state reserved; micro-batch doubled from the first until out of memory (else the cap or the row's time: "
                       f"'+', a lower bound); "
                       f"tokens/s the median of up to {TIMED_STEPS} steps at the largest"}
-
-
-def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--families", default="bert,modernbert", help="comma-separated model.arch values")
-    p.add_argument("--settings", default="none,4,all", help="model.activation_checkpointing values; 'none' is the baseline")
-    p.add_argument("--seq-lens", default="1024,2048", help="comma-separated row lengths")
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--vocab-size", type=int, default=512)
-    p.add_argument("--window", type=int, default=128, help="ModernBERT's model.local_attention")
-    p.add_argument("--out", default="benchmarks/results")
-    args = p.parse_args(argv)
-    args.families = [f for f in args.families.split(",") if f]
-    args.settings = [s for s in args.settings.split(",") if s]
-    args.seq_lens = [int(s) for s in args.seq_lens.split(",") if s]
-    unknown = [f for f in args.families if f not in FAMILIES]
-    if unknown:
-        p.error(f"--families: unknown {unknown}; choose from {sorted(FAMILIES)}")
-    if "none" not in args.settings:
-        p.error("--settings must include 'none' (the baseline of every ratio)")
-    return args
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = parse_args(argv)
-    torch.set_num_threads(1)
-    rows = []
-    for seq_len in args.seq_lens:
-        for arch in args.families:
-            for setting in args.settings:
-                rows.append(measure(arch, setting, args, seq_len))
-                r = rows[-1]
-                print(f"{arch:10s} L={seq_len:5d} {setting:5s} peak {r['peak_mib']:9.1f} MiB  step {r['step_cpu_s']:.2f} s CPU",
-                      flush=True)
-    rows = with_ratios(rows)
-    notes = [
-        "peak_mib: the largest 'Total Allocated' of torch.profiler's CPU [memory] events during one forward+backward "
-        "(profile_memory=True), i.e. the peak allocated on top of the weights and their (already allocated) gradients",
-        "ratio_vs_none: peak_mib / the same family's and length's peak without checkpointing, measured in the same process",
-        "step_cpu_s: thread CPU time of one unprofiled step (time.thread_time), one intra-op thread",
-        "every setting of a family and length sees the same micro-batch and the same dropout seed: their losses are equal",
-        f"model: {args.layers} layers, hidden 64, 2 heads (size preset tiny, deepened); ModernBERT window {args.window}; "
-        f"dropout 0.1; MLM; vocabulary {args.vocab_size}; micro-batch {args.micro_batch}",
-    ]
-    write_report(NAME, rows, args.out, "Activation checkpointing: peak activation memory on the CPU",
-                 bar=("label", "ratio_vs_none"), notes=notes)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,13 +1,17 @@
 """Data of the time-to-quality study: pretraining shards, two held-out halves, the SST-2 splits.
 
-* pretraining: a WordPiece tokenizer and shards built from `--text` (WikiText-2 valid by default);
-* held-out text (`--heldout`, WikiText-2 test) split into two halves by article (WikiText's
-  ` = Title = ` lines; by line when the text has no such headings), each its own shard directory
-  with the same tokenizer: `heldout-select` is the one the learning rate may be chosen on (when
-  SST-2 is absent), `heldout-report` is the one every reported masked-LM number comes from;
-* SST-2 (`--sst2 DIR`, GLUE format with a labelled `test.tsv`): fine-tuning uses `--sst2-train`
+* pretraining: a WordPiece tokenizer and shards (`cpt-train-tokenizer`, `cpt-build-shards`; the study
+  file names the directories);
+* held-out text (WikiText-2 test) split into two halves by article (WikiText's ` = Title = ` lines;
+  by line when the text has no such headings) by this module's command, each then its own shard
+  directory with the same tokenizer: `heldout_select` is the one the learning rate may be chosen on
+  (when no task is given), `heldout_report` is the one every reported masked-LM number comes from::
+
+      python -m benchmarks.quality.ttq_data TEXT OUT_DIR   # OUT_DIR/select.txt, report.txt, split.json
+
+* SST-2 (a task's `dir`, GLUE format with a labelled `test.tsv`): fine-tuning uses `train_examples`
   examples of `train.tsv` drawn with `pipeline.eval.glue.subset_split` (what `finetune
-  --train-subset` draws), and `select.tsv` holds `--sst2-select` *other* examples of `train.tsv`:
+  --train-subset` draws), and `select.tsv` holds `select_examples` *other* examples of `train.tsv`:
   the split the learning rate is chosen on. `dev.tsv` is only ever reported (curves), `test.tsv`
   is predicted once, at the end, for the selected configurations.
 
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -62,27 +67,6 @@ def split_halves(text_file: Path, first: Path, second: Path) -> dict:
             "by": "article" if len(starts) < len(lines) else "line"}
 
 
-def build_text_shards(args, work: Path) -> tuple[Path, Path, Path]:
-    """(train, held-out select, held-out report) shard directories, built once."""
-    from data_prep.build_shards import build_shards
-    from data_prep.train_tokenizer import train_tokenizer
-
-    tok = work / "tokenizer"
-    if not (tok / "tokenizer.json").is_file():
-        train_tokenizer([str(p) for p in args.text], tok, vocab_size=args.vocab_size, progress=False)
-    halves = work / "heldout-text"
-    if not (halves / "split.json").is_file():
-        info = split_halves(Path(args.heldout), halves / "select.txt", halves / "report.txt")
-        atomic_write(halves / "split.json", json.dumps(info, indent=1))
-    dirs = {"train": (work / "shards-train", [str(p) for p in args.text]),
-            "select": (work / "shards-heldout-select", [str(halves / "select.txt")]),
-            "report": (work / "shards-heldout-report", [str(halves / "report.txt")])}
-    for out, sources in dirs.values():
-        if not (out / "manifest.json").is_file():
-            build_shards(sources, tok, out, seq_len=args.seq_len, num_proc=1, progress=False)
-    return dirs["train"][0], dirs["select"][0], dirs["report"][0]
-
-
 def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: int, seed: int,
                  task: str = "sst2", select: Optional[Path] = None) -> tuple[Optional[Path], Optional[Path], str]:
     """(SST-2 dir, selection file, note). The selection split is `n_select` examples of `train.tsv`
@@ -93,7 +77,7 @@ def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: in
     from pipeline.eval.glue import GLUE_TASKS, load_split, read_tsv, subset_split
 
     if not sst2_dir:
-        return None, None, "no --sst2 given: downstream evaluation skipped"
+        return None, None, "no task directory given: downstream evaluation skipped"
     root = Path(sst2_dir)
     missing = [f for f in SST2_FILES if not (root / f).is_file()]
     if missing:
@@ -102,7 +86,7 @@ def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: in
     table = read_tsv(root / "train.tsv", task)
     train = load_split(table, spec)
     if n_train + n_select > len(train.texts):
-        raise ValueError(f"--sst2-train {n_train} + --sst2-select {n_select} > {len(train.texts)} examples in "
+        raise ValueError(f"train_examples {n_train} + select_examples {n_select} > {len(train.texts)} examples in "
                          f"{root / 'train.tsv'}")
     test = load_split(read_tsv(root / "test.tsv", task), spec)
     if test.labels is None:
@@ -118,3 +102,20 @@ def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: in
                       + "".join("\t".join(r[c] for c in columns) + "\n" for r in rows))
     return root, select, (f"SST-2 from {root}: fine-tuning on {n_train} train examples (subset seed {seed}), "
                           f"selection on {n_select} other train examples, dev reported, test scored once at the end")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m benchmarks.quality.ttq_data TEXT OUT_DIR`: the two held-out halves of TEXT."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or not Path(args[0]).is_file():
+        print("usage: python -m benchmarks.quality.ttq_data TEXT OUT_DIR (TEXT: an existing text file)", file=sys.stderr)
+        return 2
+    out = Path(args[1])
+    info = split_halves(Path(args[0]), out / "select.txt", out / "report.txt")
+    atomic_write(out / "split.json", json.dumps(info, indent=1))
+    print(f"wrote {out / 'select.txt'} and {out / 'report.txt'} (cut at line {info['cut_line']}, by {info['by']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

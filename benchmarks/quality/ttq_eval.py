@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -185,10 +185,3 @@ def convert_once(tag_dir: Path, hf_dir: Path) -> Path:
     if (hf_dir / "config.json").is_file():
         return hf_dir
     return convert(tag_dir, hf_dir, overwrite=True)
-
-
-def final_metric(values: Optional[dict], split: str) -> Optional[float]:
-    """Mean accuracy of one split of a `finetune_sst2` "pretrained" record (None when absent)."""
-    if not values:
-        return None
-    return values.get("pretrained", {}).get(split, {}).get("mean")

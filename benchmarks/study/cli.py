@@ -7,7 +7,7 @@
     cpt-study collect studies/bert-base.yaml --out REPORT_DIR   # the CPU study's report, from the files alone
 
 The study file format: `benchmarks/study/spec.py`; the units: `benchmarks/study/units.py`; the executors:
-`benchmarks/study/jobs.py` (SLURM) and `benchmarks/study/local.py` (here; the CPU study's flags run it too);
+`benchmarks/study/jobs.py` (SLURM) and `benchmarks/study/local.py` (here; `studies/cpu-small.yaml` is the CPU study);
 docs/slurm.md#the-time-to-quality-study-on-slurm walks through a run on a cluster.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.study.spec import StudyError, load_study  # noqa: E402
+from benchmarks.study.spec import StudyError, check_work_dir, load_study  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,7 +52,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from benchmarks.study.plan import format_plan, plan
 
             print("\n".join(format_plan(plan(study)).splitlines()[-3:-1]), flush=True)  # what the whole study costs
+            check_work_dir(study, record=False)  # refused before anything is queued, recorded once it is
             jobs = submit_study(study)
+            check_work_dir(study)
             print(f"submitted {len(jobs)} job(s); the driver job submits the seed phase when the sweep ends "
                   f"(`cpt-study status {args.study}`)")
         elif args.command == "status":
@@ -65,6 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from benchmarks.study.results import collect
 
             if args.command == "run":
+                check_work_dir(study)
                 with sigterm_stops():  # `kill PID`: the running training checkpoints, a re-run resumes
                     run_study(study)
             out = Path(args.out) if args.out else study.work / "report"

@@ -4,8 +4,8 @@ Each pretraining run is the real `python -m pipeline.train` in a child process (
 `launcher`, e.g. `torchrun --nproc_per_node 8`); its evaluation points, the selection, the seed phase
 and the final test splits follow as the SLURM executor (`benchmarks.study.jobs`) runs them, over the
 same units and result files, so a study started by one executor can be finished by the other and
-`cpt-study collect` reports either. Run by `cpt-study run STUDY.yaml` and by the CPU study
-(`python -m benchmarks.quality.time_to_quality`, a study given by flags).
+`cpt-study collect` reports either. Run by `cpt-study run STUDY.yaml` (the CPU study:
+`studies/cpu-small.yaml`).
 """
 from __future__ import annotations
 

@@ -33,6 +33,7 @@ Every error is one line naming the file and the field, before anything is submit
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -41,8 +42,7 @@ from typing import Any, Optional
 
 import yaml
 
-#: pipeline.train keys the study sets per run (an objective override of one would defeat the sweep): the one
-#: owner list, for study files and for the CPU study's `--set` (whose flags own the model size and batch too).
+#: pipeline.train keys the study sets per run (an objective override of one would defeat the sweep).
 STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_steps", "train.checkpoint_every",
                "train.output_dir", "train.resume", "data.shards_dir", "train.log_every", "train.keep_last")
 TOP_KEYS = {"name", "work_dir", "objectives", "seeds", "lrs", "warmup_ratio", "budget", "eval_every", "shards",
@@ -326,3 +326,31 @@ def check_select(study: Study, check_data: bool = False) -> None:
             except (ConfigError, ValueError, OSError) as err:
                 raise StudyError(f"{where}: shards.heldout_select (the runs' eval.shards_dir, objectives.{objective}): "
                                  f"{err}") from None
+
+
+def check_work_dir(study: Study, record: bool = True) -> None:
+    """Record the settings that define the results in `<work_dir>/study.json`, or refuse a work
+    directory made with other ones before anything runs. Objectives and pretraining or fine-tuning
+    seeds may be added (that is how a study grows); the first seed runs the sweep, so it is defining.
+    `record` False: check only (`submit` records once its jobs are queued)."""
+    from benchmarks.common.report import write_json
+
+    current = json.loads(json.dumps({
+        "objectives": {n: [o.preset, *o.overrides] for n, o in study.objectives.items()}, "sweep_seed": study.seeds[0],
+        "lrs": study.lrs, "warmup_ratio": study.warmup_ratio, "budget": study.budget, "eval_every": study.eval_every,
+        "shards": study.shards, "tasks": [[t.name, t.dir, t.train_examples, t.select_examples] for t in study.tasks],
+        "finetune": [study.finetune["lr"], study.finetune["epochs"]], "eval_sequences": study.eval_sequences,
+        "subset_seed": study.subset_seed, "select": study.select}, default=str))
+    path = study.work / "study.json"
+    if path.is_file():
+        recorded = json.loads(path.read_text())
+        was = recorded.get("objectives", {})
+        changed = {f"objectives.{n}": (was[n], v) for n, v in current["objectives"].items() if n in was and was[n] != v}
+        changed.update({k: (recorded.get(k), v) for k, v in current.items() if k != "objectives" and recorded.get(k) != v})
+        if changed:
+            diffs = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in sorted(changed.items()))
+            raise StudyError(f"{study.path}: work_dir {study.work} holds a study made with other settings ({diffs}); "
+                             "use another work_dir or the recorded settings")
+        current["objectives"] = {**was, **current["objectives"]}
+    if record:
+        write_json(path, current)

@@ -185,13 +185,16 @@ def parse_run(name: str) -> RunKey:
 
 
 def study_data(study: Study, task: Optional[Task]) -> StudyData:
-    """The CPU study's data record for one downstream task (None: held-out metrics only)."""
+    """The study's data record for one downstream task (None: held-out metrics only)."""
     sh = study.shards
     if task is None:
         return StudyData(sh["train"], sh["heldout_select"], sh["heldout_report"], None, None)
-    root, select, note = prepare_sst2(str(task.dir), study.work, task.train_examples, task.select_examples,
-                                      study.subset_seed, task=task.name,
-                                      select=study.work / "tasks" / task.name / "select.tsv")
+    try:
+        root, select, note = prepare_sst2(str(task.dir), study.work, task.train_examples, task.select_examples,
+                                          study.subset_seed, task=task.name,
+                                          select=study.work / "tasks" / task.name / "select.tsv")
+    except ValueError as err:  # too few examples, an unlabelled test split: one line naming the task
+        raise StudyError(f"{study.path}: tasks {task.name}: {err}") from None
     if root is None:
         raise StudyError(f"{study.path}: tasks {task.name}: {note}")
     return StudyData(sh["train"], sh["heldout_select"], sh["heldout_report"], root, select, note)

@@ -1,41 +1,22 @@
-"""The time-to-quality study: argument checks, held-out splits, selection on the selection split only,
-the baseline health check and its refusal, resume, and the held-out metrics against direct computations."""
+"""The time-to-quality study's pieces: the work directory's settings check, held-out splits, selection on the
+selection split only, the baseline health check and its refusal, resume, and the held-out metrics against
+direct computations (the whole study through `cpt-study run`: tests/benchmarks/test_study_local.py)."""
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from benchmarks.quality.quality_targets import EvalPoint
-from benchmarks.quality.time_to_quality import ALL_OBJECTIVES, check_study_args, cpu_study, parse_args
+from benchmarks.quality.ttq_data import main as split_main
 from benchmarks.quality.ttq_data import prepare_sst2, split_halves
 from benchmarks.quality.ttq_eval import cached, heldout_metrics, merge_finetune_summaries, top_token_of
 from benchmarks.quality.ttq_report import baseline_health, target_rows
 from benchmarks.study.local import evaluate_run
+from benchmarks.study.spec import StudyError, Task, check_work_dir, load_study
 from benchmarks.study.units import RunKey, cumulative_hours, downstream_at, select_lrs
-
-
-def test_arguments_are_checked_before_any_work(tmp_path: Path, capsys) -> None:
-    text = tmp_path / "t.txt"
-    text.write_text("x\n")
-    base = ["--text", str(text), "--heldout", str(text), "--out", str(tmp_path / "o")]
-    for argv, message in ((["--text", str(tmp_path / "missing.txt"), "--heldout", str(text)], "missing.txt"),
-                          ([*base, "--eval-every", "0"], "--eval-every"),
-                          ([*base, "--objectives", "nope"], "nope"),
-                          ([*base, "--set", "optim.lr=1e-3"], "the study sets these itself"),
-                          # one owner list with study files (benchmarks.study.spec.STUDY_OWNED), and the flags' own keys
-                          ([*base, "--set", "train.keep_last=3"], "the study sets these itself"),
-                          ([*base, "--set", "model.size=base"], "use --size"),
-                          ([*base, "--seeds", "1,1"], "distinct seeds"),
-                          ([*base, "--lrs", "0"], "positive")):
-        with pytest.raises(SystemExit):
-            parse_args([*argv, "--out", str(tmp_path / "o")])
-        assert message in capsys.readouterr().err
-    args = parse_args([*base, "--objectives", "taco", "--lrs", "2e-3,5e-4"])
-    assert args.objectives == ["mlm", "taco"] and args.lrs == [5e-4, 2e-3] and args.seeds == [1, 2, 3]
-    assert parse_args(base).objectives == list(ALL_OBJECTIVES)  # every objective, MLM first
 
 
 def test_cumulative_hours_sum_step_times_times_world_size() -> None:
@@ -55,6 +36,9 @@ def test_heldout_text_is_split_at_an_article_boundary(tmp_path: Path) -> None:
     plain.write_text("".join(f"line {i}\n" for i in range(10)))
     assert split_halves(plain, tmp_path / "c.txt", tmp_path / "d.txt")["by"] == "line"
     assert (tmp_path / "c.txt").read_text().count("\n") == 5
+    assert split_main([str(text), str(tmp_path / "halves")]) == 0  # the command the study's docs give
+    assert (tmp_path / "halves" / "report.txt").read_text() == second
+    assert split_main([str(tmp_path / "missing.txt"), str(tmp_path / "h2")]) == 2
 
 
 def _sst2_dir(root: Path, n: int = 60, test_labels: bool = True) -> Path:
@@ -80,7 +64,7 @@ def test_sst2_selection_split_never_overlaps_the_fine_tuning_examples(tmp_path: 
     assert "SST-2 not found" in prepare_sst2(str(tmp_path / "absent"), tmp_path / "w2", 30, 20, 5)[2]
     with pytest.raises(ValueError, match="no labels"):
         prepare_sst2(str(_sst2_dir(tmp_path / "unlabelled", test_labels=False)), tmp_path / "w3", 30, 20, 5)
-    with pytest.raises(ValueError, match="--sst2-train 50"):
+    with pytest.raises(ValueError, match="train_examples 50"):
         prepare_sst2(str(root), tmp_path / "w4", 50, 20, 5)
 
 
@@ -134,16 +118,34 @@ def test_a_healthy_baseline_gets_ratios_and_a_failed_one_gets_none() -> None:
                                for f in ("steps", "hours", "step_ratio", "hours_ratio"))
 
 
-def test_a_work_dir_refuses_other_settings_but_grows_with_objectives_and_seeds(tmp_path: Path) -> None:
-    text = tmp_path / "t.txt"
-    text.write_text("x\n")
-    base = ["--text", str(text), "--heldout", str(text), "--out", str(tmp_path / "o")]
-    check_study_args(parse_args([*base, "--objectives", "taco", "--seeds", "1,2"]), tmp_path)
-    check_study_args(parse_args([*base, "--objectives", "taco,capt", "--seeds", "1,2,3"]), tmp_path)
-    with pytest.raises(ValueError, match="steps: 1000 there, 500 now"):
-        check_study_args(parse_args([*base, "--steps", "500"]), tmp_path)
-    with pytest.raises(ValueError, match="seeds"):
-        check_study_args(parse_args([*base, "--seeds", "7,1"]), tmp_path)
+def _study_file(tmp_path: Path, shards: Path, name: str = "s.yaml", **changes) -> Path:
+    """A tiny study file over `shards` (2 steps, an evaluation point at each), with top-level `changes`."""
+    raw = {"name": "t", "work_dir": str(tmp_path / "work"), "budget": {"steps": 2}, "eval_every": 1,
+           "objectives": {"mlm": {"preset": "tiny-mlm", "overrides": ["model.size=tiny", "data.micro_batch_size=4",
+                                                                    "data.global_batch_size=4"]}},
+           "seeds": [1], "lrs": [1e-3], "shards": {k: str(shards) for k in ("train", "heldout_select", "heldout_report")},
+           "finetune": {"seeds": [1], "lr": 1e-4, "epochs": 1}, "keep_checkpoints": False, **changes}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def test_a_work_dir_refuses_other_settings_but_grows_with_objectives_and_seeds(tmp_path: Path,
+                                                                                 tiny_shards_dir: Path) -> None:
+    taco = {"preset": "tiny-taco"}
+    mlm = {"preset": "tiny-mlm"}
+    check_work_dir(load_study(_study_file(tmp_path, tiny_shards_dir, objectives={"mlm": mlm, "taco": taco}, seeds=[1, 2])))
+    check_work_dir(load_study(_study_file(tmp_path, tiny_shards_dir, objectives={"mlm": mlm, "taco": taco, "capt": {
+        "preset": "tiny-capt"}}, seeds=[1, 2, 3])))  # an objective and a seed added: the study grows
+    check_work_dir(load_study(_study_file(tmp_path, tiny_shards_dir, objectives={"mlm": mlm})))  # a subset: fine
+    for changes, message in (({"budget": {"steps": 1}}, "budget: {'steps': 2} there, {'steps': 1} now"),
+                             ({"seeds": [7, 1]}, "sweep_seed: 1 there, 7 now"),
+                             ({"objectives": {"mlm": mlm, "taco": {**taco, "overrides": ["model.dropout=0.0"]}}},
+                              "objectives.taco"),
+                             ({"finetune": {"lr": 5e-4}}, "finetune")):
+        with pytest.raises(StudyError, match="holds a study made with other settings") as err:
+            check_work_dir(load_study(_study_file(tmp_path, tiny_shards_dir, **{"objectives": {"mlm": mlm}, **changes})))
+        assert message in str(err.value)
 
 
 def test_runs_table_names_the_signals_at_chance() -> None:
@@ -170,11 +172,7 @@ def test_a_finished_run_is_skipped_on_a_rerun(tiny_shards_dir: Path, tmp_path: P
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)
     monkeypatch.setenv("PYTHONPATH", str(repo))
-    text = tmp_path / "t.txt"
-    text.write_text("x\n")
-    args = parse_args(["--text", str(text), "--heldout", str(text), "--out", str(tmp_path / "o"), "--steps", "2",
-                       "--eval-every", "1", "--micro-batch", "4"])
-    study = cpu_study(args, [tiny_shards_dir] * 3, tmp_path)  # the study these flags describe, run locally
+    study = load_study(_study_file(tmp_path, tiny_shards_dir, work_dir=str(tmp_path)))  # run locally
     assert study.tasks == [] and study.steps_of["mlm"] == 2 and study.eval_steps("mlm") == [1, 2]
     key = RunKey("mlm", 1e-3, 1)
     first = evaluate_run(study, key, curves=False)
@@ -201,8 +199,7 @@ def test_a_finished_run_is_skipped_on_a_rerun(tiny_shards_dir: Path, tmp_path: P
     select = tmp_path / "select.tsv"
     select.write_text("sentence\tlabel\ngood film\t1\nbad film\t0\n")
     data = StudyData(tiny_shards_dir, tiny_shards_dir, tiny_shards_dir, sst2, select)
-    args = parse_args(["--text", str(text), "--heldout", str(text), "--out", str(tmp_path / "o"),
-                       "--sst2-train", "8", "--finetune-epochs", "1", "--finetune-seeds", "1"])
+    args = study.args("mlm", Task("sst2", sst2, train_examples=8, select_examples=2))
     one = downstream_at(key, 2, data, args, tmp_path)
     seed_1 = run_dir / "downstream" / "step_2" / "seed_1.json"
     written = seed_1.stat().st_mtime_ns
@@ -264,11 +261,3 @@ def _check_heldout_against_direct(model_dir: Path, shards: Path, top: int, metri
             input_ids=swapped, attention_mask=batch["attention_mask"]).logits[at]
     assert metrics["replaced_acc"] == pytest.approx(float((logits.argmax(-1) == labels[at]).float().mean()))
     assert metrics["replaced_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, labels[at])), rel=1e-5)
-
-
-def test_namespace_fields_the_study_reads_exist() -> None:
-    """`DEFINING_ARGS` names only real flags (a typo would silently drop a setting from the check)."""
-    from benchmarks.quality.time_to_quality import DEFINING_ARGS, build_parser
-
-    dests = {a.dest for a in build_parser()._actions if isinstance(a, argparse.Action)}
-    assert set(DEFINING_ARGS) <= dests
