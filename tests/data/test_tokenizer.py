@@ -48,7 +48,7 @@ def test_cli_reports_missing_input_and_no_documents(tmp_path: Path, capsys: pyte
 
 
 def test_load_tokenizer_rejects_directory_without_tokenizer(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="--tokenizer .*cannot be loaded"):
+    with pytest.raises(ValueError, match="--tokenizer .*: no tokenizer files in this directory"):
         load_tokenizer(tmp_path)
 
 
