@@ -3,11 +3,13 @@ a `CheckpointFinisher` thread records the hashes, and `latest` still moves only 
 record exists; a failure there leaves the previous checkpoint in charge and surfaces on `wait()` and at the next save."""
 from __future__ import annotations
 
+import io
 import json
 import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 import pipeline.train.checkpoint as ckpt
 from pipeline.data.shards import sha256_file
@@ -29,7 +31,9 @@ class FakeEngine:
 
     def save_checkpoint(self, root: str, tag: str, client_state: dict, save_latest: bool) -> None:
         (Path(root) / tag).mkdir(parents=True, exist_ok=True)
-        self.checkpoint_engine.save(tag.encode() * 1000, str(Path(root) / tag / "mp_rank_00_model_states.pt"))
+        state = io.BytesIO()  # a real torch file: a verified tag's .pt files are unpickled (safe_load)
+        torch.save({"tag": tag, "module": {"w": torch.zeros(1000)}}, state)
+        self.checkpoint_engine.save(state.getvalue(), str(Path(root) / tag / "mp_rank_00_model_states.pt"))
 
 
 def meta() -> RunMeta:

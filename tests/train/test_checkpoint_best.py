@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -58,6 +59,7 @@ class FakeRun:
         self.engine, self.model, self.state, self.meta = LoadingEngine(), FakeModel(), state, meta()
         self.device = torch.device("cpu")
         self.guard = NonFiniteGuard(10, False, 0.0, 0.0)
+        self.batches = SimpleNamespace(dataset=None, seed=0, consumed_samples=0)  # one directory: no mixture record
 
 
 def train_cfg(out: Path, **fields) -> TrainConfig:
