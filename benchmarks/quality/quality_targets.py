@@ -21,11 +21,13 @@ from typing import Mapping, Optional, Sequence
 
 @dataclass(frozen=True)
 class EvalPoint:
-    """One evaluation of one run: after `step` optimizer steps and `device_hours` of compute."""
+    """One evaluation of one run: after `step` optimizer steps, `device_hours` of compute and `tokens`
+    trained on (None where the run did not record them)."""
 
     step: int
     device_hours: float
     values: Mapping[str, float] = field(default_factory=dict)
+    tokens: Optional[int] = None
 
 
 def meets(value: float, target: float, higher_is_better: bool) -> bool:
@@ -94,8 +96,8 @@ def time_to_target(baseline: Mapping[int, Sequence[EvalPoint]], runs: Mapping[in
 
 
 def mean_curve(curves: Sequence[Sequence[EvalPoint]], metric: str, confidence: float = 0.95) -> list[dict]:
-    """Per evaluated step that every curve measured: the mean device-hours and the mean / interval of
-    `metric` over the curves (seeds)."""
+    """Per evaluated step that every curve measured: the mean device-hours (and tokens, where every curve
+    recorded them) and the mean / interval of `metric` over the curves (seeds)."""
     from benchmarks.common.stats import mean_ci
 
     by_step: dict[int, list[EvalPoint]] = {}
@@ -109,5 +111,7 @@ def mean_curve(curves: Sequence[Sequence[EvalPoint]], metric: str, confidence: f
         if len(points) < len(curves):
             continue
         ci = mean_ci([p.values[metric] for p in points], confidence)
-        rows.append({"step": step, "device_hours": sum(p.device_hours for p in points) / len(points), **ci})
+        tokens = [p.tokens for p in points]
+        rows.append({"step": step, "device_hours": sum(p.device_hours for p in points) / len(points),
+                     "tokens": sum(tokens) / len(tokens) if None not in tokens else None, **ci})
     return rows

@@ -12,21 +12,29 @@ Baseline health check (`baseline_health`), on MLM's final checkpoints at the sel
      spread is unknown, and MLM's lower bound must exceed that value instead (a weaker check, said so).
 If any check fails, the report says which and prints no time-to-target step or ratio at all:
 those are measured against the baseline's own final quality, which would then mean nothing.
+
+With zero-shot STS-B (a study's `sts:`), every point also carries `sts_dev` / `sts_test` (Spearman x 100),
+plotted against steps, tokens and device-hours with the floors drawn, and `time_to_quality_sts` compares each
+objective with MLM at equal budget and at matched compute (`benchmarks.quality.ttq_sts`).
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from benchmarks.quality.quality_targets import EvalPoint, mean_curve, time_to_target
+from benchmarks.quality.ttq_sts import comparison_rows, floor_lines, floor_rows, sts_values, verdict as sts_verdict
 from benchmarks.common.report import line_chart, write_report
 from benchmarks.common.stats import difference_ci, format_ci, mean_ci
 from pipeline.monitor.health import COLLAPSE_COSINE
 
 #: curve metric -> (higher is better, or None for a health number with no target)
 METRICS = {"sst2_dev_accuracy": True, "heldout_mlm_acc": True, "heldout_mlm_loss": False,
-           "unigram_acc": None, "token_cosine": None}
-PLOTTED = ("sst2_dev_accuracy", "heldout_mlm_acc", "token_cosine")
+           "unigram_acc": None, "token_cosine": None, "sts_dev": True, "sts_test": True,
+           "sts_test_input_embeddings": None}
+PLOTTED = ("sst2_dev_accuracy", "heldout_mlm_acc", "token_cosine", "sts_test")
+#: x-axes of the plots (tokens: where every run recorded them)
+AXES = ("device_hours", "step", "tokens")
 
 
 def point_values(point: dict) -> dict[str, float]:
@@ -35,12 +43,14 @@ def point_values(point: dict) -> dict[str, float]:
               "unigram_acc": report["unigram_acc"], "token_cosine": report["token_cosine"]}
     if point.get("downstream"):
         values["sst2_dev_accuracy"] = point["downstream"]["pretrained"]["dev"]["mean"]
+    values.update(sts_values(point.get("sts")))
     return values
 
 
 def curves_of(selected: dict[str, list[dict]]) -> dict[str, dict[int, list[EvalPoint]]]:
     """objective -> seed -> evaluation curve of the selected runs that finished."""
-    return {obj: {run["key"].seed: [EvalPoint(p["step"], p["device_hours"], point_values(p)) for p in run["points"]]
+    return {obj: {run["key"].seed: [EvalPoint(p["step"], p["device_hours"], point_values(p), p.get("tokens"))
+                                    for p in run["points"]]
                   for run in runs if run["status"] == "ok"} for obj, runs in selected.items()}
 
 
@@ -101,11 +111,15 @@ def summary_rows(study: dict, curves: dict, floor: Optional[dict]) -> list[dict]
             "acc_minus_unigram": format_ci(gap), "token_cosine": format_ci(finals["token_cosine"]),
             "heldout_mlm_loss": format_ci(finals["heldout_mlm_loss"]), "device_hours": format_ci(hours, 4),
             "train_collapsed_steps": sum(collapsed_steps), "train_positive_cosine": format_ci(mean_ci(positives)),
+            **({"sts_dev": format_ci(finals["sts_dev"], 1), "sts_test": format_ci(finals["sts_test"], 1),
+                "sts_test_input_embeddings": format_ci(finals["sts_test_input_embeddings"], 1)}
+               if finals["sts_test"]["mean"] is not None else {}),
         })
     if floor is not None:
         rows.append({"objective": "random init (floor)", "seeds": f"{len(floor['dev']['seeds'])} fine-tuning",
                      "sst2_dev": format_ci(mean_ci(floor["dev"]["seeds"])),
                      "sst2_test": format_ci(mean_ci(floor.get("test", {}).get("seeds", [])))})
+    rows += floor_rows(study["selected"])
     return rows
 
 
@@ -183,13 +197,16 @@ def curve_rows(curves: dict) -> list[dict]:
     return rows
 
 
-def plots(curves: dict, floor: Optional[dict], health: dict, out: Path) -> list[str]:
-    """Quality against device-hours and steps, mean with its 95% band, per objective."""
+def plots(curves: dict, floor: Optional[dict], health: dict, out: Path,
+          sts_floors: Sequence[tuple[float, str]] = ()) -> list[str]:
+    """Quality against device-hours, steps and tokens, mean with its 95% band, per objective."""
     paths = []
     for metric in PLOTTED:
-        for x in ("device_hours", "step"):
-            series = {obj: [(r[x], r["mean"], r["lo"], r["hi"]) for r in mean_curve(list(by_seed.values()), metric)]
-                      for obj, by_seed in curves.items()}
+        for x in AXES:
+            rows = {obj: mean_curve(list(by_seed.values()), metric) for obj, by_seed in curves.items()}
+            if any(r[x] is None for rs in rows.values() for r in rs):
+                continue  # tokens not recorded by some run (a study recorded before they were)
+            series = {obj: [(r[x], r["mean"], r["lo"], r["hi"]) for r in rs] for obj, rs in rows.items()}
             if not any(series.values()):
                 continue
             hlines = []
@@ -197,6 +214,8 @@ def plots(curves: dict, floor: Optional[dict], health: dict, out: Path) -> list[
                 hlines.append((float(sum(floor["dev"]["seeds"]) / len(floor["dev"]["seeds"])), "random init"))
             if metric == "token_cosine":
                 hlines.append((COLLAPSE_COSINE, "collapse threshold"))
+            if metric == "sts_test":
+                hlines.extend(sts_floors)
             title = f"{metric} (mean, 95% band over seeds)" + ("" if health["passed"] else ": baseline UNHEALTHY")
             path = out / f"time_to_quality_{metric}_vs_{x}.png"
             line_chart(series, path, title, x.replace("_", "-"), metric, hlines=hlines)
@@ -230,12 +249,21 @@ def write_study_report(study: dict, args, data_notes: list[str], out: Path, extr
     targets = target_rows(curves, health)
     runs = run_rows(study)
     curve_table = curve_rows(curves)
+    sts_rows = comparison_rows(curves)
+    if sts_rows:
+        notes.insert(1, sts_verdict(sts_rows))
     payload = {**extra, "baseline_health": health, "selection": selection, "floor": floor, "targets": targets,
-               "runs": runs, "selection_metric": study["metric"]}
+               "runs": runs, "selection_metric": study["metric"], "sts_comparison": sts_rows or None}
     paths = write_report("time_to_quality", rows, out, "Time to quality (selected learning rates)", notes=notes,
                          extra=payload)
     write_report("time_to_quality_targets", targets, out, "Time to MLM's final quality (paired per seed)",
-                 notes=notes[:1] + notes[3:4])
+                 notes=notes[:1] + [n for n in notes if n.startswith("time to target")])
+    if sts_rows:
+        write_report("time_to_quality_sts", sts_rows, out, "Zero-shot STS-B against MLM (Spearman x 100)",
+                     notes=[notes[1], "equal budget: both runs' final points; matched compute: each run's last point "
+                            "within the smaller of the two runs' final device-hours (per seed); mean [95% t-interval] "
+                            "over pretraining seeds; separates: the two intervals do not overlap; difference_paired: "
+                            "per-seed difference, mean [95% t-interval]", *[n for n in notes if n.startswith("budget")]])
     write_report("time_to_quality_runs", runs, out, "Every run, sweep included: health and final numbers",
                  notes=[f"collapsed: held-out mean token cosine > {COLLAPSE_COSINE}; train_collapsed_steps: logged "
                         "training steps with health/collapsed = 1",
@@ -243,6 +271,6 @@ def write_study_report(study: dict, args, data_notes: list[str], out: Path, extr
                         "chance level, the unigram plateau or entropy, the collapse threshold) not learned over the "
                         "last 20% of the logged steps"])
     write_report("time_to_quality_curves", curve_table, out, "Evaluation curves (mean, 95% interval over seeds)",
-                 notes=notes[2:3])
-    pngs = plots(curves, floor, health, out)
+                 notes=[n for n in notes if n.startswith("every figure")])
+    pngs = plots(curves, floor, health, out, floor_lines(study["selected"]))
     return {"health": health, "verdict": verdict, "paths": {**{k: str(v) for k, v in paths.items()}, "png": pngs}}

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional
 
 from benchmarks.study.spec import Study, StudyError, Task
-from benchmarks.study.units import RunKey, final_files, point_files, select_lrs, with_floor
+from benchmarks.study.units import RunKey, final_files, point_files, select_lrs, sts_file, with_floor
 
 
 class Missing(StudyError):
@@ -43,11 +43,13 @@ def read_run(study: Study, key: RunKey, curves: bool, task: Optional[Task], miss
     for step in train["steps"]:
         files = point_files(study, key, step, curves)
         heldout = _read(files[0], missing)
+        sts = _read(sts_file(run_dir, step), missing) if study.sts else None
         downstream = None
         if task is not None and (curves or step == final_step):
             downstream = _merge([_read(run_dir / "downstream" / task.name / f"step_{step}" / f"seed_{s}.json", missing)
                                  for s in study.finetune["seeds"]])
         out["points"].append({"step": step, "device_hours": train["device_hours"][str(step)], "heldout": heldout,
+                              "tokens": (train.get("tokens") or {}).get(str(step)), "sts": sts,
                               "downstream": downstream})
     out["final"] = out["points"][-1] if out["points"] else None
     return out

@@ -25,6 +25,7 @@ A YAML file (see `studies/tiny.yaml`, `studies/bert-base.yaml` and docs/slurm.md
     cost: {mfu: 0.4, device: H100, tokens_per_s: {mlm: 250000}, flops_factor: {cocolm: 1.33}}
     keep_checkpoints: true                # false: the final job deletes converted runs' DeepSpeed checkpoints
     select: val/mlm_head/loss             # optional: select the lr on this validation metric (`check_select`)
+    sts: {dir: DIR, bootstrap: 1000}      # optional: zero-shot STS-B (SentEval copy) at every evaluation point
 
 `${VAR}` in a path is expanded from the environment (the tiny study names its data that way); `plan`
 needs no data and keeps a path whose variable is unset as written, `submit` and `run` refuse it.
@@ -47,7 +48,9 @@ STUDY_OWNED = ("optim.lr", "optim.warmup_steps", "train.seed", "train.total_step
                "train.output_dir", "train.resume", "data.shards_dir", "train.log_every", "train.keep_last")
 TOP_KEYS = {"name", "work_dir", "objectives", "seeds", "lrs", "warmup_ratio", "budget", "eval_every", "shards",
             "tasks", "finetune", "eval_sequences", "plateau_margin", "resources", "cost", "subset_seed",
-            "keep_checkpoints", "select"}
+            "keep_checkpoints", "select", "sts"}
+#: fields of `sts:` (`StsSettings`)
+STS_KEYS = {"dir", "bootstrap"}
 
 
 class StudyError(ValueError):
@@ -67,6 +70,18 @@ class Task:
     dir: Path
     train_examples: int
     select_examples: int
+
+
+@dataclass(frozen=True)
+class StsSettings:
+    """Zero-shot STS-B at every evaluation point (`pipeline.eval.sts.measure`: dev and test, Spearman x 100 with
+    a paired bootstrap interval over `bootstrap` resamples of the pairs, and its reference points)."""
+
+    dir: Path
+    bootstrap: int = 1000
+
+    def record(self) -> dict:
+        return {"dir": str(self.dir), "bootstrap": self.bootstrap}
 
 
 @dataclass
@@ -89,6 +104,7 @@ class Study:
     cost: dict[str, Any]
     subset_seed: int = 0
     keep_checkpoints: bool = True
+    sts: Optional[StsSettings] = None  # zero-shot STS at every evaluation point (`units.sts_at`)
     select: str = ""  # a val/ metric the lr is selected on (`check_select`); "": the first task / held-out MLM loss
     steps: int = 0  # resolved by `resolve_steps` (a token budget needs the preset's batch and seq_len)
     steps_of: dict[str, int] = field(default_factory=dict)
@@ -237,7 +253,7 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
                   plateau_margin=float(raw.get("plateau_margin", 0.05)), resources=raw.get("resources") or {},
                   cost=raw.get("cost") or {}, subset_seed=int(raw.get("subset_seed", 0)),
                   keep_checkpoints=bool(raw.get("keep_checkpoints", True)),
-                  select=str(raw.get("select") or ""))
+                  select=str(raw.get("select") or ""), sts=_sts(raw, base, where, check_data))
     resolve_steps(study)
     check_select(study, check_data)
     if check_data:
@@ -249,6 +265,28 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
             if missing:
                 raise StudyError(f"{where}: tasks[{i}].dir: {t.dir} lacks {', '.join(missing)} (test.tsv labelled)")
     return study
+
+
+def _sts(raw: dict, base: Path, where: str, check_data: bool) -> Optional[StsSettings]:
+    """`sts: {dir, bootstrap}` or None; `check_data`: both splits read and checked now (each problem one line
+    naming the file and line, `pipeline.eval.sts.read_sts`), not at the first evaluation point hours later."""
+    if raw.get("sts") is None:
+        return None
+    spec = raw["sts"]
+    if not isinstance(spec, dict) or set(spec) - STS_KEYS or "dir" not in spec:
+        raise StudyError(f"{where}: sts: expected {{dir: DIR, bootstrap: N}} (the SentEval STS-B copy), got {spec!r}")
+    bootstrap = spec.get("bootstrap", 1000)
+    if not isinstance(bootstrap, int) or isinstance(bootstrap, bool) or bootstrap < 0:
+        raise StudyError(f"{where}: sts.bootstrap: expected an integer >= 0 (0: no interval), got {bootstrap!r}")
+    settings = StsSettings(_path(spec["dir"], base, f"{where}: sts.dir", check_data), bootstrap)
+    if check_data:
+        from pipeline.eval.sts import read_splits
+
+        try:
+            read_splits(settings.dir, flag=f"{where}: sts.dir")
+        except ValueError as err:
+            raise StudyError(str(err) if str(err).startswith(where) else f"{where}: sts.dir: {err}") from None
+    return settings
 
 
 def run_config(study: Study, objective: str, extra: tuple[str, ...] = ()):
@@ -340,17 +378,21 @@ def check_work_dir(study: Study, record: bool = True) -> None:
         "lrs": study.lrs, "warmup_ratio": study.warmup_ratio, "budget": study.budget, "eval_every": study.eval_every,
         "shards": study.shards, "tasks": [[t.name, t.dir, t.train_examples, t.select_examples] for t in study.tasks],
         "finetune": [study.finetune["lr"], study.finetune["epochs"]], "eval_sequences": study.eval_sequences,
-        "subset_seed": study.subset_seed, "select": study.select}, default=str))
+        "subset_seed": study.subset_seed, "select": study.select,
+        "sts": study.sts.record() if study.sts else None}, default=str))
     path = study.work / "study.json"
     if path.is_file():
         recorded = json.loads(path.read_text())
         was = recorded.get("objectives", {})
         changed = {f"objectives.{n}": (was[n], v) for n, v in current["objectives"].items() if n in was and was[n] != v}
-        changed.update({k: (recorded.get(k), v) for k, v in current.items() if k != "objectives" and recorded.get(k) != v})
+        # STS may be added to a study that ran without it (its points gain the metric), not changed once set
+        changed.update({k: (recorded.get(k), v) for k, v in current.items() if k != "objectives" and recorded.get(k) != v
+                        and not (k == "sts" and (recorded.get(k) is None or v is None))})
         if changed:
             diffs = "; ".join(f"{k}: {a!r} there, {b!r} now" for k, (a, b) in sorted(changed.items()))
             raise StudyError(f"{study.path}: work_dir {study.work} holds a study made with other settings ({diffs}); "
                              "use another work_dir or the recorded settings")
         current["objectives"] = {**was, **current["objectives"]}
+        current["sts"] = current["sts"] or recorded.get("sts")
     if record:
         write_json(path, current)

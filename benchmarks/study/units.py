@@ -2,7 +2,7 @@
 
 The study walks sweep -> selection -> seeds -> final over these units: a pretraining run per
 (objective, lr, seed) (`pretrain_overrides`, recorded by `train_record`), one evaluation per
-checkpoint (`eval_point`: conversion, held-out metrics, fine-tuning on each task), the learning-rate
+checkpoint (`eval_point`: conversion, held-out metrics, zero-shot STS with `sts:`, fine-tuning on each task), the learning-rate
 selection (`select_lrs`, on a selection split only) and the test splits once (`final_test`). Who
 runs them is the executor's business: `benchmarks.study.local` (in this process; the CPU study and
 `cpt-study run`) or `benchmarks.study.jobs` (SLURM jobs; `cpt-study submit`).
@@ -32,6 +32,7 @@ Layout under the study's work dir (a unit is "done" when its file exists):
         train.json                          GPU-seconds and health from the run's own metrics (`train_record`)
         hf/step_<N>/                        the converted checkpoint of each evaluation point
         eval/heldout_step_<N>.json          held-out masked-LM metrics (both halves)
+        eval/sts_step_<N>.json              zero-shot STS-B dev and test with its reference points (`sts:`)
         downstream/<task>/step_<N>/seed_<s>.json   fine-tuning, per fine-tuning seed
         downstream/<task>/final_test/seed_<s>.json test split (selected runs; MLM's first seed: the floor too)
     tasks/<task>/select.tsv                 the task's selection split (train examples never fine-tuned on)
@@ -79,9 +80,10 @@ def cumulative_hours(records: list[dict], world_size: int) -> dict[int, float]:
 
 
 def run_record(key: RunKey, records: list[dict], steps: list[int], world_size: int,
-               validation: Optional[dict] = None) -> dict:
+               validation: Optional[dict] = None, tokens: Optional[dict[int, int]] = None) -> dict:
     """A finished run's `train.json`: its evaluation steps, the device-hours of the training steps up
-    to each (`cumulative_hours`; `gpu_seconds` the same in seconds), and its training health.
+    to each (`cumulative_hours`; `gpu_seconds` the same in seconds), the tokens trained on up to each
+    (`tokens`: the checkpoints' own `tokens_seen`, every rank's non-padding tokens), and its training health.
     `pipeline.train` truncates `metrics.jsonl` to the checkpoint it resumes from, so a step redone after
     a preemption is logged, and counted, once (`counted_steps`)."""
     from pipeline.monitor.signals import final_signals
@@ -92,6 +94,7 @@ def run_record(key: RunKey, records: list[dict], steps: list[int], world_size: i
         "run": key.name, "status": "ok", "steps": steps,
         "device_hours": {str(s): hours[s] for s in steps},
         "gpu_seconds": {str(s): hours[s] * 3600.0 for s in steps},
+        "tokens": {str(s): int(tokens[s]) for s in steps} if tokens else None,
         "counted_steps": len({r["step"] for r in records}), "world_size": world_size,
         "train_health": {
             "token_cosine": last.get("health/token_cosine"),
@@ -266,15 +269,34 @@ def train_record(study: Study, key: RunKey) -> dict:
     if logged != list(range(1, steps + 1)):
         raise StudyError(f"{run_dir / 'metrics.jsonl'}: expected steps 1..{steps} once each (train.log_every=1), "
                          f"found {len(logged)} records")
-    record = run_record(key, records, sorted(tags), int(meta["world_size"]), evaluations[-1] if evaluations else None)
+    tokens = {step: int(json.loads((tag / "pipeline_meta.json").read_text()).get("tokens_seen", 0)) for step, tag in tags.items()}
+    record = run_record(key, records, sorted(tags), int(meta["world_size"]), evaluations[-1] if evaluations else None,
+                        tokens if all(tokens.values()) else None)
     write_json(done, record)
     return record
 
 
-def point_files(study: Study, key: RunKey, step: int, curves: bool) -> list[Path]:
-    """The result files an evaluation point leaves (downstream at every point with `curves`, else at the last)."""
+def sts_file(run_dir: Path, step: int) -> Path:
+    return run_dir / "eval" / f"sts_step_{step}.json"
+
+
+def sts_at(study: Study, key: RunKey, step: int) -> dict:
+    """Zero-shot STS-B of one converted checkpoint (`pipeline.eval.sts.measure`, both splits, every reference
+    point, the bootstrap seeded 0: every point and run draws the same resamples), cached in `sts_file`."""
+    from pipeline.eval.sts import measure, read_splits
+
+    assert study.sts is not None
     run_dir = key.directory(study.work)
-    files = [run_dir / "eval" / f"heldout_step_{step}.json"]
+    return cached(sts_file(run_dir, step), lambda: {
+        **measure(run_dir / "hf" / f"step_{step}", read_splits(study.sts.dir, flag="sts.dir"),
+                  bootstrap=study.sts.bootstrap), "settings": study.sts.record()})
+
+
+def point_files(study: Study, key: RunKey, step: int, curves: bool) -> list[Path]:
+    """The result files an evaluation point leaves (held-out metrics and STS at every point; downstream at every
+    point with `curves`, else at the last)."""
+    run_dir = key.directory(study.work)
+    files = [run_dir / "eval" / f"heldout_step_{step}.json", *([sts_file(run_dir, step)] if study.sts else [])]
     if curves or step == study.steps_of[key.objective]:
         files += [run_dir / "downstream" / t.name / f"step_{step}" / f"seed_{s}.json"
                   for t in study.tasks for s in study.finetune["seeds"]]
@@ -290,7 +312,7 @@ def point_done(study: Study, key: RunKey, step: int, curves: bool) -> bool:
 
 def eval_point(study: Study, key: RunKey, step: int, curves: bool) -> Optional[dict]:
     """The evaluation of one checkpoint (a SLURM array task, or a step of the local executor): record the
-    run, convert the checkpoint, held-out metrics, fine-tune each task. A metric added to the study is
+    run, convert the checkpoint, held-out metrics, zero-shot STS (`sts:`), fine-tune each task. A metric added to the study is
     computed here (and cached in its own file under the run, listed by `point_files`). Returns the held-out
     metrics ({"select": ..., "report": ...}), None for a run that failed."""
     record = train_record(study, key)
@@ -303,6 +325,10 @@ def eval_point(study: Study, key: RunKey, step: int, curves: bool) -> Optional[d
         convert_once(final_tags(study, key)[step], hf)
     held = heldout_at(key, step, study_data(study, None), top_token(study), study.args(key.objective), study.work)
     print(f"[{key.name}] step {step}: held-out MLM acc {held['report']['mlm_acc']:.4f}", flush=True)
+    if study.sts:
+        sts = sts_at(study, key, step)["splits"]
+        print(f"[{key.name}] step {step}: STS-B Spearman x 100 dev {sts['dev']['model']['spearman']:.1f}, "
+              f"test {sts['test']['model']['spearman']:.1f}", flush=True)
     if curves or step == study.steps_of[key.objective]:
         for task in study.tasks:
             result = downstream_at(key, step, study_data(study, task), study.args(key.objective, task), study.work,

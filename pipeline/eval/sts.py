@@ -177,30 +177,49 @@ def check_coverage(encoder: Encoder, splits: dict[str, StsPairs]) -> None:
         raise ValueError(f"CONVERTED_DIR {problem}")
 
 
+def read_splits(data: str | Path, splits: Sequence[str] = SPLITS, flag: str = "--data") -> dict[str, StsPairs]:
+    """`{split: StsPairs}` of a SentEval STS-B directory, every file checked (`read_sts`); `flag` names the
+    setting in a missing directory's message."""
+    data = Path(data)
+    if not data.is_dir():
+        raise ValueError(f"{flag} {data}: no such directory (the SentEval STS-B copy: dev.tsv, test.tsv)")
+    return {name: read_sts(data / f"{name}.tsv") for name in splits}
+
+
+def measure(converted_dir: str | Path, splits: dict[str, StsPairs], *, references: Sequence[str] = REFERENCES,
+            bootstrap: int = 1000, seed: int = 0, level: float = 0.95, batch_size: int = 64,
+            pooling: Optional[str] = None) -> dict:
+    """Every split of `read_splits` measured on one converted directory (`sts_spearman`), the tokenizer's
+    coverage of the sentences checked first: {"pooling", "splits": {split: ...}, "seconds"}. The one
+    measurement of `cpt-sts` and of the time-to-quality study's evaluation points."""
+    encoder = open_encoder(converted_dir, "CONVERTED_DIR", pooling)
+    check_coverage(encoder, splits)
+    started = time.perf_counter()
+    results = {name: sts_spearman(converted_dir, pairs, references=references, bootstrap=bootstrap, seed=seed,
+                                  level=level, batch_size=batch_size, encoder=encoder)
+               for name, pairs in splits.items()}
+    return {"pooling": encoder.pooling.record(), "splits": results,
+            "seconds": round(time.perf_counter() - started, 2)}
+
+
 def evaluate(args: argparse.Namespace) -> dict:
     """Every input checked (model, data, output), then each split measured."""
     data = Path(args.data)
-    if not data.is_dir():
-        raise ValueError(f"--data {data}: no such directory (the SentEval STS-B copy: dev.tsv, test.tsv)")
-    splits = {name: read_sts(data / f"{name}.tsv") for name in args.splits}
+    splits = read_splits(data, args.splits)
     if args.out and Path(args.out).is_dir():
         raise ValueError(f"--out {args.out}: is a directory; give a file name")
-    encoder = open_encoder(args.converted_dir, "CONVERTED_DIR", args.pooling)
-    check_coverage(encoder, splits)
-    started = time.perf_counter()
-    results = {name: sts_spearman(args.converted_dir, pairs, references=args.references, bootstrap=args.bootstrap,
-                                  seed=args.seed, level=args.level, batch_size=args.batch_size, encoder=encoder)
-               for name, pairs in splits.items()}
+    measured = measure(args.converted_dir, splits, references=args.references, bootstrap=args.bootstrap,
+                       seed=args.seed, level=args.level, batch_size=args.batch_size, pooling=args.pooling)
     return {
         "model": str(args.converted_dir),
         "data": str(data),
         "metric": "spearman x 100 of cosine(embedding 1, embedding 2) against the human score",
-        "pooling": encoder.pooling.record(),
+        "pooling": measured["pooling"],
         "bootstrap": {"samples": args.bootstrap, "seed": args.seed, "level": args.level, "over": "pairs",
                       "paired": "the same draws for every method"},
         "random_init_seed": args.seed if "random_init" in args.references else None,
-        "splits": results,
-        "seconds": round(time.perf_counter() - started, 2),
+        "splits": measured["splits"],
+        "seconds": measured["seconds"],
         "command": " ".join(["cpt-sts", *args.argv]),
     }
 

@@ -1,4 +1,4 @@
-"""`cpt-study run`: the tiny study (2 objectives x 2 seeds x 1 learning rate, 2 evaluation points, 1 task)
+"""`cpt-study run`: the tiny study (2 objectives x 2 seeds x 1 learning rate, 2 evaluation points, 1 task, STS)
 through the local executor, over the units and result files the SLURM executor uses (tests/slurm/test_study.py
 runs the same file on a cluster): every unit leaves its file, `collect` reads the report back from them,
 and a second run trains and evaluates nothing."""
@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.study.cli import main
+from tests.eval.conftest import write_sts
 
 REPO = Path(__file__).resolve().parents[2]
 STUDY = REPO / "studies" / "tiny.yaml"
@@ -30,7 +31,9 @@ def test_the_tiny_study_runs_locally_over_the_slurm_units(tiny_shards_dir: Path,
     work = tmp_path / "work"
     monkeypatch.chdir(REPO)  # the training children import `pipeline` from the checkout
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    for name, value in (("CPT_STUDY_SHARDS", tiny_shards_dir), ("CPT_STUDY_TASK", task), ("CPT_STUDY_WORK", work)):
+    sts = write_sts(tmp_path / "sts-b", n_pairs=30)
+    for name, value in (("CPT_STUDY_SHARDS", tiny_shards_dir), ("CPT_STUDY_TASK", task), ("CPT_STUDY_WORK", work),
+                        ("CPT_STUDY_STS", sts)):
         monkeypatch.setenv(name, str(value))
 
     assert main(["run", str(STUDY)]) == 0
@@ -41,14 +44,33 @@ def test_the_tiny_study_runs_locally_over_the_slurm_units(tiny_shards_dir: Path,
     assert [k.name for k in keys] == ["mlm/lr0.001/seed1", "mlm/lr0.001/seed2", "taco/lr0.001/seed1", "taco/lr0.001/seed2"]
     assert all(point_done(study, k, s, curves=True) for k in keys for s in study.eval_steps(k.objective))
     assert all(p.is_file() for k in keys for p in final_files(study, k))
+    seq_len = json.loads((tiny_shards_dir / "manifest.json").read_text())["seq_len"]
     for key in [*sweep_keys(study), *keys]:
         run_dir = key.directory(work)
         record = json.loads((run_dir / "train.json").read_text())
         assert record["status"] == "ok" and record["steps"] == [4, 8] and record["counted_steps"] == 8
         assert not (run_dir / "checkpoints").exists()  # keep_checkpoints: false, every point converted
+        # the checkpoints' tokens_seen: 8 packed rows (tiny-mlm's global batch) of seq_len non-padding tokens a step
+        assert record["tokens"] == {"4": 4 * 8 * seq_len, "8": 8 * 8 * seq_len}
+        for step in (4, 8):  # zero-shot STS at every point, measured as cpt-sts measures it
+            point = json.loads((run_dir / "eval" / f"sts_step_{step}.json").read_text())
+            assert set(point["splits"]) == {"dev", "test"} and point["settings"]["bootstrap"] == 20
+            test = point["splits"]["test"]
+            assert test["n_pairs"] == 30 and len(test["model"]["interval"]) == 2
+            assert {"random_init", "input_embeddings", "token_overlap"} <= set(test)
     report = json.loads((work / "report" / "sst2" / "time_to_quality.json").read_text())
     assert report["task"] == "sst2" and report["floor"] is not None
     assert sorted(r["run"] for r in report["gpu_seconds"]) == [k.name for k in keys]
+    # STS in the report: a column per split, the floors as rows, the comparison with MLM, the plots by tokens too
+    summary = {r["objective"]: r for r in report["rows"]}
+    assert summary["taco"]["sts_test"] and summary["mlm"]["sts_dev"]
+    assert {"token overlap (STS floor)", "random init (STS floor)"} <= set(summary)
+    compared = report["sts_comparison"]
+    assert {(r["objective"], r["split"], r["basis"]) for r in compared} == {
+        ("taco", s, b) for s in ("test", "dev") for b in ("equal budget", "matched compute")}
+    assert all(r["separates"] in ("higher", "lower", "no") for r in compared if "separates" in r)
+    assert (work / "report" / "sst2" / "time_to_quality_sts.md").is_file()
+    assert (work / "report" / "sst2" / "time_to_quality_sts_test_vs_tokens.png").is_file()
 
     logs = {p: p.stat().st_size for p in work.glob("runs/*/*/*/train.log")}
     results = {p: p.stat().st_mtime_ns for p in work.glob("runs/**/*.json")}
