@@ -10,7 +10,9 @@ stay valid) and copied otherwise; the tokenizer is copied from the first part; t
 the parts' totals and statistics and keeps every part's sources and build arguments.
 
 All parts must agree on what makes shards interchangeable (format version, sequence length,
-vocabulary, special tokens, tokenizer hash, id dtype, packing); a part without `manifest.json`
+vocabulary, special tokens, tokenizer hash, id dtype, packing) and on the held-out rule they were built
+with (`--holdout-fraction` and side, `data_prep.holdout`: a training part that held nothing out beside
+one that did would let the other's validation documents train); a part without `manifest.json`
 is an unfinished build. Either is an error naming the part and the field, before anything is
 written. `manifest.json` is written last and atomically, so a crash leaves no manifest and a
 re-run starts over; a re-run over a complete merge of the same parts does nothing, and an
@@ -25,7 +27,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from pipeline.data.shards import (
     DATASETS_INFO_FILE,
@@ -64,6 +66,10 @@ def _check_parts(parts: list[Path]) -> list[Manifest]:
         manifests.append(read_manifest(part))
     first = manifests[0]
     for part, manifest in zip(parts[1:], manifests[1:]):
+        if holdout_of(manifest) != holdout_of(first):
+            raise ValueError(f"{part}: held-out rule {_describe(holdout_of(manifest))} differs from {parts[0]}'s "
+                             f"{_describe(holdout_of(first))}; every part must be built with the same "
+                             "--holdout-fraction (BUILD_ARGS)")
         for name in SHARED_FIELDS:
             if getattr(manifest, name) != getattr(first, name):
                 raise ValueError(
@@ -71,6 +77,17 @@ def _check_parts(parts: list[Path]) -> list[Manifest]:
                     "every part must be built with the same tokenizer, --seq-len and --packing"
                 )
     return manifests
+
+
+def holdout_of(manifest: Manifest) -> Optional[dict]:
+    """The held-out rule a shard directory was built with (`DocumentSplit.record`), None without one; a merged
+    directory's is its parts' (they agree)."""
+    args = manifest.build_args or {}
+    return (args.get("fingerprint_inputs") or {}).get("holdout") or args.get("holdout")
+
+
+def _describe(rule: Optional[dict]) -> str:
+    return "none" if rule is None else f"--holdout-fraction {rule['fraction']} ({rule['side']} side)"
 
 
 def _merged_manifest(parts: list[Path], manifests: list[Manifest]) -> Manifest:
@@ -100,7 +117,8 @@ def _merged_manifest(parts: list[Path], manifests: list[Manifest]) -> Manifest:
         total_sequences=sum(m.total_sequences for m in manifests),
         total_tokens=sum(m.total_tokens for m in manifests),
         sources=sources,
-        build_args={"merged_parts": part_records},
+        build_args={"merged_parts": part_records,
+                    **({"holdout": holdout_of(first)} if holdout_of(first) else {})},
         id_dtype=first.id_dtype,
         packing=first.packing,
         stats=stats,

@@ -105,6 +105,18 @@ submit_pretrain() { # EXTRA_SBATCH_FLAGS... (dependency) -- then "$@" of the cal
     submit pretrain --job-name=cpt-pretrain --output="$OUTPUT_DIR/logs/%x-%j.out" "$@" "$here/pretrain.sbatch"
 }
 
+# BUILD_ARGS go to every array task of the shards stage: a --holdout-dir would have every part write its
+# held-out documents into one directory (each part holds out into parts/part_<i>/validation/ instead, and the
+# merge stage merges those into OUTPUT_DIR/shards/validation/).
+check_build_args() {
+    case " ${BUILD_ARGS:-} " in
+        *" --holdout-dir"*)
+            echo "error: BUILD_ARGS: --holdout-dir: every array task would write its held-out part into that one" \
+                 "directory; leave it out (with --holdout-fraction the merge job writes OUTPUT_DIR/shards/validation)" >&2
+            exit 2 ;;
+    esac
+}
+
 submit_prep() { # SBATCH_FLAGS... for every prep job
     need INPUT_LIST "file listing the inputs, one per line"
     need OUTPUT_DIR "data-preparation directory"
@@ -117,6 +129,7 @@ submit_prep() { # SBATCH_FLAGS... for every prep job
         echo "error: NUM_PARTS=$NUM_PARTS: must be between 1 and the $n inputs of INPUT_LIST" >&2
         exit 2
     fi
+    check_build_args
     mkdir -p "$OUTPUT_DIR/logs"
     if [ -z "${TOKENIZER:-}" ]; then
         PREP_STAGE=tokenizer submit tokenizer --job-name=cpt-prep-tokenizer --output="$OUTPUT_DIR/logs/%x-%j.out" \

@@ -84,7 +84,9 @@ def plan(study: Study) -> dict[str, Any]:
             "eval_array_tasks": array_tasks, "driver": 1, "final": 1}
     return {"study": str(study.path), "world_size": study.world_size, "rows": rows, "jobs": jobs,
             "job_count": jobs["pretrain"] + jobs["eval_arrays"] + 2,
-            "data": {**{k: str(v) for k, v in study.shards.items()}, **{f"task {t.name}": str(t.dir) for t in study.tasks}},
+            "data": {**{k: str(v) for k, v in study.shards.items()}, **{f"task {t.name}": str(t.dir) for t in study.tasks},
+                     **({"sts": str(study.sts.dir)} if study.sts else {})},
+            "sts": study.sts.record() if study.sts else None,
             "pretrain_gpu_hours": total_pre / 3600.0, "finetune_gpu_hours": total_ft / 3600.0,
             "gpu_hours": (total_pre + total_ft) / 3600.0}
 
@@ -95,7 +97,7 @@ def format_plan(p: dict[str, Any]) -> str:
         lines.append(f"  {r['objective']:<10} {r['preset']:<16} {r['shape']}, {r['steps']} steps "
                      f"({r['tokens_per_run'] / 1e9:.3g}B tokens) x {r['runs']} runs: {r['gpu_hours_per_run']:.4g} "
                      f"GPU-h per run ({r['estimate']}) = {r['pretrain_gpu_hours']:.4g} GPU-h; {r['eval_points']} "
-                     f"evaluation points, {r['finetunes']} fine-tunings {r['finetune_gpu_hours']:.3g} GPU-h")
+                     f"evaluation points{' (zero-shot STS-B at each)' if p.get('sts') else ''}, {r['finetunes']} fine-tunings {r['finetune_gpu_hours']:.3g} GPU-h")
     j = p["jobs"]
     lines.append(f"jobs: {p['job_count']} ({j['pretrain']} pretraining, {j['eval_arrays']} evaluation arrays with "
                  f"{j['eval_array_tasks']} tasks, 1 driver, 1 final)")

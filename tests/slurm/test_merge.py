@@ -75,3 +75,60 @@ def test_a_foreign_non_empty_out_is_refused(two_parts: list[Path], tmp_path: Pat
     (out / "notes.txt").write_text("mine")
     with pytest.raises(MergeRefused, match="not empty"):
         merge_parts(two_parts, out)
+
+
+@pytest.fixture(scope="module")
+def held_out_parts(tmp_path_factory: pytest.TempPathFactory, tiny_tokenizer_dir: Path) -> Path:
+    """OUTPUT_DIR of the prep job after its shards stage with `BUILD_ARGS=--holdout-fraction 0.3`: two parts, each
+    with its held-out documents in `validation/`."""
+    root = tmp_path_factory.mktemp("held_out_prep")
+    documents = stdlib_documents()[:12]
+    for i in range(2):
+        corpus = write_corpus(root / f"c{i}.txt", documents[i::2])
+        build_shards([corpus], tiny_tokenizer_dir, root / "parts" / f"part_{i:05d}", seq_len=32, num_proc=1,
+                     progress=False, holdout_fraction=0.3)
+    return root
+
+
+def test_parts_that_held_out_different_shares_are_refused(held_out_parts: Path, two_parts: list[Path],
+                                                          tmp_path: Path) -> None:
+    part = held_out_parts / "parts" / "part_00000"
+    with pytest.raises(ValueError, match=rf"{two_parts[0]}: held-out rule none differs from {part}'s "
+                                         r"--holdout-fraction 0.3 \(train side\)"):
+        merge_parts([part, two_parts[0]], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_prep_jobs_merge_stage_merges_the_held_out_parts_into_shards_validation(held_out_parts: Path) -> None:
+    """slurm/prep.sbatch's merge stage, run by bash as SLURM would (no cluster needed): the training parts into
+    shards/, then the parts' validation/ dirs into shards/validation/, each verified, disjoint by document."""
+    import os
+    import subprocess
+    import sys
+
+    from data_prep.merge import holdout_of
+    from pipeline.data.reader import ShardDataset
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PREP_STAGE="merge", OUTPUT_DIR=str(held_out_parts), NUM_PARTS="2", PYTHON=sys.executable,
+               CPT_ROOT=str(repo), PYTHONPATH=str(repo))
+    out = subprocess.run(["bash", str(repo / "slurm" / "prep.sbatch")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    shards, held = held_out_parts / "shards", held_out_parts / "shards" / "validation"
+    assert f"eval.shards_dir={held}" in out.stdout
+    assert verify_directory(shards) == [] and verify_directory(held) == []
+    parts = [held_out_parts / "parts" / f"part_{i:05d}" for i in range(2)]
+    assert read_manifest(held).total_sequences == sum(read_manifest(p / "validation").total_sequences for p in parts) > 0
+    assert read_manifest(shards).total_sequences == len(ShardDataset(shards))
+    assert holdout_of(read_manifest(shards))["side"] == "train" and holdout_of(read_manifest(held))["side"] == "validation"
+    assert holdout_of(read_manifest(held))["fraction"] == 0.3
+
+    # the shards stage refuses a --holdout-dir, which every array task would write (before building anything)
+    (held_out_parts / "inputs.txt").write_text(f"{held_out_parts / 'c0.txt'}\n")
+    env.update(PREP_STAGE="shards", BUILD_ARGS="--holdout-fraction 0.3 --holdout-dir /tmp/x", NUM_PARTS="1",
+               INPUT_LIST=str(held_out_parts / "inputs.txt"), SLURM_ARRAY_TASK_ID="0", SLURM_ARRAY_TASK_MIN="0",
+               SLURM_ARRAY_TASK_MAX="0")
+    out = subprocess.run(["bash", str(repo / "slurm" / "prep.sbatch")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2 and "BUILD_ARGS: --holdout-dir: every array task would write" in out.stderr

@@ -1,5 +1,5 @@
 """`cpt-study` on the two-node test cluster: the tiny study (2 objectives x 2 seeds x 1 learning rate,
-2 evaluation points, 1 task) submitted twice, once left alone and once with a pretraining job cancelled
+2 evaluation points, 1 task, zero-shot STS) submitted twice, once left alone and once with a pretraining job cancelled
 mid-run and the study resubmitted; `collect` gives the same quality numbers, and the interrupted run's
 GPU-seconds count each of its steps once."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.eval.conftest import write_sts
 from tests.slurm.cluster import DEADLINE_S, SlurmCluster
 from tests.slurm.jobs import REPO_ROOT, metrics, pause_env, paused, wait_for
 
@@ -45,6 +46,8 @@ def _quality(report: Path) -> dict:
     flat: dict[str, object] = {}
 
     def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict) and value.get("basis") == "matched compute":
+            return  # the STS comparison at matched compute picks its points by measured device-hours
         if isinstance(value, dict):
             for k, v in value.items():
                 if not any(t in str(k) for t in TIMES):
@@ -68,7 +71,8 @@ def test_a_study_cancelled_mid_run_and_resubmitted_reports_what_an_uninterrupted
     rows = [(f"sentence number {i} is {'good' if i % 2 else 'bad'}", i % 2) for i in range(40)]
     for split, part in (("train", rows), ("dev", rows[:10]), ("test", rows[10:20])):
         (task / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in part))
-    data = {"CPT_STUDY_SHARDS": str(tiny_shards_dir), "CPT_STUDY_TASK": str(task)}
+    data = {"CPT_STUDY_SHARDS": str(tiny_shards_dir), "CPT_STUDY_TASK": str(task),
+            "CPT_STUDY_STS": str(write_sts(tmp_path / "sts-b", n_pairs=30))}
     ref, cut = tmp_path / "reference", tmp_path / "interrupted"
     victim = cut / "runs" / "mlm" / "lr_0.001" / "seed_1"
     pause_dir = tmp_path / "pause"
@@ -128,6 +132,8 @@ def test_a_study_cancelled_mid_run_and_resubmitted_reports_what_an_uninterrupted
     assert record["gpu_seconds"]["8"] == pytest.approx(sum(m["step_time_s"] for m in steps))
     assert len(list((victim / "logs").glob("cpt-study-pretrain-*.out"))) == 2  # cancelled + resubmitted
     assert not (victim / "checkpoints").exists() and (victim / "hf" / "step_4" / "config.json").is_file()  # keep_checkpoints: false
+    assert all((victim / "eval" / f"sts_step_{s}.json").is_file() for s in (4, 8))  # the cluster carries STS too
+    assert any(k.startswith("time_to_quality_sts.json") for k in want)
     cost = json.loads((cut / "report" / "sst2" / "time_to_quality.json").read_text())["gpu_seconds"]
     assert sorted(r["run"] for r in cost) == ["mlm/lr0.001/seed1", "mlm/lr0.001/seed2", "taco/lr0.001/seed1",
                                               "taco/lr0.001/seed2"]
