@@ -126,7 +126,8 @@ def finetune_sst2(model_dir: Path, sst2_dir: Path, select_file: Path, args, outp
     returns, per model ("pretrained", and "random_init" when asked), every seed's accuracy on dev /
     select (/ test) and their means. The full finetune output (every seed, predictions) is kept at
     `output`."""
-    from pipeline.eval.finetune import build_parser, finetune, write_atomic
+    from pipeline.eval.finetune import build_parser, finetune
+    from pipeline.eval.json_cli import write_atomic
 
     eval_files = [str(select_file)] + (["test.tsv"] if with_test else [])
     argv = ["--model", str(model_dir), "--task-dir", str(sst2_dir), "--task", task,

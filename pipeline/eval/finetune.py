@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from pipeline.eval.glue import TASK_CHOICES, Split, TaskSpec, load_eval_file, resolve_task, subset_split, task_metrics
+from pipeline.eval.json_cli import run_json_command, write_atomic
 
 PRETRAINED, RANDOM_INIT = "pretrained", "random_init"
 #: Tokens per example unless `--max-length` says otherwise (capped by the model's positions).
@@ -150,14 +151,6 @@ def summarise(runs: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
     mean = {n: statistics.fmean(r["metrics"][n] for r in runs) for n in names}
     std = {n: statistics.stdev([r["metrics"][n] for r in runs]) if len(runs) > 1 else 0.0 for n in names}
     return mean, std
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """`text` to `path` via a temporary sibling and a rename: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def prediction_tsv(spec: TaskSpec, split: Split, predictions: np.ndarray) -> str:
@@ -347,21 +340,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
-    previous_threads = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)  # small models on a shared CPU: more threads can be far slower
-    try:
-        result = finetune(args)
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        torch.set_num_threads(previous_threads)
-    text = json.dumps(result, indent=2)
-    if args.output:
-        write_atomic(Path(args.output), text + "\n")
-    print(text)
-    return 0
+    return run_json_command(lambda: finetune(args), args.threads, args.output,
+                            (FileNotFoundError, FileExistsError, ValueError))
 
 
 if __name__ == "__main__":

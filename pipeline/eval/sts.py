@@ -27,7 +27,6 @@ the JSON result atomically. `sts_spearman(dir, pairs)` is the same measurement a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -35,11 +34,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
-import torch
 
 from pipeline.eval.embed import Encoder, content_ids, open_encoder
 from pipeline.export.sentence_embedding import POOLINGS
-from pipeline.eval.finetune import write_atomic
+from pipeline.eval.json_cli import run_json_command
 from pipeline.eval.glue import spearman
 
 COLUMNS = ("genre", "file", "year", "id", "score", "sentence1", "sentence2")
@@ -249,21 +247,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if bad:
             print(f"error: {flag} {getattr(args, flag[2:].replace('-', '_'))}: out of range", file=sys.stderr)
             return 2
-    previous_threads = torch.get_num_threads()
-    if args.threads > 0:
-        torch.set_num_threads(args.threads)
-    try:
-        result = evaluate(args)
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    finally:
-        torch.set_num_threads(previous_threads)
-    text = json.dumps(result, indent=2)
-    if args.out:
-        write_atomic(Path(args.out), text + "\n")
-    print(text)
-    return 0
+    return run_json_command(lambda: evaluate(args), args.threads, args.out)
 
 
 if __name__ == "__main__":

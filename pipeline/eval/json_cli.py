@@ -1,0 +1,43 @@
+"""The shared tail of the evaluation commands (`cpt-finetune`, `cpt-sts`): run the measurement with torch's
+CPU thread count as asked, print its JSON result, and write it atomically where `--out`/`--output` says; an
+expected failure (bad input, found before any compute) is one line on stderr and exit code 2."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """`text` to `path` via a temporary sibling (named by this process) and a rename: a reader never sees half
+    a file, and two processes writing the same path never share a temporary."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def run_json_command(compute: Callable[[], dict], threads: int, output: Optional[str],
+                     errors: tuple[type[BaseException], ...] = (ValueError,)) -> int:
+    """`compute()` under `threads` torch threads (0: torch's default; small models on a shared CPU can be far
+    slower with more), its result printed as JSON and written to `output` (atomically) when given. Exit code 0,
+    or 2 with `error: <message>` for an exception of `errors`; the thread count is restored either way."""
+    previous_threads = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    try:
+        result = compute()
+    except errors as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    finally:
+        torch.set_num_threads(previous_threads)
+    text = json.dumps(result, indent=2)
+    if output:
+        write_atomic(Path(output), text + "\n")
+    print(text)
+    return 0
