@@ -4,9 +4,7 @@ and resume keeps the evaluation schedule, and bad input is refused before comput
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -76,13 +74,13 @@ def test_evaluation_changes_nothing_in_training(preset, split_shards, tmp_path):
     assert "vs plateau" in card  # beside its chance level
 
 
-def _validator(preset: str, shards: Path, held: Path, **eval_options):
+def _validator(preset: str, shards: Path, held: Path, overrides: tuple[str, ...] = (), **eval_options):
     from pipeline.train.run_config import check_run, load_config
     from pipeline.train.validation import open_validator
     from pipeline.train.loop import build_run_model
 
     cfg = load_config(preset, [f"data.shards_dir={shards}", f"eval.shards_dir={held}", "eval.every=1",
-                               *[f"eval.{k}={v}" for k, v in eval_options.items()]])
+                               *[f"eval.{k}={v}" for k, v in eval_options.items()], *overrides])
     plan = check_run(cfg, 1, False)
     model = build_run_model(cfg, plan)
     return model, open_validator(cfg, plan, model, 0, 1, torch.device("cpu"))
@@ -108,6 +106,32 @@ def test_two_evaluations_agree_and_leave_the_model_as_it_was(preset, split_shard
     assert torch.equal(torch.get_rng_state(), rng) and model.training
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in weights.items())
     assert json.dumps(model.extra_state_for_checkpoint(), default=lambda t: t.tolist()) == extra
+
+
+@pytest.mark.timeout(900)
+def test_validation_of_a_compiled_model_is_eager_validation_and_keeps_it_compiled(split_shards):
+    """`model.compile=true`: the validator's numbers are those of the eager model with the same weights (float
+    tolerance: compiled kernels sum in another order), two evaluations agree exactly, and evaluating (eval mode,
+    no_grad, its own micro-batch size of 3 against training's 4) pushes no compiled layer into dynamo's eager
+    fallback (`pipeline.model.compile_watch`), so the run's training steps stay compiled."""
+    from pipeline.model import compile_watch
+
+    shards, held = split_shards
+    eager, eager_validator = _validator("tiny-capt", shards, held, micro_batch_size=3)
+    compiled, compiled_validator = _validator("tiny-capt", shards, held, ("model.compile=true",), micro_batch_size=3)
+    weights = compiled.state_dict()
+    assert all(torch.equal(v, weights[k]) for k, v in eager.state_dict().items())  # one seed, one initialisation
+    from torch._dynamo.utils import counters
+
+    before, compiled_frames = dict(compile_watch.eager_fallbacks), counters["frames"]["ok"]
+    first = compiled_validator.evaluate(compiled, compiled, 3, 10, 2)
+    assert counters["frames"]["ok"] > compiled_frames  # the evaluation ran compiled layers
+    second = compiled_validator.evaluate(compiled, compiled, 3, 10, 2)
+    reference = eager_validator.evaluate(eager, eager, 3, 10, 2)
+    assert first == second and first.keys() == reference.keys() and "val/capt/loss" in first
+    for key, value in reference.items():
+        assert first[key] == pytest.approx(value, rel=1e-4, abs=1e-5), key
+    assert compile_watch.eager_fallbacks == before
 
 
 def test_masked_positions_fixed_by_the_eval_seed(split_shards):
@@ -283,3 +307,27 @@ def test_two_ranks_evaluate_their_slices_as_one_rank_evaluates_all(split_shards,
         keys = sorted(k for k in a[step] if k.startswith("val/"))
         torch.testing.assert_close(torch.tensor([a[step][k] for k in keys]), torch.tensor([b[step][k] for k in keys]),
                                    rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow  # three training runs: outside the GPU lease's 40 s pytest row (benchmarks.gpu_suite.kernel_rows)
+def test_bf16_validation_and_resume_from_a_bf16_checkpoint(split_shards, tmp_path):
+    """On a GPU, `deepspeed.precision=bf16`: the run logs finite val/* at every evaluation step; killed after a
+    checkpoint, its bf16 checkpoint passes the safe loader on resume (`pipeline.train.safe_load`: every .pt of
+    the tag unpickled with weights_only and the allow-list), and the evaluations after resume are the
+    uninterrupted run's within bf16 rounding (GPU kernels need not repeat bit for bit)."""
+    shards, held = split_shards
+    extra = ["deepspeed.precision=bf16", "train.total_steps=8", "train.checkpoint_every=2", *_eval(held, 3)]
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    assert run_inprocess("tiny-mlm", shards, whole, *extra) == 0
+    proc = start_subprocess("tiny-mlm", shards, killed, *extra)
+    assert kill_after_a_checkpoint(killed, 5, proc) < 8
+    rerun = subprocess.run(train_command("tiny-mlm", shards, killed, *extra), cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=DEADLINE_S)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    a, b = _val_records(whole), _val_records(killed)
+    assert sorted(a) == sorted(b) == [3, 6, 8]
+    for key, value in a[8].items():
+        if key.startswith("val/"):
+            assert torch.isfinite(torch.tensor(value)), key
+            assert b[8][key] == pytest.approx(value, rel=2e-2, abs=1e-3), key
