@@ -251,7 +251,7 @@ def write_study_report(study: dict, args, data_notes: list[str], out: Path, extr
     curve_table = curve_rows(curves)
     sts_rows = comparison_rows(curves)
     if sts_rows:
-        notes.insert(1, sts_verdict(sts_rows))
+        notes.insert(1, sts_verdict(sts_rows, health["passed"]))
     payload = {**extra, "baseline_health": health, "selection": selection, "floor": floor, "targets": targets,
                "runs": runs, "selection_metric": study["metric"], "sts_comparison": sts_rows or None}
     paths = write_report("time_to_quality", rows, out, "Time to quality (selected learning rates)", notes=notes,

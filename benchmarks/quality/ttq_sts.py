@@ -110,17 +110,21 @@ def separation(ours: dict, theirs: dict) -> str:
     return "no"
 
 
-def verdict(rows: list[dict]) -> str:
-    """One line for the report's notes (and the README): which objectives separate from MLM on STS-B test."""
+def verdict(rows: list[dict], baseline_healthy: bool = True) -> str:
+    """One line for the report's notes (and the README): which objectives separate from MLM on STS-B test. With
+    an MLM baseline that failed the report's health check (it has not learned), the line says the separations
+    are comparisons with an untrained-looking baseline, not claims."""
     split_rows = [r for r in rows if r["split"] == "test" and "separates" in r]
     if not split_rows:
         return "STS-B: no comparison with MLM (no STS records, or no seed shared with MLM)"
     found = [f"{r['objective']} {r['separates']} at {r['basis']} ({r['objective_sts']} vs MLM {r['mlm_sts']})"
              for r in split_rows if r["separates"] in ("higher", "lower")]
+    caveat = "" if baseline_healthy else ("NOT A CLAIM, the MLM baseline failed its health check (it has not learned "
+                                          "yet): ")
     if found:
-        return "STS-B test, intervals not overlapping: " + "; ".join(found)
-    return ("STS-B test: no objective separates from MLM (every objective's 95% interval over seeds overlaps MLM's, "
-            "at equal budget and at matched compute)")
+        return caveat + "STS-B test, intervals not overlapping: " + "; ".join(found)
+    return caveat + ("STS-B test: no objective separates from MLM (every objective's 95% interval over seeds overlaps "
+                     "MLM's, at equal budget and at matched compute)")
 
 
 def floor_rows(selected: dict[str, list[dict]]) -> list[dict]:

@@ -287,9 +287,16 @@ def sts_at(study: Study, key: RunKey, step: int) -> dict:
 
     assert study.sts is not None
     run_dir = key.directory(study.work)
-    return cached(sts_file(run_dir, step), lambda: {
-        **measure(run_dir / "hf" / f"step_{step}", read_splits(study.sts.dir, flag="sts.dir"),
-                  bootstrap=study.sts.bootstrap), "settings": study.sts.record()})
+
+    def compute() -> dict:
+        try:
+            measured = measure(run_dir / "hf" / f"step_{step}", read_splits(study.sts.dir, flag="sts.dir"),
+                               bootstrap=study.sts.bootstrap)
+        except ValueError as err:  # e.g. a tokenizer that maps the STS sentences to [UNK]: one line naming the run
+            raise StudyError(f"{study.path}: sts: {key.name} step {step}: {err}") from None
+        return {**measured, "settings": study.sts.record()}
+
+    return cached(sts_file(run_dir, step), compute)
 
 
 def point_files(study: Study, key: RunKey, step: int, curves: bool) -> list[Path]:

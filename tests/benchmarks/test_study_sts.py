@@ -111,6 +111,8 @@ def test_comparison_rows_per_objective_and_basis_with_the_paired_difference() ->
     line = verdict(list(rows.values()))
     assert line.startswith("STS-B test, intervals not overlapping: ") and "capt higher at equal budget" in line
     assert "taco" not in line
+    assert verdict(list(rows.values()), baseline_healthy=False).startswith(
+        "NOT A CLAIM, the MLM baseline failed its health check")
     same = {"mlm": curves["mlm"], "taco": curves["taco"]}
     assert verdict(comparison_rows(same)).startswith("STS-B test: no objective separates from MLM")
 
