@@ -4,6 +4,19 @@
 # find its siblings through $0; it sources this file from $CPT_ROOT (default: the directory the
 # job was submitted from, which slurm/submit.sh sets to the repository root).
 
+# BUILD_ARGS reach every array task of the prep job's shards stage (slurm/submit.sh checks them before
+# submitting, prep.sbatch again in the task): a --holdout-dir would have every part write its held-out
+# documents into that one directory; each part holds out into parts/part_<i>/validation/ instead, and the
+# merge stage merges those into OUTPUT_DIR/shards/validation/.
+check_build_args() {
+    case " ${BUILD_ARGS:-} " in
+        *" --holdout-dir"*)
+            echo "error: BUILD_ARGS: --holdout-dir: every array task would write its held-out part into that one" \
+                 "directory; leave it out (with --holdout-fraction the merge job writes OUTPUT_DIR/shards/validation)" >&2
+            exit 2 ;;
+    esac
+}
+
 # Fail with a message that names the variable (before any compute).
 require_var() {
     local name=$1 what=$2

@@ -25,6 +25,8 @@ set -euo pipefail
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 export CPT_ROOT=${CPT_ROOT:-$(dirname "$here")}
 PYTHON=${PYTHON:-python3}
+# shellcheck source=common.sh
+source "$here/common.sh"  # functions shared with the jobs (check_build_args)
 
 usage() {
     sed -n '2,11p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2
@@ -103,18 +105,6 @@ check_pretrain() {
 submit_pretrain() { # EXTRA_SBATCH_FLAGS... (dependency) -- then "$@" of the caller via PRETRAIN_ARGS
     mkdir -p "$OUTPUT_DIR/logs"
     submit pretrain --job-name=cpt-pretrain --output="$OUTPUT_DIR/logs/%x-%j.out" "$@" "$here/pretrain.sbatch"
-}
-
-# BUILD_ARGS go to every array task of the shards stage: a --holdout-dir would have every part write its
-# held-out documents into one directory (each part holds out into parts/part_<i>/validation/ instead, and the
-# merge stage merges those into OUTPUT_DIR/shards/validation/).
-check_build_args() {
-    case " ${BUILD_ARGS:-} " in
-        *" --holdout-dir"*)
-            echo "error: BUILD_ARGS: --holdout-dir: every array task would write its held-out part into that one" \
-                 "directory; leave it out (with --holdout-fraction the merge job writes OUTPUT_DIR/shards/validation)" >&2
-            exit 2 ;;
-    esac
 }
 
 submit_prep() { # SBATCH_FLAGS... for every prep job

@@ -202,8 +202,8 @@ def plots(curves: dict, floor: Optional[dict], health: dict, out: Path,
     """Quality against device-hours, steps and tokens, mean with its 95% band, per objective."""
     paths = []
     for metric in PLOTTED:
+        rows = {obj: mean_curve(list(by_seed.values()), metric) for obj, by_seed in curves.items()}
         for x in AXES:
-            rows = {obj: mean_curve(list(by_seed.values()), metric) for obj, by_seed in curves.items()}
             if any(r[x] is None for rs in rows.values() for r in rs):
                 continue  # tokens not recorded by some run (a study recorded before they were)
             series = {obj: [(r[x], r["mean"], r["lo"], r["hi"]) for r in rs] for obj, rs in rows.items()}

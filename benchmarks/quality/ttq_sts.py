@@ -127,11 +127,16 @@ def verdict(rows: list[dict], baseline_healthy: bool = True) -> str:
                      "MLM's, at equal budget and at matched compute)")
 
 
-def floor_rows(selected: dict[str, list[dict]]) -> list[dict]:
-    """Summary rows of the checkpoint-independent references, from the first STS record found (MLM's first)."""
+def floor_record(selected: dict[str, list[dict]]) -> Optional[dict]:
+    """The STS record the checkpoint-independent floors are read from: the first one found, MLM's runs first."""
     runs = sorted((run for runs in selected.values() for run in runs if run["status"] == "ok"),
                   key=lambda run: run["key"].objective != "mlm")
-    record = next((p["sts"] for run in runs for p in run["points"] if p.get("sts")), None)
+    return next((p["sts"] for run in runs for p in run["points"] if p.get("sts")), None)
+
+
+def floor_rows(selected: dict[str, list[dict]]) -> list[dict]:
+    """Summary rows of the checkpoint-independent references (`floor_record`), each with its pair interval."""
+    record = floor_record(selected)
     if record is None:
         return []
     rows = []
@@ -148,10 +153,7 @@ def floor_rows(selected: dict[str, list[dict]]) -> list[dict]:
 
 
 def floor_lines(selected: dict[str, list[dict]], split: str = "test") -> list[tuple[float, str]]:
-    """(value, label) of each STS floor on `split`, for the plots."""
-    out = []
-    for row in floor_rows(selected):
-        text = row.get(f"sts_{split}")
-        if text:
-            out.append((float(text.split(" ")[0]), row["objective"].replace(" (STS floor)", "")))
-    return out
+    """(Spearman, label) of each STS floor on `split`, for the plots."""
+    result = ((floor_record(selected) or {}).get("splits") or {}).get(split) or {}
+    return [(float(result[reference]["spearman"]), label.replace(" (STS floor)", ""))
+            for reference, label in FLOORS.items() if reference in result]

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from benchmarks.quality.quality_targets import EvalPoint
-from benchmarks.quality.ttq_sts import comparison_rows, floor_rows, paired_points, separation, verdict
+from benchmarks.quality.ttq_sts import comparison_rows, floor_lines, floor_rows, paired_points, separation, verdict
 from benchmarks.study.spec import StudyError, check_work_dir, load_study
 from tests.eval.conftest import write_sts
 
@@ -131,4 +131,5 @@ def test_floor_rows_come_from_the_first_sts_record_with_their_pair_intervals() -
     rows = {r["objective"]: r for r in floor_rows(selected)}
     assert rows["token overlap (STS floor)"]["sts_test"] == "64.9 [61.0, 68.5]"
     assert rows["random init (STS floor)"]["sts_dev"] == "53.2 [49.0, 57.0]"
+    assert floor_lines(selected) == [(64.9, "token overlap"), (53.2, "random init")]  # the plots' lines
     assert floor_rows({"mlm": [{"key": Key("mlm"), "status": "ok", "points": [{"sts": None}]}]}) == []

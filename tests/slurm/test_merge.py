@@ -132,3 +132,8 @@ def test_the_prep_jobs_merge_stage_merges_the_held_out_parts_into_shards_validat
     out = subprocess.run(["bash", str(repo / "slurm" / "prep.sbatch")], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 2 and "BUILD_ARGS: --holdout-dir: every array task would write" in out.stderr
+    # and slurm/submit.sh refuses it before submitting anything (no sbatch needed to get there)
+    out = subprocess.run(["bash", str(repo / "slurm" / "submit.sh"), "prep"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "BUILD_ARGS: --holdout-dir: every array task would write" in out.stderr
+    assert not (held_out_parts / "logs").exists()  # refused before the first job's log directory
