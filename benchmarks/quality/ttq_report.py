@@ -261,7 +261,8 @@ def write_study_report(study: dict, args, data_notes: list[str], out: Path, extr
     if sts_rows:
         write_report("time_to_quality_sts", sts_rows, out, "Zero-shot STS-B against MLM (Spearman x 100)",
                      notes=[notes[1], "equal budget: both runs' final points; matched compute: each run's last point "
-                            "within the smaller of the two runs' final device-hours (per seed); mean [95% t-interval] "
+                            "within the smaller of the two runs' final device-hours (per seed); selected on dev: each run's "
+                            "point with the highest STS-B dev, read on test; mean [95% t-interval] "
                             "over pretraining seeds; separates: the two intervals do not overlap; difference_paired: "
                             "per-seed difference, mean [95% t-interval]", *[n for n in notes if n.startswith("budget")]])
     write_report("time_to_quality_runs", runs, out, "Every run, sweep included: health and final numbers",

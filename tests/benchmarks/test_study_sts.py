@@ -86,6 +86,34 @@ def test_equal_budget_compares_final_points_and_matched_compute_reads_the_dearer
     assert run is None and base.step == 300
 
 
+def _dev_test_curve(dev: list[float], test: list[float], hours_per_point: float = 1.0) -> list[EvalPoint]:
+    return [EvalPoint(100 * (i + 1), hours_per_point * (i + 1), {"sts_dev": d, "sts_test": t}, tokens=1000 * (i + 1))
+            for i, (d, t) in enumerate(zip(dev, test))]
+
+
+def test_selected_on_dev_reads_each_runs_best_dev_checkpoint_on_test() -> None:
+    mlm = _dev_test_curve([50.0, 55.0, 52.0], [40.0, 45.0, 42.0])  # peaks on dev at step 200
+    early = _dev_test_curve([60.0, 58.0, 60.0], [61.0, 57.0, 99.0])  # a tie on dev: the earlier step is chosen
+    run, base = paired_points(mlm, early, "sts_test", "selected on dev")
+    assert (run.step, run.values["sts_test"]) == (100, 61.0)
+    assert (base.step, base.values["sts_test"]) == (200, 45.0)
+    no_dev = [EvalPoint(p.step, p.device_hours, {"sts_test": p.values["sts_test"]}, tokens=p.tokens) for p in early]
+    assert paired_points(mlm, no_dev, "sts_test", "selected on dev")[0] is None
+
+
+def test_selected_on_dev_rows_are_test_only_and_pair_the_seeds() -> None:
+    curves = {"mlm": {s: _dev_test_curve([50.0, 55.0 + s, 52.0], [40.0, 45.0 + s, 42.0]) for s in (1, 2, 3)},
+              "taco": {s: _dev_test_curve([70.0 + s, 60.0, 50.0], [65.0 + s, 60.0, 30.0]) for s in (1, 2, 3)}}
+    rows = {(r["objective"], r["split"], r["basis"]): r for r in comparison_rows(curves)}
+    assert ("taco", "dev", "selected on dev") not in rows
+    selected = rows[("taco", "test", "selected on dev")]
+    assert selected["steps"] == "100 / 200" and selected["separates"] == "higher"
+    assert selected["difference_paired"] == "20.0 [20.0, 20.0]"  # (65 + s) - (45 + s) on every seed
+    assert rows[("taco", "test", "equal budget")]["separates"] == "lower"  # 30 against 42 at the final points
+    line = verdict(list(rows.values()))
+    assert "taco higher at selected on dev" in line and "taco lower at equal budget" in line
+
+
 def test_separation_needs_intervals_that_do_not_overlap() -> None:
     assert separation({"mean": 70, "lo": 65, "hi": 75}, {"mean": 50, "lo": 45, "hi": 55}) == "higher"
     assert separation({"mean": 40, "lo": 35, "hi": 44}, {"mean": 50, "lo": 45, "hi": 55}) == "lower"
@@ -108,6 +136,7 @@ def test_comparison_rows_per_objective_and_basis_with_the_paired_difference() ->
     assert "separates" not in rows[("costly", "matched compute")]
     assert rows[("costly", "matched compute")]["note"].startswith("no evaluation point of the objective")
     assert rows[("costly", "equal budget")]["separates"] == "lower"
+    assert rows[("capt", "selected on dev")]["note"] == "no STS-B dev record to select on"  # these curves have no dev
     line = verdict(list(rows.values()))
     assert line.startswith("STS-B test, intervals not overlapping: ") and "capt higher at equal budget" in line
     assert "taco" not in line
