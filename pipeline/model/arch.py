@@ -17,7 +17,7 @@ from torch import nn
 from pipeline.model.encoder import BertEncoder, BertLayerStack, EncoderConfig, configure_layer_stacks, init_bert_weights
 from pipeline.model.heads import MLMHead
 from pipeline.model.modernbert import (ARCH as MODERNBERT, ModernBertConfig, ModernBertEncoder, ModernBertLayerStack,
-                                       ModernBertMLMHead, configure_modernbert_stacks, init_modernbert_weights,
+                                       ModernBertMLMHead, init_modernbert_weights,
                                        is_modernbert)
 
 ARCHS = ("bert", MODERNBERT)
@@ -75,6 +75,5 @@ def configure_stacks(model: nn.Module, config: AnyEncoderConfig, attention: str,
                      checkpoint_period: int = 0) -> int:
     """`model.attention` / `model.compile` / `model.activation_checkpointing` (a period k, 0: none;
     `pipeline.model.checkpointing`) on every layer stack of the family in `model`."""
-    if is_modernbert(config):
-        return configure_modernbert_stacks(model, attention, compile_layers, checkpoint_period)
-    return configure_layer_stacks(model, attention, compile_layers, checkpoint_period)
+    return configure_layer_stacks(model, attention, compile_layers, checkpoint_period,
+                                  stack_type=ModernBertLayerStack if is_modernbert(config) else BertLayerStack)

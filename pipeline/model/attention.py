@@ -116,22 +116,41 @@ def plan_attention(x: Tensor, attention_mask: Optional[Tensor], seqlens: Optiona
     return AttentionPlan("masked", bias=attention_bias(attention_mask, x.dtype), tokens=full[0], sum_sq=full[1])
 
 
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float) -> Tensor:
-    """Attention within each sequence of the unpadded tokens. q, k, v [T, heads, D] -> [T, heads, D].
+def window_bias(length: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """[L, L] additive bias: 0 where |i - j| <= window, the dtype's minimum elsewhere (ModernBERT's local
+    attention layers)."""
+    pos = torch.arange(length, device=device)
+    far = (pos[:, None] - pos[None, :]).abs() > window
+    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(far, torch.finfo(dtype).min)
 
-    Flash kernel on CUDA (fp16 / bf16); `repadded_attention` elsewhere.
+
+def flash_usable(q: Tensor) -> bool:
+    """Can the flash kernel take q [T, heads, D] (CUDA, fp16/bf16, head size a multiple of 8 up to 256)?"""
+    return q.is_cuda and q.dtype in _HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
+
+
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float,
+                     window: Optional[int] = None) -> Tensor:
+    """Attention within each sequence of the unpadded tokens, optionally limited to |i - j| <= window.
+    q, k, v [T, heads, D] -> [T, heads, D].
+
+    Flash kernel on CUDA (fp16 / bf16; the window as its `window_size_left/right`); `repadded_attention`
+    elsewhere.
     """
-    if q.is_cuda and q.dtype in _HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256:
+    if flash_usable(q):
         q, k, v = (t.contiguous() for t in (q, k, v))  # the kernel wants dense [T, heads, D] rows
+        extra = {} if window is None else {"window_size_left": window, "window_size_right": window}
         return torch.ops.aten._flash_attention_forward(
             q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen, layout.max_seqlen,
-            dropout_p, False, False)[0]
-    return repadded_attention(q, k, v, layout, dropout_p)
+            dropout_p, False, False, **extra)[0]
+    return repadded_attention(q, k, v, layout, dropout_p, window)
 
 
-def repadded_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float) -> Tensor:
+def repadded_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float,
+                       window: Optional[int] = None) -> Tensor:
     """The varlen contract computed with padded SDPA: tokens scattered back to [B, L], key padding
-    masked, real rows gathered again. Used where no variable-length kernel exists (CPU, fp32)."""
+    (and, with `window`, keys farther than it) masked, real rows gathered again. Used where no
+    variable-length kernel exists (CPU, fp32)."""
     tokens, heads, dim = q.shape
     b, length = layout.batch, layout.length
 
@@ -141,7 +160,8 @@ def repadded_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dr
 
     keep = torch.zeros(b * length, dtype=torch.bool, device=q.device)
     keep[layout.indices] = True
-    bias = torch.zeros(b, 1, 1, length, dtype=q.dtype, device=q.device).masked_fill(
-        ~keep.view(b, 1, 1, length), torch.finfo(q.dtype).min)
+    bias = attention_bias(keep.view(b, length), q.dtype)
+    if window is not None:  # clamped: two minima added would overflow to -inf
+        bias = torch.clamp_min(bias + window_bias(length, window, q.dtype, q.device), torch.finfo(q.dtype).min)
     out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=bias, dropout_p=dropout_p)
     return out.transpose(1, 2).reshape(b * length, heads, dim)[layout.indices]

@@ -267,13 +267,14 @@ def _compiled(kind: str) -> Callable:
 
 
 def configure_layer_stacks(model: nn.Module, attention: str = "auto", compile_layers: bool = False,
-                           checkpoint_period: int = 0) -> int:
+                           checkpoint_period: int = 0, stack_type: Optional[type] = None) -> int:
     """Set the attention mode and the activation-checkpointing period (`pipeline.model.checkpointing`)
-    of every `BertLayerStack` in `model` (main encoder, generators) and optionally compile their
-    layers; returns how many stacks were configured."""
+    of every layer stack of `stack_type` in `model` (main encoder, generators; default `BertLayerStack`,
+    `pipeline.model.arch.configure_stacks` passes the family's) and optionally compile their layers;
+    returns how many stacks were configured."""
     if attention not in ATTENTION_MODES:
         raise ValueError(f"model.attention={attention!r}: choose one of {ATTENTION_MODES}")
-    stacks = [m for m in model.modules() if isinstance(m, BertLayerStack)]
+    stacks = [m for m in model.modules() if isinstance(m, stack_type or BertLayerStack)]
     for stack in stacks:
         stack.attention = attention
         stack.checkpoint_period = checkpoint_period

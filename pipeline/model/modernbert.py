@@ -24,7 +24,7 @@ objective, the unigram bias init and the NCE head correction see the same interf
 
 Attention paths are chosen by `pipeline.model.attention.plan_attention` exactly as for BERT (dense /
 masked / unpadded varlen). The sliding window is an additive mask on the dense and masked paths and on
-the CPU varlen path (`windowed_attention`); on CUDA in half precision the local layers call the flash
+the CPU varlen path (`pipeline.model.attention.repadded_attention`); on CUDA in half precision the local layers call the flash
 kernel with `window_size_left = window_size_right = local_attention // 2` (unpadded or not).
 """
 from __future__ import annotations
@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.model.attention import ATTENTION_MODES, VarlenLayout, attention_bias, plan_attention, varlen_layout
+from pipeline.model.attention import (VarlenLayout, plan_attention, varlen_attention, varlen_layout,
+                                      window_bias)
 from pipeline.model.checkpointing import is_checkpointed, run_layer
 from pipeline.model.encoder import EncoderOutput
 from pipeline.model.heads import TiedVocabProjection
@@ -150,51 +151,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 
 
-def window_bias(length: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """[L, L] additive bias: 0 where |i - j| <= window, the dtype's minimum elsewhere."""
-    pos = torch.arange(length, device=device)
-    far = (pos[:, None] - pos[None, :]).abs() > window
-    return torch.zeros(length, length, dtype=dtype, device=device).masked_fill(far, torch.finfo(dtype).min)
-
-
 def window_pairs(length: int, window: int) -> int:
     """Number of (i, j) pairs with |i - j| <= window in a sequence of `length`: s (2w + 1) - w (w + 1)
     when s > w, else s^2 (every pair)."""
     if length <= window:
         return length * length
     return length * (2 * window + 1) - window * (window + 1)
-
-
-def flash_usable(q: Tensor) -> bool:
-    """Can the flash kernel take q [T, heads, D] (CUDA, fp16/bf16, head size a multiple of 8 up to 256)?"""
-    return q.is_cuda and q.dtype in _HALF and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-
-
-def windowed_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, dropout_p: float,
-                       window: Optional[int]) -> Tensor:
-    """Attention within each unpadded sequence, optionally limited to |i - j| <= window.
-    q, k, v [T, heads, D] -> [T, heads, D]. Flash kernel (with its window arguments) on CUDA in half
-    precision; elsewhere re-padded to [B, L] and SDPA with the padding and window masks added."""
-    if flash_usable(q):
-        q, k, v = (t.contiguous() for t in (q, k, v))
-        extra = {} if window is None else {"window_size_left": window, "window_size_right": window}
-        return torch.ops.aten._flash_attention_forward(
-            q, k, v, layout.cu_seqlens, layout.cu_seqlens, layout.max_seqlen, layout.max_seqlen,
-            dropout_p, False, False, **extra)[0]
-    tokens, heads, dim = q.shape
-    b, length = layout.batch, layout.length
-
-    def padded(t: Tensor) -> Tensor:
-        out = t.new_zeros(b * length, heads, dim).index_copy(0, layout.indices, t)
-        return out.view(b, length, heads, dim).transpose(1, 2)
-
-    keep = torch.zeros(b * length, dtype=torch.bool, device=q.device)
-    keep[layout.indices] = True
-    bias = attention_bias(keep.view(b, length), q.dtype)
-    if window is not None:
-        bias = torch.clamp_min(bias + window_bias(length, window, q.dtype, q.device), torch.finfo(q.dtype).min)
-    out = F.scaled_dot_product_attention(padded(q), padded(k), padded(v), attn_mask=bias, dropout_p=dropout_p)
-    return out.transpose(1, 2).reshape(b * length, heads, dim)[layout.indices]
 
 
 # ---- modules (HF names: embeddings.{tok_embeddings,norm}, layers.N.{attn_norm,attn.{Wqkv,Wo},mlp_norm,mlp.{Wi,Wo}}) ---
@@ -232,7 +194,7 @@ class ModernBertAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if isinstance(attn, VarlenLayout):
             flat = [t.reshape(-1, self.num_heads, self.head_dim) for t in (q, k, v)]
-            out = windowed_attention(*flat, attn, p, self.window).reshape(x.shape)
+            out = varlen_attention(*flat, attn, p, self.window).reshape(x.shape)
         else:
             out = F.scaled_dot_product_attention(q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2),
                                                  attn_mask=attn, dropout_p=p)
@@ -393,21 +355,6 @@ class ModernBertMLMHead(nn.Module):
 
     def forward(self, hidden: Tensor, fn=None, *args, **kwargs):
         return self.predictions(hidden, fn, *args, **kwargs)
-
-
-def configure_modernbert_stacks(model: nn.Module, attention: str = "auto", compile_layers: bool = False,
-                                checkpoint_period: int = 0) -> int:
-    """`model.attention` / `model.compile` / `model.activation_checkpointing` (as a period,
-    `pipeline.model.checkpointing`) for every `ModernBertLayerStack` in `model`; returns how many."""
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"model.attention={attention!r}: choose one of {ATTENTION_MODES}")
-    stacks = [m for m in model.modules() if isinstance(m, ModernBertLayerStack)]
-    for stack in stacks:
-        stack.attention = attention
-        stack.checkpoint_period = checkpoint_period
-        if compile_layers:
-            stack.compile_layers()
-    return len(stacks)
 
 
 @torch.no_grad()
