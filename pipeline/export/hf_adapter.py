@@ -201,13 +201,21 @@ def split_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
         used.update(head_keys)
         generator = GeneratorExport(obj_name, _generator_config(model.config, stack), split_qkv(gen_state))
 
-    heads = {k: state[k] for k in params if k not in used}
+    return assemble_export(model, main, generator, {k: state[k] for k in params if k not in used}, head_bias)
+
+
+def assemble_export(model: PretrainModel, main: Mapping[str, Tensor], generator: Optional[GeneratorExport],
+                    heads: Mapping[str, Tensor], head_bias: Optional[HeadBiasCorrection]) -> HFExport:
+    """The export of either family once its main and generator weights are named: every parameter left over
+    must be an objective head (`objectives.*`, kept beside the HF model), and the buffers not folded into the
+    head's bias are listed as dropped."""
     unknown = sorted(k for k in heads if not k.startswith("objectives."))
     if unknown:
         raise ExportError(f"parameters outside bert.*, cls.* and objectives.*: {unknown}")
     folded = set(head_bias.buffers) if head_bias is not None and head_bias.corrected else set()
     dropped = sorted(k for k in dict(model.named_buffers()) if k not in folded)
-    return HFExport(main=main, generator=generator, objective_heads=heads, dropped_buffers=dropped, head_bias=head_bias)
+    return HFExport(main=main, generator=generator, objective_heads=dict(heads), dropped_buffers=dropped,
+                    head_bias=head_bias)
 
 
 def head_bias_correction(model: PretrainModel, state: Mapping[str, Tensor]) -> Optional[HeadBiasCorrection]:

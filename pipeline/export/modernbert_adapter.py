@@ -20,7 +20,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import Tensor
 
-from pipeline.export.hf_adapter import GeneratorExport, HFExport, head_bias_correction
+from pipeline.export.hf_adapter import GeneratorExport, HFExport, assemble_export, head_bias_correction
 from pipeline.model.heads import PredictionHeadTransform
 from pipeline.model.hf_names import MODERNBERT_DECODER_BIAS, ExportError, to_modernbert_hf
 from pipeline.model.modernbert import ModernBertConfig, ModernBertLayerStack
@@ -81,12 +81,7 @@ def split_modernbert_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> H
     generator, used = _generator_export(model, state, main, params)
     heads = {k: state[k] for k in params if first_name[id(params[k])] == k and k not in used
              and not k.startswith(("bert.", "cls."))}
-    unknown = sorted(k for k in heads if not k.startswith("objectives."))
-    if unknown:
-        raise ExportError(f"parameters outside bert.*, cls.* and objectives.*: {unknown}")
-    folded = set(head_bias.buffers) if head_bias is not None and head_bias.corrected else set()
-    dropped = sorted(k for k in dict(model.named_buffers()) if k not in folded)
-    return HFExport(main=main, generator=generator, objective_heads=heads, dropped_buffers=dropped, head_bias=head_bias)
+    return assemble_export(model, main, generator, heads, head_bias)
 
 
 def modernbert_hf_config(encoder: ModernBertConfig, special_tokens: Mapping[str, int]):
