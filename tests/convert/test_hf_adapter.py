@@ -182,3 +182,27 @@ def test_a_checkpoint_without_log_q_converts_as_before_with_a_note():
     export = split_for_hf(model, state)
     assert not export.head_bias.corrected and "predates" in export.head_bias.note
     assert torch.equal(export.main["cls.predictions.bias"], state["cls.predictions.decoder.bias"])
+
+
+@pytest.mark.parametrize("family", ["bert", "modernbert"])
+def test_a_parameter_outside_the_known_prefixes_is_refused_by_either_familys_export(family):
+    """Every trained parameter must land in the HF model or beside it as an objective head: one that is
+    neither (a module added outside `objectives.*`) stops the export with its name, not dropped silently."""
+    from pipeline.export.hf_adapter import split_for_hf
+    from pipeline.export.modernbert_adapter import split_modernbert_for_hf
+    from pipeline.model.hf_names import ExportError
+    from pipeline.model.modernbert import ModernBertConfig
+
+    if family == "bert":
+        model, split = _ours({"mlm": 1.0, "capt": 1.0}), split_for_hf
+    else:
+        encoder = ModernBertConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, ffn_size=40,
+                                   max_position=24, local_attention=8, global_attn_every_n_layers=2)
+        model = build_pretrain_model(encoder, {"mlm": 1.0, "capt": 1.0}, SPECIAL, {}, seed=2, kernels="torch").eval()
+        split = split_modernbert_for_hf
+    export = split(model, model.state_dict())
+    assert export.objective_heads and all(k.startswith("objectives.capt.") for k in export.objective_heads)
+    model.stray = torch.nn.Linear(2, 2)
+    with pytest.raises(ExportError, match=r"parameters outside bert\.\*, cls\.\* and objectives\.\*: "
+                                          r"\['stray\.bias', 'stray\.weight'\]"):
+        split(model, model.state_dict())
