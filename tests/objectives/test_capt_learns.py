@@ -99,5 +99,9 @@ def test_the_papers_queue_from_the_first_step_collapses_here(tiny_runs):
     assert steps and len(stuck) >= 0.9 * len(steps), (
         f"the paper's queue left the collapse on {len(steps) - len(stuck)} of {len(steps)} steps, "
         f"first {sorted(set(steps) - set(stuck))[:5]}")
-    spread = [r["step"] for r in tiny_runs["tiny-capt"] if r["step"] <= until and r["capt/negative_cosine"] < SPREAD_GATE]
-    assert spread, f"tiny-capt's views did not spread below {SPREAD_GATE} by step {until}"
+    rows = tiny_runs["tiny-capt"]
+    spread = [r["step"] for r in rows if r["step"] <= until and r["capt/negative_cosine"] < SPREAD_GATE]
+    later = [r["step"] for r in rows if r["capt/negative_cosine"] < SPREAD_GATE]
+    assert spread, (f"tiny-capt's views did not spread below {SPREAD_GATE} by step {until} (lowest sequence cosine "
+                    f"by then {min(r['capt/negative_cosine'] for r in rows if r['step'] <= until):.3f}; first below "
+                    f"the gate at step {later[0] if later else 'never'})")
