@@ -91,7 +91,8 @@ def test_local_layer_sees_only_its_window(path):
     length, query = 24, 10
     x = torch.randn(2, length, CFG.hidden_size, requires_grad=True)
     positions = torch.arange(length)
-    from pipeline.model.modernbert import rotary_tables, window_bias
+    from pipeline.model.attention import window_bias
+    from pipeline.model.modernbert import rotary_tables
 
     cos, sin = rotary_tables(positions[None], CFG.head_dim, CFG.local_rope_theta, x.dtype)
     if path == "masked":
