@@ -4,7 +4,8 @@ The corpus is English prose from the docstrings of Python standard-library modul
 available offline, deterministic for a given Python version). The tokenizer and shards are built
 with the real `data_prep` code, so every test that uses them also exercises the data path.
 
-Fixtures (session-scoped): `tiny_corpus_file`, `tiny_tokenizer_dir` (WordPiece, 800 entries),
+Fixtures (session-scoped): `tiny_corpus_file`, `tiny_tokenizer_dir` (WordPiece, 800 entries, ids renumbered
+in a fixed order by `canonical_wordpiece_ids`, so every session tests on the same ids),
 `tiny_shards_dir` (seq_len 64, several shards). Helper: `make_batch(shards_dir, views, ...)`.
 """
 from __future__ import annotations
@@ -54,11 +55,34 @@ def tiny_corpus_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_corpus(tmp_path_factory.mktemp("corpus") / "stdlib_docs.txt", stdlib_documents())
 
 
+def canonical_wordpiece_ids(tokenizer_dir: Path) -> Path:
+    """Renumber a trained WordPiece vocabulary in a fixed order: the special tokens keep their ids, the others
+    follow sorted by (length without `##`, continuation or not, text). `tokenizers`' WordPiece trainer numbers
+    the `##` tokens in hash-map order (huggingface/tokenizers#1794, docs/data.md), so the same corpus gives the
+    same tokens under other ids in every session, and with them other test data; WordPiece looks tokens up by
+    text, so the renumbering changes no tokenization. Refuses a vocabulary whose special tokens are not 0..n-1."""
+    import json
+
+    path = tokenizer_dir / "tokenizer.json"
+    spec = json.loads(path.read_text(encoding="utf-8"))
+    vocab: dict[str, int] = spec["model"]["vocab"]
+    specials = sorted((t["id"], t["content"]) for t in spec["added_tokens"])
+    assert [i for i, _ in specials] == list(range(len(specials))), f"{path}: special tokens at ids {specials}"
+    fixed = {content for _, content in specials}
+    rest = sorted((t for t in vocab if t not in fixed),
+                  key=lambda t: (len(t.removeprefix("##")), t.startswith("##"), t))
+    spec["model"]["vocab"] = {**{c: i for i, c in specials}, **{t: len(specials) + i for i, t in enumerate(rest)}}
+    path.write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    return tokenizer_dir
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, tiny_corpus_file: Path) -> Path:
     from data_prep.train_tokenizer import train_tokenizer
 
-    return train_tokenizer([tiny_corpus_file], tmp_path_factory.mktemp("tokenizer"), vocab_size=TINY_VOCAB_SIZE, progress=False)
+    trained = train_tokenizer([tiny_corpus_file], tmp_path_factory.mktemp("tokenizer"), vocab_size=TINY_VOCAB_SIZE,
+                              progress=False)
+    return canonical_wordpiece_ids(trained)
 
 
 @pytest.fixture(scope="session")

@@ -94,3 +94,34 @@ def test_document_encoder_matches_the_tokenizer_exactly(tmp_path: Path, tiny_cor
     if kind == "wordpiece":  # most of these documents are not "plain": they must take the full path
         assert not encoder.is_plain(TRICKY_DOCUMENTS[3]) and not encoder.is_plain(TRICKY_DOCUMENTS[4])
         assert encoder.is_plain(TRICKY_DOCUMENTS[1]) and encoder.is_plain(TRICKY_DOCUMENTS[2])
+
+
+def test_the_fixture_tokenizers_ids_do_not_depend_on_the_trainers_order(tiny_tokenizer_dir, tmp_path):
+    """The session's tokenizer is renumbered in a fixed order (`tests.fixtures_data.canonical_wordpiece_ids`): the
+    same ids from any permutation the trainer may produce, and the same tokens for any text."""
+    import json
+    import random
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from tests.fixtures_data import canonical_wordpiece_ids
+
+    shuffled = tmp_path / "shuffled"
+    shutil.copytree(tiny_tokenizer_dir, shuffled)
+    spec = json.loads((shuffled / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    others = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if i >= 5]
+    random.Random(3).shuffle(others)  # what another session's trainer could have numbered
+    spec["model"]["vocab"] = {**{t: i for t, i in vocab.items() if i < 5}, **{t: 5 + i for i, t in enumerate(others)}}
+    (shuffled / "tokenizer.json").write_text(json.dumps(spec))
+    text = "Return a new deque object initialized left-to-right with data from iterable."
+    assert AutoTokenizer.from_pretrained(str(shuffled))(text)["input_ids"] != \
+        AutoTokenizer.from_pretrained(str(tiny_tokenizer_dir))(text)["input_ids"]
+    canonical_wordpiece_ids(shuffled)
+    assert json.loads((shuffled / "tokenizer.json").read_text())["model"]["vocab"] == vocab
+    ours, theirs = (AutoTokenizer.from_pretrained(str(d)) for d in (shuffled, tiny_tokenizer_dir))
+    assert ours(text)["input_ids"] == theirs(text)["input_ids"]
+    ordered = sorted(vocab, key=vocab.get)[5:]
+    lengths = [len(t.removeprefix("##")) for t in ordered]
+    assert lengths == sorted(lengths) and ordered[:3] == sorted(ordered[:3])  # single characters first, by text
