@@ -17,11 +17,14 @@ spread and the loss sits at chance. That failure reproduces at this size:
 queue (`queue_spread=null`: read as soon as it is filled) and asserts the collapse on >= 90% of the
 logged steps from the warm-up to 40% of the run (loss >= 0.99x chance, sequence cosine >= 0.9),
 while `tiny-capt`'s spread gate lets the in-batch contrast spread the views below the gate's 0.5
-within that window. Measured (CAPT weight 0.1): the paper's queue, sequence cosine 1.000 to step
-150 or later, then some CPU runs escape (cosine 0.38 at step 196, 0.77x chance at the end) and
-others stay at chance (0.99x; floating-point summation order decides), so the end of that run is
-not asserted; `tiny-capt`, cosine 1.000 to step 76, 0.40 at step 91, 0.77x chance at the end, the
-floor-tau loss 0.67x chance and falling, no collapsed step in the second half. Two ~40 s runs.
+within that window. Measured (CAPT weight 0.1) before the test tokenizer's ids were fixed
+(`tests/fixtures_data.canonical_wordpiece_ids`), when they changed from session to session: the paper's
+queue, sequence cosine 1.000 to step 150 or later, then some CPU runs escape (cosine 0.38 at step 196,
+0.77x chance at the end) and others stay at chance (0.99x; floating-point summation order decides), so
+the end of that run is not asserted; `tiny-capt` first below the gate at steps 70-94 (torch 2.11 once
+after step 120). With the fixed ids (torch 2.13): the paper's queue at cosine 1.000 to step 145 and
+below the gate from step 226, 0.78x chance at the end; `tiny-capt` at 1.000 to step 55, below the gate
+from step 69, 0.77x chance at the end, no collapsed step in the second half. Two ~40 s runs.
 """
 from __future__ import annotations
 
