@@ -5,8 +5,9 @@ Generates its own `slurm.conf` and munge key in a private temp dir, starts `mung
 process so we hold their PIDs), waits until every node is idle, and on `stop()` cancels the
 jobs it ran, then terminates exactly the daemons it started and removes the directory.
 
-Nothing here installs anything: `scripts/install_test_deps.sh` (run by `.ci/run`) installs the
-Debian packages; `missing_requirements()` says why the cluster cannot run so tests can skip.
+Nothing here installs anything: `scripts/install_test_deps.sh` (run by `scripts/test.sh` when the selected
+tests include these, so by `.ci/run`; declined with CPT_NO_SYSTEM_PACKAGES=1) installs the Debian
+packages; `missing_requirements()` says why the cluster cannot run so tests can skip.
 The daemons run as root because slurmd must start job steps as the submitting user (root in CI);
 each node gets one CPU so a two-node job is the most that fits, as on a real cluster.
 """
@@ -43,6 +44,9 @@ def _find(program: str) -> str | None:
 def missing_requirements() -> str | None:
     """A reason the cluster cannot start here, or None when it can."""
     absent = [p for p in DAEMONS + CLIENTS if _find(p) is None]
+    if absent and os.environ.get("CPT_NO_SYSTEM_PACKAGES") == "1":
+        return (f"SLURM/munge binaries not found: {', '.join(absent)}; CPT_NO_SYSTEM_PACKAGES=1 declined installing "
+                "them (unset it and rerun scripts/test.sh as root, or run scripts/install_test_deps.sh as root)")
     if absent:
         return f"SLURM/munge binaries not found: {', '.join(absent)} (run scripts/install_test_deps.sh as root)"
     if os.geteuid() != 0:
