@@ -38,9 +38,20 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def describe_config(root: type) -> str:
-    """Every field of `root` with its default and docstring, one line each (`--help-config`)."""
-    lines: list[str] = []
+@dataclasses.dataclass(frozen=True)
+class ConfigField:
+    """One settable field: its dotted name, default, docstring and the dataclass that declares it."""
+
+    name: str
+    default: Any
+    doc: str
+    owner: type
+
+
+def config_fields(root: type) -> list[ConfigField]:
+    """Every leaf field of the dataclass `root`, nested sections walked in declaration order (the one
+    source of `--help-config` and of the generated reference, `pipeline.config.reference`)."""
+    fields: list[ConfigField] = []
 
     def walk(cls: type, prefix: str) -> None:
         docs = field_docs(cls)
@@ -50,10 +61,15 @@ def describe_config(root: type) -> str:
             if dataclasses.is_dataclass(value):
                 walk(type(value), f"{prefix}{f.name}.")
             else:
-                lines.append(f"{prefix}{f.name} = {value!r}\n    {docs.get(f.name, '')}")
+                fields.append(ConfigField(f"{prefix}{f.name}", value, docs.get(f.name, ""), cls))
 
     walk(root, "")
-    return "\n".join(lines)
+    return fields
+
+
+def describe_config(root: type) -> str:
+    """Every field of `root` with its default and docstring, one line each (`--help-config`)."""
+    return "\n".join(f"{f.name} = {f.default!r}\n    {f.doc}" for f in config_fields(root))
 
 
 def available_presets() -> list[str]:
