@@ -37,11 +37,11 @@ fi
 
 # How many of the selected tests are marked slurm (-1: pytest could not collect the selection).
 slurm_tests_selected() {
-    local counts
+    local counts status=0
     counts=$(mktemp)
     CPT_SELECTED_MARKERS="$counts" "$PYTHON" -m pytest --collect-only -q -p tests.selected_markers "$@" \
-        >/dev/null 2>&1 || true  # a failed collection writes no file: -1 below
-    if [ -s "$counts" ]; then
+        >/dev/null 2>&1 || status=$?
+    if { [ "$status" -eq 0 ] || [ "$status" -eq 5 ]; } && [ -s "$counts" ]; then  # 5: every test deselected
         "$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["slurm"])' "$counts"
     else
         echo -1
@@ -51,7 +51,8 @@ slurm_tests_selected() {
 
 reason="the tests marked slurm need them"
 if [ "$#" -gt 0 ]; then
-    echo "install_test_deps: collecting the selected tests (pytest --collect-only $*) to see whether any is marked slurm"
+    echo "install_test_deps: collecting the selected tests (pytest --collect-only$(printf ' %q' "$@")) to see whether" \
+         "any is marked slurm"
     selected=$(slurm_tests_selected "$@")
     if [ "$selected" = 0 ]; then
         echo "install_test_deps: no selected test is marked slurm: no system packages needed, nothing installed"

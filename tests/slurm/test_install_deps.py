@@ -58,6 +58,12 @@ def test_a_selection_without_slurm_tests_installs_nothing(tmp_path):
     assert "apt" not in proc.stdout + proc.stderr  # never reached the package step
 
 
+def test_a_selection_pytest_cannot_collect_installs_nothing(tmp_path):
+    proc = _install_deps(tmp_path, "tests/no_such_test_file.py")
+    assert proc.returncode == 0, proc.stderr
+    assert "pytest could not collect that selection" in proc.stdout and "apt" not in proc.stdout + proc.stderr
+
+
 def test_a_selection_with_slurm_tests_goes_on_to_the_package_step(tmp_path):
     proc = _install_deps(tmp_path, "tests/slurm/test_cluster.py")
     assert proc.returncode == 0, proc.stderr
