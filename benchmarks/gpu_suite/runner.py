@@ -246,7 +246,9 @@ def render_markdown(p: dict[str, Any]) -> str:
         if r["kind"] == "env" and "error" not in r:
             lines += ["## Kernel correctness (bf16 kernel vs fp32 reference)", "", markdown_table(r["correctness"])]
         elif r["kind"] in ("queue", "pytest") or (r["kind"] in ("env", "kernel") and "error" in r):
-            lines += [f"## {r['row']}", "", markdown_table([{k: v for k, v in r.items() if k != "kind"}])]
+            lines += [f"## {r['row']}", "", markdown_table([{k: v for k, v in r.items() if k not in ("kind", "tracebacks")}])]
+            for failure in r.get("tracebacks") or []:  # pytest's short traceback of each failure (bounded)
+                lines += [f"`{failure['test']}`:", "", "```", failure["traceback"], "```", ""]
         elif r["kind"] == "checkpointing":
             lines += [f"## {r['row']}", "", r.get("method", r.get("error", "")), "", markdown_table(r.get("results", []))]
     if p.get("requirements"):

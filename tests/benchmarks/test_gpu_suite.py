@@ -297,6 +297,32 @@ def test_a_throughput_row_writes_no_checkpoint_and_times_only_unlogged_steps(tmp
     assert not list((tmp_path / "work").rglob("*checkpoint*")) and not (tmp_path / "work" / "cocolm").exists()
 
 
+def test_a_failing_gpu_test_leaves_its_assertion_and_traceback_in_the_row(tmp_path):
+    """The first lease's pytest row kept only `FAILED path::test`: the cause was lost. Now every failure's
+    short traceback (bounded) and its -rfE line (with the exception message) are in the JSON."""
+    from benchmarks.gpu_suite.kernel_rows import TRACEBACK_CHARS, run_pytest
+
+    (tmp_path / "test_probe.py").write_text(
+        "import pytest\n\n"
+        "def helper(widths):\n    return widths.numpy()\n\n"
+        "def test_reads_a_device_tensor():\n    class Cuda:\n        def numpy(self):\n"
+        "            raise TypeError(\"can't convert cuda:0 device type tensor to numpy\")\n"
+        "    helper(Cuda())\n\n"
+        "def test_long():\n    assert 'x' * 5000 == 'y'\n\n"
+        "@pytest.fixture\ndef broken():\n    raise RuntimeError('fixture broke')\n\n"
+        "def test_error(broken):\n    pass\n\n"
+        "def test_fine():\n    pass\n")
+    row = run_pytest(["test_probe.py"], "not slow", 120, cwd=tmp_path)
+    assert row["exit"] == 1 and "2 failed, 1 passed, 1 error" in row["summary"], row
+    assert "FAILED test_probe.py::test_reads_a_device_tensor - TypeError: can't convert cuda:0" in row["failures"]
+    tracebacks = {t["test"]: t["traceback"] for t in row["tracebacks"]}
+    assert set(tracebacks) == {"test_reads_a_device_tensor", "test_long", "ERROR at setup of test_error"}
+    device = tracebacks["test_reads_a_device_tensor"]
+    assert "return widths.numpy()" in device and "TypeError: can't convert cuda:0" in device
+    assert "RuntimeError: fixture broke" in tracebacks["ERROR at setup of test_error"]
+    assert all(len(t) <= TRACEBACK_CHARS for t in tracebacks.values())
+
+
 # ---- requirements ----------------------------------------------------------------------------------------------
 
 def test_requirements_hold_on_this_machines_real_versions():
