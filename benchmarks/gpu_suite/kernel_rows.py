@@ -189,11 +189,41 @@ def kernel_row(ctx, row) -> dict[str, Any]:
     low = torch.bfloat16 if cuda else torch.float32  # the Triton interpreter has no bf16 dot
     cases = row.arg("case")
     shape, skipped = shape_for(row.arg("size"), ctx.dry_run), {}
-    results = [r for case in ((cases,) if isinstance(cases, str) else tuple(cases))
+    cases = (cases,) if isinstance(cases, str) else tuple(cases)
+    results = [r for case in cases
                for r in measure_impls(case, row.arg("impls"), shape, ctx.device, low, *((2, 10) if cuda else (1, 1)),
                                       refs=("eager_bf16", "eager_fp32"), skipped=skipped)]
-    return {"size": row.arg("size"), "tokens": shape["batch"] * shape["seq_len"], "results": results,
-            "not_measured": skipped}
+    out = {"size": row.arg("size"), "tokens": shape["batch"] * shape["seq_len"], "results": results,
+           "not_measured": skipped}
+    if row.arg("profile"):  # where our kernel's forward + backward spends its time
+        out["breakdown"] = {case: profile_kernel(case, shape, ctx.device, low) for case in cases}
+    return out
+
+
+def profile_kernel(case: str, shape: dict[str, Any], device, dtype) -> dict[str, Any]:
+    """One profiled forward + backward of our fused loss (`triton`) after a warm-up one
+    (`benchmarks.common.breakdown`: CUDA time per category, the largest kernels)."""
+    import torch
+
+    from benchmarks.common.breakdown import profile_window
+    from benchmarks.kernels.bench_kernels import build_case, implementation
+
+    args, grad_pos, kwargs = build_case(case, shape, device, dtype)
+    leaves = [a.detach().requires_grad_() if i in grad_pos else a for i, a in enumerate(args)]
+    fn = implementation(case, "triton")
+
+    def step() -> None:
+        out = fn(*leaves, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()
+    result = profile_window(step, 1, device.type == "cuda")
+    del args, leaves
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def pytest_row(ctx, row) -> dict[str, Any]:
