@@ -42,16 +42,20 @@ def quiet_overrides(output_dir: Path | str, total_steps: int, log_every: int = 1
             f"train.resume={resume}", "train.tensorboard=false", "train.progress_bar=false"]
 
 
-def timed_steps(cfg: Any, warmup: int, steps: int) -> dict[str, Any]:
+def timed_steps(cfg: Any, warmup: int, steps: int, profile_steps: int = 0) -> dict[str, Any]:
     """Build the run as `train()` does (`pipeline.train.loop.build_run`) and time `warmup` + `steps` of the
-    loop's own step (`Run.train_step`, unlogged) as the module docstring says."""
+    loop's own step (`Run.train_step`, unlogged) as the module docstring says. `profile_steps` more steps
+    after the timed ones run under the profiler (`common.breakdown.profile_window`): the result's
+    `breakdown`, never part of the timed numbers (`cfg.train.total_steps` must cover all three)."""
     import torch
 
+    from benchmarks.common.breakdown import profile_window
     from pipeline.train.loop import build_run, torch_process_state
     from pipeline.train.metrics import device_peak_flops
 
     cuda = torch.cuda.is_available()
     times, tokens, flops = [], [], []
+    breakdown = None
     with torch_process_state(cfg.train.deterministic, cfg.deepspeed.tf32):
         run = build_run(cfg)
         try:
@@ -64,9 +68,14 @@ def timed_steps(cfg: Any, warmup: int, steps: int) -> dict[str, Any]:
                     times.append(time.perf_counter() - started)
                     tokens.append(result.tokens)
                     flops.append(result.flops)
+            if profile_steps:
+                later = iter(range(warmup + steps + 1, warmup + steps + profile_steps + 1))
+                breakdown = profile_window(lambda: run.train_step(next(later), record_metrics=False), profile_steps,
+                                           cuda)
         finally:
             run.close()
-    return summarize(times, tokens, flops, device_peak_flops(cfg.deepspeed.precision), run.plan.batch.global_batch_size)
+    out = summarize(times, tokens, flops, device_peak_flops(cfg.deepspeed.precision), run.plan.batch.global_batch_size)
+    return out if breakdown is None else {**out, "breakdown": breakdown}
 
 
 def summarize(times: list[float], tokens: list[float], flops: list[float], peak: Optional[float],

@@ -24,6 +24,7 @@ on the bf16 inputs), `eager_fp32`, `liger` (`liger_fused_linear_cross_entropy`) 
 from __future__ import annotations
 
 import configparser
+import os
 import re
 import subprocess
 import sys
@@ -188,11 +189,41 @@ def kernel_row(ctx, row) -> dict[str, Any]:
     low = torch.bfloat16 if cuda else torch.float32  # the Triton interpreter has no bf16 dot
     cases = row.arg("case")
     shape, skipped = shape_for(row.arg("size"), ctx.dry_run), {}
-    results = [r for case in ((cases,) if isinstance(cases, str) else tuple(cases))
+    cases = (cases,) if isinstance(cases, str) else tuple(cases)
+    results = [r for case in cases
                for r in measure_impls(case, row.arg("impls"), shape, ctx.device, low, *((2, 10) if cuda else (1, 1)),
                                       refs=("eager_bf16", "eager_fp32"), skipped=skipped)]
-    return {"size": row.arg("size"), "tokens": shape["batch"] * shape["seq_len"], "results": results,
-            "not_measured": skipped}
+    out = {"size": row.arg("size"), "tokens": shape["batch"] * shape["seq_len"], "results": results,
+           "not_measured": skipped}
+    if row.arg("profile"):  # where our kernel's forward + backward spends its time
+        out["breakdown"] = {case: profile_kernel(case, shape, ctx.device, low) for case in cases}
+    return out
+
+
+def profile_kernel(case: str, shape: dict[str, Any], device, dtype) -> dict[str, Any]:
+    """One profiled forward + backward of our fused loss (`triton`) after a warm-up one
+    (`benchmarks.common.breakdown`: CUDA time per category, the largest kernels)."""
+    import torch
+
+    from benchmarks.common.breakdown import profile_window
+    from benchmarks.kernels.bench_kernels import build_case, implementation
+
+    args, grad_pos, kwargs = build_case(case, shape, device, dtype)
+    leaves = [a.detach().requires_grad_() if i in grad_pos else a for i, a in enumerate(args)]
+    fn = implementation(case, "triton")
+
+    def step() -> None:
+        out = fn(*leaves, **kwargs)
+        (out[0] if isinstance(out, tuple) else out).backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()
+    result = profile_window(step, 1, device.type == "cuda")
+    del args, leaves
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return result
 
 
 def pytest_row(ctx, row) -> dict[str, Any]:
@@ -203,14 +234,57 @@ def pytest_row(ctx, row) -> dict[str, Any]:
                    if "mark.gpu" in p.read_text(errors="replace"))
     if ctx.dry_run:  # every file would cost minutes of imports on one core
         paths = [p for p in paths if p.startswith("tests/kernels/")]
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu and not slow", "-q", "-p", "no:cacheprovider", *paths]
-    timeout = row.arg("timeout_s", 60)
+    return run_pytest(paths, "gpu and not slow", row.arg("timeout_s", 60))
+
+
+#: What a failing pytest row keeps of each failure's short traceback (`--tb=short`), and how many it keeps:
+#: enough to name the failing line and its assertion or exception; the JSON stays small.
+TRACEBACK_CHARS, TRACEBACKS = 1500, 5
+
+
+def run_pytest(paths: list[str], marker: str, timeout: float, cwd: Path = REPO) -> dict[str, Any]:
+    """`pytest -m MARKER -q -rfE --tb=short PATHS` in a subprocess: exit code, summary line, the FAILED /
+    ERROR lines with their messages (`-rfE`) and, per failure, the tail of its short traceback (at most
+    `TRACEBACKS` of `TRACEBACK_CHARS` each), so a failure on a lent device can be diagnosed from the JSON."""
+    cmd = [sys.executable, "-m", "pytest", "-m", marker, "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider", *paths]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"command": " ".join(cmd[2:]), "exit": None, "summary": f"timed out after {timeout} s"}
+        # a wide terminal: pytest cuts each -rfE line (the exception message) to the terminal's width
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env={**os.environ, "COLUMNS": "300"})
+    except subprocess.TimeoutExpired as err:
+        out = err.stdout.decode(errors="replace") if isinstance(err.stdout, bytes) else (err.stdout or "")
+        return {"command": "pytest " + " ".join(cmd[3:]), "exit": None, "summary": f"timed out after {timeout} s",
+                "tracebacks": failure_tracebacks(out)}
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
     summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|skipped|failed|deselected|error)", ln)),
                    lines[-1] if lines else proc.stderr[-300:])
     return {"command": "pytest " + " ".join(cmd[3:]), "exit": proc.returncode, "summary": summary.strip("= "),
-            "failures": "; ".join([ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:10])}
+            "failures": "; ".join([ln[:300] for ln in lines if ln.startswith(("FAILED", "ERROR"))][:10]),
+            "tracebacks": failure_tracebacks(proc.stdout)}
+
+
+def failure_tracebacks(stdout: str) -> list[dict[str, str]]:
+    """[{test, traceback}] from pytest's FAILURES / ERRORS sections (`___ name ___` headers), each the
+    tail of its section (where the assertion or the exception is), bounded by `TRACEBACK_CHARS`."""
+    out: list[dict[str, str]] = []
+    section, name, body = None, None, []
+
+    def close() -> None:
+        if name is not None and len(out) < TRACEBACKS:
+            text = "\n".join(body).strip()
+            out.append({"test": name, "traceback": text[-TRACEBACK_CHARS:]})
+
+    for line in stdout.splitlines():
+        banner = re.fullmatch(r"=+ (FAILURES|ERRORS|short test summary info|.*(passed|failed|error).*) =+", line)
+        if banner:
+            close()
+            section, name, body = banner.group(1), None, []
+            continue
+        header = re.fullmatch(r"_{3,} (.+?) _{3,}", line)
+        if section in ("FAILURES", "ERRORS") and header:
+            close()
+            name, body = header.group(1), []
+        elif name is not None:
+            body.append(line)
+    close()
+    return out

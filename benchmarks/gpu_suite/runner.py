@@ -30,10 +30,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from benchmarks.common.breakdown import breakdown_line
 from benchmarks.common.report import atomic_write, markdown_table
 from benchmarks.gpu_suite import kernel_rows, train_rows
 from benchmarks.gpu_suite.plan import Row, Stage, source_info
-from benchmarks.gpu_suite.targets import judge
+from benchmarks.gpu_suite.targets import judge, judge_pairs
 
 
 def checkpointing_row(ctx: Any, row: Row) -> dict[str, Any]:
@@ -117,7 +118,8 @@ class Writer:
     def write(self) -> None:
         p = self.payload
         p["wall_s"] = round(self.ctx.elapsed(), 1)
-        p["targets"] = [] if self.ctx.paired else judge(p["rows"], gpu=not self.ctx.dry_run)
+        gpu = not self.ctx.dry_run
+        p["targets"] = judge_pairs(p["rows"], gpu) if self.ctx.paired else judge(p["rows"], gpu=gpu)
         atomic_write(self.path, json.dumps(p, indent=2, default=str).encode())
         atomic_write(self.ctx.out / f"{self.ctx.stage.name}.md", render_markdown(p).encode())
 
@@ -187,8 +189,10 @@ def summary(r: dict[str, Any]) -> str:
     if r["kind"] in ("train", "hf"):
         mfu = "" if r.get("mfu") is None else f", MFU {r['mfu']:.1%}"
         mfu += "" if r.get("tokens_vs_bert") is None else f", {r['tokens_vs_bert']:.3f}x BERT's tokens/s"
+        largest = breakdown_line(r.get("breakdown"))
         return head + (f"{r['tokens_per_s']:,.0f} tokens/s{mfu}, step {r['step_time_s']:.3f} s (spread "
-                       f"{r['spread']:.0%} over {r['measured_steps']}), {r['wall_s']} s")
+                       f"{r['spread']:.0%} over {r['measured_steps']}), {r['wall_s']} s"
+                       + (f"; largest: {largest}" if largest else ""))
     if r["kind"] == "env":
         return head + f"{'every fused loss correct' if r['all_correct'] else 'A FUSED LOSS IS WRONG'}, {r['wall_s']} s"
     if r["kind"] == "kernel":
@@ -220,8 +224,30 @@ def verdict(met: Optional[bool]) -> str:
     return "met" if met is True else "MISSED" if met is False else "not judged"
 
 
-TRAIN_COLUMNS = ("row", "size", "tokens_per_s", "mfu", "step_time_s", "spread", "peak_above_start_gb",
-                 "tokens_vs_mlm", "tokens_vs_hf_bert", "tokens_vs_bert", "mfu_vs_bert", "wall_s", "error")
+TRAIN_COLUMNS = ("row", "size", "shards", "real_token_fraction", "tokens_per_s", "mfu", "step_time_s", "spread",
+                 "peak_above_start_gb", "tokens_vs_mlm", "tokens_vs_hf_bert", "tokens_vs_bert", "mfu_vs_bert",
+                 "estimate_s", "wall_s", "error")
+
+
+def breakdown_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One line per profiled window (a training row's, or each case of a kernel row's): wall and device
+    idle per step and the three largest costs with their share of the wall time."""
+    out = []
+    for r in rows:
+        found = r.get("breakdown")
+        windows = ({r["row"]: found} if r["kind"] in ("train", "hf") else
+                   {f"{r['row']} ({case})": b for case, b in found.items()}) if found else {}
+        for name, b in windows.items():
+            if "error" in b:
+                out.append({"row": name, "error": b["error"]})
+                continue
+            line = {"row": name, "source": b["source"], "wall ms/step": b["wall_ms_per_step"],
+                    "device idle ms/step": b["device_idle_ms_per_step"]}
+            for i, x in enumerate(b["largest"], 1):
+                share = "" if x["share_of_wall"] is None else f" ({x['share_of_wall']:.0%})"
+                line[f"largest {i}"] = f"{x['cost']} {x['ms_per_step']:.1f} ms{share}"
+            out.append(line)
+    return out
 
 
 def render_markdown(p: dict[str, Any]) -> str:
@@ -238,6 +264,12 @@ def render_markdown(p: dict[str, Any]) -> str:
     train = [{k: r.get(k) for k in TRAIN_COLUMNS if k in r or k == "row"} for r in rows if r["kind"] in ("train", "hf")]
     if train:
         lines += ["## Training steps", "", markdown_table(train)]
+    profiled = breakdown_rows(rows)
+    if profiled:
+        lines += ["## Where the time goes (profiled window after the timed steps)", "",
+                  "Each profiled row's CUDA time per step by category and the device's idle time (waiting for "
+                  "the host); the full breakdown, the longest kernels and host operators are in the JSON "
+                  "(`breakdown`).", "", markdown_table(profiled)]
     kernels = [{"size": r["size"], **{k: v for k, v in x.items() if k != "dtype"}}
                for r in rows if r["kind"] == "kernel" and "error" not in r for x in r["results"]]
     if kernels:
@@ -246,7 +278,9 @@ def render_markdown(p: dict[str, Any]) -> str:
         if r["kind"] == "env" and "error" not in r:
             lines += ["## Kernel correctness (bf16 kernel vs fp32 reference)", "", markdown_table(r["correctness"])]
         elif r["kind"] in ("queue", "pytest") or (r["kind"] in ("env", "kernel") and "error" in r):
-            lines += [f"## {r['row']}", "", markdown_table([{k: v for k, v in r.items() if k != "kind"}])]
+            lines += [f"## {r['row']}", "", markdown_table([{k: v for k, v in r.items() if k not in ("kind", "tracebacks")}])]
+            for failure in r.get("tracebacks") or []:  # pytest's short traceback of each failure (bounded)
+                lines += [f"`{failure['test']}`:", "", "```", failure["traceback"], "```", ""]
         elif r["kind"] == "checkpointing":
             lines += [f"## {r['row']}", "", r.get("method", r.get("error", "")), "", markdown_table(r.get("results", []))]
     if p.get("requirements"):

@@ -5,6 +5,8 @@
     peak memory <= 1.1x Cut Cross-Entropy's and >= 4x below eager fp32, time <= Liger's; token
     InfoNCE >= 10x less memory and >= 3x faster than eager; queue InfoNCE <= 1% of a CAPT step;
     every fused loss correct (env row) and `pytest -m gpu` passing.
+    ModernBERT (a paired command, `judge_pairs`): large-24 on packed shards >= 40% MFU and >= 1.3x the
+    useful tokens/s of BERT-large on the same shards (issue 56).
 
 A performance target is judged only on a GPU run (`applicable`); on the CPU rehearsal, or while a
 number is missing (a row not run yet, a peer not installed, a row out of memory), it is listed
@@ -26,6 +28,8 @@ LCE_MEM_BELOW_EAGER_FP32 = target_minimum("linear_cross_entropy", "mem")
 TOKEN_INFONCE_MEM = target_minimum("token_contrastive_loss", "mem")
 TOKEN_INFONCE_SPEED = target_minimum("token_contrastive_loss", "speed")
 QUEUE_SHARE_OF_CAPT_STEP = 0.01
+MODERNBERT_PACKED_MFU = 0.40
+MODERNBERT_PACKED_VS_BERT = 1.3
 
 
 def target(name: str, measured: Optional[float], op: str, threshold: float, applicable: bool,
@@ -47,7 +51,7 @@ def judge(rows: list[dict[str, Any]], gpu: bool) -> list[dict[str, Any]]:
     """Every target the finished rows allow (performance only with `gpu`), in row order."""
     out: list[dict[str, Any]] = []
     train = {(r["kind"], r.get("arch", "bert"), r.get("objective"), r.get("seq_len")): r
-             for r in rows if r["kind"] in ("train", "hf") and "error" not in r}
+             for r in rows if r["kind"] in ("train", "hf") and "error" not in r and r.get("shards", "full") == "full"}
     for r in rows:
         kind, length = r["kind"], r.get("length")
         if "error" in r:
@@ -66,7 +70,7 @@ def judge(rows: list[dict[str, Any]], gpu: bool) -> list[dict[str, Any]]:
             mlm = train.get(("train", "bert", "mlm", r["seq_len"]), {})
             out.append(target(f"L={length} MLM tokens/s vs hf-bert", ratio(mlm.get("tokens_per_s"), r.get("tokens_per_s")),
                               ">=", MLM_VS_HF, gpu))
-        elif kind == "train" and r["arch"] == "bert":
+        elif kind == "train" and r["arch"] == "bert" and r.get("shards", "full") == "full":
             if r["objective"] == "mlm":
                 out.append(target(f"L={length} MLM MFU", r.get("mfu"), ">=", MFU_MLM[length], gpu))
             else:
@@ -75,6 +79,22 @@ def judge(rows: list[dict[str, Any]], gpu: bool) -> list[dict[str, Any]]:
                                   OBJECTIVE_MFU_VS_MLM, gpu))
         elif kind == "kernel":
             out += kernel_targets(r, gpu)
+    return out
+
+
+def judge_pairs(rows: list[dict[str, Any]], gpu: bool) -> list[dict[str, Any]]:
+    """A ModernBERT-vs-BERT command's targets: every ModernBERT row on packed shards (MLM) at
+    >= `MODERNBERT_PACKED_MFU` and >= `MODERNBERT_PACKED_VS_BERT` x its BERT partner's tokens/s (real
+    tokens: padding is not counted)."""
+    out = []
+    for r in rows:
+        if r["kind"] != "train" or r.get("arch") != "modernbert" or r.get("shards") != "packed" or "error" in r:
+            continue
+        length, objective = r.get("length"), r.get("objective")
+        out += [target(f"L={length} ModernBERT {objective} MFU on packed shards", r.get("mfu"), ">=",
+                       MODERNBERT_PACKED_MFU, gpu),
+                target(f"L={length} ModernBERT {objective} useful tokens/s vs BERT-large on packed shards",
+                       r.get("tokens_vs_bert"), ">=", MODERNBERT_PACKED_VS_BERT, gpu, "both unpadded (varlen)")]
     return out
 
 

@@ -26,36 +26,48 @@ from typing import Any
 from benchmarks.common.runs import add_arch_ratios, fresh_memory, quiet_overrides, summarize, timed_steps
 
 PRESETS = {"mlm": "mlm-capt-large", "taco": "taco-base", "capt": "capt-large", "cocolm": "cocolm-large",
-           "infoword": "infoword-large"}
+           "infoword": "infoword-large",
+           # ELECTRA (objective `electra`, another branch): its preset goes here, e.g. "electra": "electra-large",
+           # together with "electra" in `plan.OBJECTIVES` (see the marked place there).
+           }
 SIZES = {"bert": "large", "modernbert": "large-24"}
 #: What a ModernBERT row shares with its BERT partner besides the objective and the shape.
-PAIR_MATCH = ("seq_len", "engine", "precision", "micro_batch", "grad_accum")
+PAIR_MATCH = ("seq_len", "engine", "precision", "micro_batch", "grad_accum", "shards")
 MICRO_BATCH = {128: 128, 512: 32}
 GRAD_ACCUM = 2
 #: 3 warm-up steps (allocator, cuBLAS heuristics, Triton autotuning) and 10 timed ones: each row
 #: reports its spread so a lease shows whether 10 are enough.
 WARMUP, STEPS = 3, 10
+#: A row with `profile` runs this many more steps under the profiler after its timed ones: its
+#: `breakdown` (`benchmarks.common.breakdown`: CUDA time per category, device idle, the three largest).
+PROFILE_STEPS = 2
+#: Packed shards (`packed` rows): documents of log-normal length (median `PACKED_MEDIAN` x L, sigma
+#: `PACKED_SIGMA`) packed by `data_prep.packing.Packer` in `doc` mode, so rows end padded where a
+#: document ends: the encoder unpads them (varlen) and tokens/s counts real tokens only.
+PACKED_MEDIAN, PACKED_SIGMA = 0.5, 1.0
 VOCAB = 30522
 OPTIMIZER = "torch.optim.AdamW(fused=True) via DeepSpeed's client-optimizer path (optim.impl=torch; nothing JIT-built)"
 #: The rehearsal: tiny models (paired: the smallest same-shape pair), short sequences, fp32 on the CPU.
 DRY = dict(sizes={"bert": "tiny"}, paired_sizes={"bert": "capt-small", "modernbert": "small"},
-           seq_len={128: 32, 512: 64}, micro_batch=2, warmup=1, steps=2, vocab=1001)
+           seq_len={128: 32, 512: 64}, micro_batch=2, warmup=1, steps=2, vocab=1001, profile=1)
 
 
-def settings(length: int, dry_run: bool, paired: bool = False) -> dict[str, Any]:
-    """The row's shape, batch, steps and precision; `sizes`: model.size per family."""
+def settings(length: int, dry_run: bool, paired: bool = False, profile: bool = False) -> dict[str, Any]:
+    """The row's shape, batch, steps and precision; `sizes`: model.size per family; `profile`: the
+    steps profiled after the timed ones (0 without a breakdown)."""
     if dry_run:
         return dict(sizes=DRY["paired_sizes" if paired else "sizes"], seq_len=DRY["seq_len"][length],
                     micro_batch=DRY["micro_batch"], accum=GRAD_ACCUM, warmup=DRY["warmup"], steps=DRY["steps"],
-                    vocab=DRY["vocab"], precision="fp32", workers=0)
+                    vocab=DRY["vocab"], precision="fp32", workers=0, profile=DRY["profile"] if profile else 0)
     return dict(sizes=SIZES if paired else {"bert": SIZES["bert"]}, seq_len=length, micro_batch=MICRO_BATCH[length],
-                accum=GRAD_ACCUM, warmup=WARMUP, steps=STEPS, vocab=VOCAB, precision="bf16", workers=2)
+                accum=GRAD_ACCUM, warmup=WARMUP, steps=STEPS, vocab=VOCAB, precision="bf16", workers=2,
+                profile=PROFILE_STEPS if profile else 0)
 
 
 def overrides(s: dict[str, Any], shards: Path, run_dir: Path, arch: str = "bert") -> list[str]:
     """The row's changes to its preset: family and size, shards, shape, batch, precision, optimizer
     implementation and run control; the DeepSpeed engine file stays the preset's."""
-    total = s["warmup"] + s["steps"]
+    total = s["warmup"] + s["steps"] + s["profile"]
     return [f"model.arch={arch}", f"model.size={s['sizes'][arch]}", f"data.shards_dir={shards}",
             f"data.seq_len={s['seq_len']}", f"data.micro_batch_size={s['micro_batch']}",
             f"data.global_batch_size={s['micro_batch'] * s['accum']}", f"deepspeed.precision={s['precision']}",
@@ -63,15 +75,27 @@ def overrides(s: dict[str, Any], shards: Path, run_dir: Path, arch: str = "bert"
             f"optim.warmup_steps={max(1, s['warmup'])}"]
 
 
-def shards_for(ctx, s: dict[str, Any]) -> Path:
-    """Synthetic shards of the row's length, written once per command."""
-    from benchmarks.data.synthetic_shards import write_synthetic_shards
+def shards_for(ctx, s: dict[str, Any], packed: bool = False) -> Path:
+    """Synthetic shards of the row's length, written once per command: full rows, or (`packed`) documents
+    packed by the project's packer in `doc` mode (`write_packed_shards`; rows padded where documents end)."""
+    from benchmarks.data.synthetic_shards import write_packed_shards, write_synthetic_shards
 
-    path = ctx.work / f"shards-L{s['seq_len']}"
+    path = ctx.work / f"{'packed' if packed else 'shards'}-L{s['seq_len']}"
     if not (path / "manifest.json").is_file():
-        rows = max(256, 2 * s["micro_batch"] * s["accum"] * (s["warmup"] + s["steps"]))
-        write_synthetic_shards(path, s["vocab"], s["seq_len"], rows=rows)
+        rows = max(256, 2 * s["micro_batch"] * s["accum"] * (WARMUP + STEPS + PROFILE_STEPS))
+        if packed:
+            write_packed_shards(path, s["vocab"], s["seq_len"], rows=rows, median=PACKED_MEDIAN, sigma=PACKED_SIGMA)
+        else:
+            write_synthetic_shards(path, s["vocab"], s["seq_len"], rows=rows)
     return path
+
+
+def real_token_fraction(shards: Path) -> float:
+    """Real (non-pad) tokens / all token slots of a shard directory (its manifest's counts)."""
+    from pipeline.data.shards import read_manifest
+
+    manifest = read_manifest(shards)
+    return round(1 - manifest.stats["padding_tokens"] / manifest.total_tokens, 4)
 
 
 def shape(s: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -84,22 +108,27 @@ def train_row(ctx, row) -> dict[str, Any]:
     from pipeline.data.config import plan_batches
 
     objective, length, arch = row.arg("objective"), row.arg("length"), row.arg("arch", "bert")
-    s = settings(length, ctx.dry_run, ctx.paired)
-    shards = shards_for(ctx, s)
-    run_dir = ctx.work / f"{arch}-{objective}-L{length}"
-    out: dict[str, Any] = {"objective": objective, **shape(s, arch), "preset": PRESETS[objective], **fresh_memory()}
+    packed = bool(row.arg("packed"))
+    s = settings(length, ctx.dry_run, ctx.paired, profile=bool(row.arg("profile")))
+    shards = shards_for(ctx, s, packed)
+    run_dir = ctx.work / f"{arch}-{objective}-L{length}{'-packed' if packed else ''}"
+    out: dict[str, Any] = {"objective": objective, **shape(s, arch), "preset": PRESETS[objective],
+                           "shards": "packed" if packed else "full",
+                           **fresh_memory()}
     try:
         cfg = load_config(PRESETS[objective], overrides(s, shards, run_dir, arch))
         out["optim"] = {"lr": cfg.optim.lr, "betas": list(cfg.optim.betas), "eps": cfg.optim.eps,
                         "weight_decay": cfg.optim.weight_decay}
         out.update(engine=cfg.deepspeed.config, grad_accum=plan_batches(cfg.data, 1).grad_accum,
                    preset_grad_accum=plan_batches(load_config(PRESETS[objective]).data, 1).grad_accum)
-        out.update(timed_steps(cfg, s["warmup"], s["steps"]))
+        out.update(timed_steps(cfg, s["warmup"], s["steps"], s["profile"]))
+        if packed:
+            out["real_token_fraction"] = real_token_fraction(shards)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     if out.get("peak_mem_gb") is not None and "resident_before_gb" in out:
         out["peak_above_start_gb"] = round(out["peak_mem_gb"] - out["resident_before_gb"], 2)
-    if objective == "mlm" and arch == "bert":
+    if objective == "mlm" and arch == "bert" and not packed:
         ctx.cache[("mlm_optim", length)] = out["optim"]
     if objective == "capt" and arch == "bert":
         ctx.cache["capt"] = {**out, "length": length}
@@ -115,19 +144,20 @@ def hf_row(ctx, row) -> dict[str, Any]:
     optim = ctx.cache.get(("mlm_optim", length))
     if optim is None:
         raise RuntimeError(f"no MLM row at L={length} before it: hf-bert takes its optimizer settings from that row")
-    s = settings(length, ctx.dry_run, ctx.paired)
+    s = settings(length, ctx.dry_run, ctx.paired, profile=bool(row.arg("profile")))
     out: dict[str, Any] = {"objective": "mlm", **shape(s, "bert"), "preset": "BertForMaskedLM (sdpa)",
                            "grad_accum": s["accum"], "optim": optim, **fresh_memory()}
     args = Namespace(shards=str(shards_for(ctx, s)), size=s["sizes"]["bert"], seq_len=s["seq_len"],
                      micro_batch=s["micro_batch"], precision=s["precision"], steps=s["steps"], warmup=s["warmup"],
                      lr=optim["lr"], betas=tuple(optim["betas"]), eps=optim["eps"], weight_decay=optim["weight_decay"],
                      grad_accum=s["accum"], seed=1234, num_workers=s["workers"], out=str(ctx.work / "hf-bert"))
-    records = [r for r in hf_baseline.run(args) if r["step"] > s["warmup"]]
+    records, breakdown = hf_baseline.run_steps(args, s["profile"])
+    records = [r for r in records if r["step"] > s["warmup"]]
     out.update(summarize([r["step_time_s"] for r in records], [r["tokens_per_s"] * r["step_time_s"] for r in records],
                          [r["tflops_per_device"] * 1e12 * r["step_time_s"] for r in records],
                          device_peak_flops(s["precision"]), s["micro_batch"] * s["accum"]))
     shutil.rmtree(ctx.work / "hf-bert", ignore_errors=True)
-    return out
+    return out if breakdown is None else {**out, "breakdown": breakdown}
 
 
 def queue_row(ctx, row) -> dict[str, Any]:
@@ -160,13 +190,14 @@ def add_ratios(rows: list[dict[str, Any]], paired: bool) -> list[str]:
     from benchmarks.gpu_suite.targets import ratio
 
     train = [r for r in rows if r["kind"] in ("train", "hf") and "error" not in r]
-    by = {(r["kind"], r["arch"], r["objective"], r["seq_len"]): r for r in train}
+    by = {(r["kind"], r["arch"], r["objective"], r["seq_len"], r.get("shards", "full")): r for r in train}
     for r in train:
-        mlm = by.get(("train", r["arch"], "mlm", r["seq_len"]), {})
+        shards = r.get("shards", "full")
+        mlm = by.get(("train", r["arch"], "mlm", r["seq_len"], shards), {})
         r["tokens_vs_mlm"] = ratio(r.get("tokens_per_s"), mlm.get("tokens_per_s"))
         r["mfu_vs_mlm"] = ratio(r.get("mfu"), mlm.get("mfu"))
         if not paired:
-            hf = by.get(("hf", "bert", "mlm", r["seq_len"]), {})
+            hf = by.get(("hf", "bert", "mlm", r["seq_len"], "full"), {})
             r["tokens_vs_hf_bert"] = ratio(r.get("tokens_per_s"), hf.get("tokens_per_s"))
     if not paired:
         return []

@@ -40,6 +40,9 @@ IMPLS = ("torch", "compile", "triton")
 #: Implementations beside ours: the reference on bf16 or fp32 inputs, and the peers (module that provides each).
 EAGER = ("eager_bf16", "eager_fp32")
 PEER_MODULES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+#: Our fused linear cross-entropy with a smaller fp32 scores buffer (`linear_cross_entropy.chunk_budget`):
+#: less peak memory, more passes over dW's fp32 accumulator; the GPU suite measures the trade.
+CHUNK_VARIANTS = {"triton_chunk64": 64 * 2**20, "triton_chunk128": 128 * 2**20}
 #: (op, metric, minimum) from issues 5 and 41 (the GPU suite's, one table); metric = "mem" (eager peak /
 #: triton peak) or "speed" (eager ms / triton ms).
 TARGETS = (
@@ -125,7 +128,18 @@ def implementation(op: str, impl: str) -> Callable:
         from pipeline.kernels import get_op
 
         return get_op(op, "triton")
-    raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS}")
+    if impl in CHUNK_VARIANTS:
+        from pipeline.kernels import get_op
+        from pipeline.kernels.linear_cross_entropy import chunk_budget
+
+        fused = get_op(op, "triton")
+
+        def chunked(*args, **kwargs):
+            with chunk_budget(CHUNK_VARIANTS[impl]):
+                return fused(*args, **kwargs)
+
+        return chunked
+    raise ValueError(f"unknown implementation {impl!r}; choose from {IMPLS + tuple(CHUNK_VARIANTS)}")
 
 
 def peer(impl: str) -> Callable:

@@ -79,7 +79,15 @@ def fused_adamw(params, lr: float, device: torch.device, betas: Sequence[float] 
 
 
 def run(args: argparse.Namespace) -> list[dict]:
+    return run_steps(args)[0]
+
+
+def run_steps(args: argparse.Namespace, profile_steps: int = 0) -> tuple[list[dict], Optional[dict]]:
+    """The timed steps' records and, with `profile_steps`, the breakdown of that many more steps run
+    under the profiler after them (`benchmarks.common.breakdown`; None without)."""
     from transformers import BertForMaskedLM
+
+    from benchmarks.common.breakdown import profile_window
 
     from pipeline.data.batch import move_batch
     from pipeline.data.config import BatchPlan
@@ -108,27 +116,34 @@ def run(args: argparse.Namespace) -> list[dict]:
     peak = device_peak_flops(args.precision)
     writer = MetricsWriter(args.out, enabled=True, resume_step=0, tensorboard=False)
     records = []
+
+    def one_step() -> tuple[int, int, torch.Tensor]:
+        """One optimizer step (`accum` micro-batches), synchronized: (tokens, predicted rows, last loss)."""
+        tokens = predicted = 0
+        for _ in range(accum):  # gradients summed over the micro-batches, each loss scaled by 1/accum
+            batch = next(batches)
+            tokens += int(batch["attention_mask"].sum())  # host tensors: no device sync
+            predicted += int(batch["mlm_positions"].numel())
+            batch = move_batch(batch, device)
+            with precision_context(args.precision, device):
+                loss = model(input_ids=batch["masked_ids"], attention_mask=batch["attention_mask"],
+                             labels=batch["mlm_labels"]).loss
+            (scaler.scale(loss / accum) if scaler is not None else loss / accum).backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+        return tokens, predicted, loss
+
+    breakdown = None
     try:
         for step in range(1, args.warmup + args.steps + 1):
             started = time.perf_counter()
-            tokens = predicted = 0
-            for _ in range(accum):  # gradients summed over the micro-batches, each loss scaled by 1/accum
-                batch = next(batches)
-                tokens += int(batch["attention_mask"].sum())  # host tensors: no device sync
-                predicted += int(batch["mlm_positions"].numel())
-                batch = move_batch(batch, device)
-                with precision_context(args.precision, device):
-                    loss = model(input_ids=batch["masked_ids"], attention_mask=batch["attention_mask"],
-                                 labels=batch["mlm_labels"]).loss
-                (scaler.scale(loss / accum) if scaler is not None else loss / accum).backward()
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
+            tokens, predicted, loss = one_step()
             elapsed = time.perf_counter() - started
             flops = mlm_step_flops(args.micro_batch * accum, args.seq_len, encoder.hidden_size, encoder.ffn_size,
                                    encoder.num_layers, predicted, encoder.vocab_size)
@@ -139,9 +154,11 @@ def run(args: argparse.Namespace) -> list[dict]:
                 record["mfu"] = flops / elapsed / peak
             writer.write(step, record)
             records.append({"step": step, **record})
+        if profile_steps:
+            breakdown = profile_window(one_step, profile_steps, cuda)
     finally:
         writer.close()
-    return records
+    return records, breakdown
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

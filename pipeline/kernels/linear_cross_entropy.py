@@ -27,12 +27,25 @@ recompute logits in backward; the price is one fp32 [chunk, V] buffer (about 256
 gradient dZ is rounded to the weight dtype before the two backward GEMMs (as the weight gradient
 will be anyway), while dW accumulates in fp32 across chunks.
 
+Peak memory (issue 55: 660 MiB at 16k rows and 855 MiB at 64k with V = 30,522, H = 1,024 on the first
+lease, against Cut Cross-Entropy's 92 / 189 MiB, which is its bf16 dH + dW and nothing else). What it
+holds, bf16 inputs on CUDA (chunk 2,048 rows): the fp32 scores Z (238 MiB), dW's fp32 accumulator
+(119 MiB), dH (N x H) and, before 2026-11-29, three buffers more: a separate bf16 dZ (119 MiB), a new
+fp32 dW from every out-of-place `addmm` while the old one still lived (119 MiB) and an fp32 dH (2x the
+bf16 one). Now dZ is written in the weight dtype into Z's own rows (the row kernel's pass 2 stores
+row r's gradient over the first half of row r's fp32 bytes, after a barrier: every value it
+overwrites has been read), dW accumulates in place (`addmm(..., out=dW)`), dH is produced in the
+input dtype by the GEMM, and backward scales and casts each gradient in one op (`scaled_grads`).
+What remains above CCE is the design: the [chunk, V] scores (the chunk is `CHUNK_BYTES`, a
+time-memory trade the kernel rows measure) and dW's fp32 accumulator, which alone is 1.3x CCE's 92 MiB.
+
 BERT-NCE (`sampled_softmax_cross_entropy`) gathers its K + 1 candidate rows instead and shares the
 gathered-candidate kernel of `pipeline.kernels.token_contrastive`.
 """
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 import triton
@@ -42,7 +55,7 @@ from torch import Tensor
 from pipeline.kernels.token_contrastive import gathered_infonce
 from pipeline.kernels.functional import COPY_PROB_MAX
 
-#: Target size of the fp32 [chunk, V] scores buffer.
+#: Target size of the fp32 [chunk, V] scores buffer (`chunk_budget` changes it for a measurement).
 CHUNK_BYTES = 256 * 2**20
 
 
@@ -58,8 +71,12 @@ def _softmax_xent_rows_kernel(
     inv_count_ptr,  # [1] fp32: 1 / max(number of counted rows, 1)
     V, ignore_index, copy_prob_max,
     HAS_BIAS: tl.constexpr, CORRECTIVE: tl.constexpr, WRITE_GRAD: tl.constexpr, ARGMAX: tl.constexpr,
-    BLOCK_V: tl.constexpr,
+    NARROW_IN_PLACE: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
+    """NARROW_IN_PLACE: grad_ptr is z_ptr's own memory in a dtype half as wide (row r of the gradient
+    over the first half of row r's bytes). Pass 2's block at v0 then overwrites the fp32 columns
+    [v0 / 2, (v0 + BLOCK_V) / 2), which this program loaded in this block (v0 = 0) or an earlier one;
+    a barrier between each block's load and store makes every thread's loads come first."""
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     target = tl.load(targets_ptr + row)
@@ -122,6 +139,8 @@ def _softmax_xent_rows_kernel(
                 z += tl.load(bias_ptr + cols, mask=inside, other=0.0).to(tl.float32)
             g = tl.exp(z - lse) * scale
             g = tl.where(cols == target, g - scale, g)
+            if NARROW_IN_PLACE:
+                tl.debug_barrier()
             tl.store(g_row + cols, g.to(grad_ptr.dtype.element_ty), mask=inside)
 
 
@@ -139,14 +158,18 @@ def softmax_xent_rows(
 ) -> None:
     """Launch the row kernel: per-row loss of scores `z` [R, V] (fp32, unit column stride) into
     `loss_rows` [R]; when `grad` is given, dL/dz scaled by `inv_count` ([1] fp32) written into it
-    (it may be `z` itself); when `correct_rows` [R] is given, 1.0 where argmax(z + b) is the
-    target. Entries of `z` equal to -inf are excluded from the softmax."""
+    (it may be `z` itself, or `narrow_view(z, dtype)`: z's memory in a half-width dtype); when
+    `correct_rows` [R] is given, 1.0 where argmax(z + b) is the target. Entries of `z` equal to
+    -inf are excluded from the softmax."""
     rows, vocab = z.shape
     if rows == 0:
         return
     corrective = copy_prob is not None
     block_v, warps = rows_launch_config(vocab)
     out = z if grad is None else grad
+    narrow_in_place = grad is not None and grad.data_ptr() == z.data_ptr() and grad.dtype != z.dtype
+    if narrow_in_place and (grad.element_size() * 2 != z.element_size() or grad.stride(0) != 2 * z.stride(0)):
+        raise ValueError("softmax_xent_rows: a gradient in z's own memory must be narrow_view(z, dtype)")
     _softmax_xent_rows_kernel[(rows,)](
         z, z.stride(0), out, out.stride(0),
         bias if bias is not None else z,
@@ -155,8 +178,37 @@ def softmax_xent_rows(
         loss_rows, correct_rows if correct_rows is not None else loss_rows, inv_count,
         vocab, ignore_index, COPY_PROB_MAX,
         HAS_BIAS=bias is not None, CORRECTIVE=corrective, WRITE_GRAD=grad is not None,
-        ARGMAX=correct_rows is not None, BLOCK_V=block_v, num_warps=warps,
+        ARGMAX=correct_rows is not None, NARROW_IN_PLACE=narrow_in_place, BLOCK_V=block_v, num_warps=warps,
     )
+
+
+def narrow_view(z: Tensor, dtype: torch.dtype) -> Tensor:
+    """z's own memory ([R, V] fp32, contiguous) as an [R, V] tensor of a half-width `dtype` (bf16 /
+    fp16) whose row r is the first half of z's row r (row stride 2V): where the row kernel writes
+    dL/dZ when the backward GEMMs want it in the weight dtype, so no second [chunk, V] buffer exists."""
+    if not z.is_contiguous() or z.dtype != torch.float32 or torch.empty((), dtype=dtype).element_size() != 2:
+        raise ValueError(f"narrow_view: a contiguous float32 z and a 2-byte dtype, got {z.dtype} -> {dtype}")
+    return z.view(dtype)[:, : z.shape[1]]
+
+
+@contextlib.contextmanager
+def chunk_budget(nbytes: int) -> Iterator[None]:
+    """`CHUNK_BYTES` set to `nbytes` inside the block (the kernel benchmark's time-memory variants:
+    a smaller scores buffer costs more passes over dW's accumulator)."""
+    global CHUNK_BYTES
+    before, CHUNK_BYTES = CHUNK_BYTES, nbytes
+    try:
+        yield
+    finally:
+        CHUNK_BYTES = before
+
+
+def scaled_grads(saved: tuple[Optional[Tensor], ...], grad_loss: Tensor,
+                 dtypes: tuple[Optional[torch.dtype], ...]) -> list[Optional[Tensor]]:
+    """The gradients a fused loss computed in its forward pass, times the incoming dL/dloss, each in
+    its input's dtype: one multiply that writes the target dtype (no full-size fp32 product first)."""
+    return [None if g is None else torch.mul(g, grad_loss, out=torch.empty(g.shape, dtype=dt, device=g.device))
+            for g, dt in zip(saved, dtypes)]
 
 
 def rows_launch_config(vocab: int) -> tuple[int, int]:
@@ -191,12 +243,13 @@ def _mm(a: Tensor, b: Tensor, fp32_out: bool) -> Tensor:
 
 
 def _add_mm_fp32(acc: Tensor, a: Tensor, b: Tensor) -> Tensor:
-    """acc + a @ b for low-precision a, b and an fp32 acc: one fused cuBLAS call where `addmm`
-    takes out_dtype, else a separate product and add."""
+    """acc += a @ b for low-precision a, b and an fp32 acc, in place: one fused cuBLAS call where `addmm`
+    takes out_dtype (C = acc read and written: no second [V, H] fp32 buffer), else a separate product
+    and add."""
     key = f"addmm:{acc.device}"
     if _MM_OUT_DTYPE_OK.get(key, True):
         try:
-            out = torch.addmm(acc, a, b, out_dtype=torch.float32)
+            out = torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             _MM_OUT_DTYPE_OK[key] = True
             return out
         except (TypeError, RuntimeError, NotImplementedError):
@@ -242,7 +295,8 @@ def _fused_forward(
 
     loss_rows = torch.empty(rows, device=device, dtype=torch.float32)
     correct_rows = torch.zeros(rows, device=device, dtype=torch.float32) if with_accuracy else None
-    d_hidden = torch.empty(rows, hid, device=device, dtype=torch.float32) if want_h else None
+    # dH in the GEMM's operand dtype (cuBLAS accumulates in fp32 and rounds once, as the returned grad is)
+    d_hidden = torch.empty(rows, hid, device=device, dtype=grad_dtype) if want_h else None
     d_weight = torch.zeros(vocab, hid, device=device, dtype=torch.float32) if want_w else None
     d_bias = torch.zeros(vocab, device=device, dtype=torch.float32) if want_b else None
     chunk = chunk_rows_for(vocab, rows)
@@ -252,8 +306,8 @@ def _fused_forward(
         h = h_all[start:stop]
         z = _mm(h, w_mat.t(), low_precision)  # fp32 [chunk, V]
         grad = None
-        if any_grad:
-            grad = z if grad_dtype == torch.float32 else torch.empty_like(z, dtype=grad_dtype)
+        if any_grad:  # dL/dZ over Z itself: in place, or in the weight dtype in Z's own rows
+            grad = z if grad_dtype == torch.float32 else narrow_view(z, grad_dtype)
         softmax_xent_rows(
             z, targets[start:stop], loss_rows[start:stop], inv_count, grad, bias32, ignore_index,
             None if copy_prob is None else copy_prob[start:stop],
@@ -261,7 +315,7 @@ def _fused_forward(
             None if correct_rows is None else correct_rows[start:stop],
         )
         if want_h:
-            d_hidden[start:stop] = _mm(grad, w_mat, low_precision)
+            torch.mm(grad, w_mat, out=d_hidden[start:stop])
         if want_w:
             if low_precision:
                 d_weight = _add_mm_fp32(d_weight, grad.t(), h)
@@ -299,11 +353,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_accuracy):
-        dh, dw, db = ctx.saved_tensors
-        grads = []
-        for g, dtype in zip((dh, dw, db), ctx.dtypes):
-            grads.append(None if g is None else (g * grad_loss).to(dtype))
-        return grads[0], grads[1], grads[2], None, None, None, None, None, None
+        dh, dw, db = scaled_grads(ctx.saved_tensors, grad_loss, ctx.dtypes)
+        return dh, dw, db, None, None, None, None, None, None
 
 
 def _check_rows(name: str, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], **per_row: Tensor) -> None:

@@ -23,6 +23,17 @@ The [R, 2B + Q] fp32 score buffer is the only quadratic intermediate (8.6 MB at 
 Q = 8192), written once and reused for its own gradient; the reference holds several such
 matrices plus normalised fp32 copies of the queue. Gradients are computed in the forward pass
 (the loss is a scalar; backward scales them).
+
+One compiled variant per (dtype, flags), whatever B and Q are. Triton specialises a kernel on
+every integer argument that is 1 or divisible by 16 and on every pointer's 16-byte alignment, and
+compiles it again (a second or more of host time on the GPU) for each new combination. InfoWord's
+DIM has a B (its n-gram pairs) and, with global negatives, a Q that change every micro-batch, so
+(i) the score buffer's batch block and its total width are padded to multiples of `COLUMN_ALIGN`
+with -inf (excluded pairs: they add nothing to the softmax, get a zero gradient and are never read
+by the gradient matmuls), which keeps the row stride, the row kernel's V and the queue block's
+pointer in one class, and (ii) the sizes that remain (rows, columns, pairs, the queue block's
+offset, the matmuls' M and K) are `do_not_specialize`d: they only bound masks, so nothing is lost
+that a fixed B (CAPT, COCO-LM) used. `tests/kernels/test_specialisation.py` checks the classes.
 """
 from __future__ import annotations
 
@@ -49,6 +60,9 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 #: 3.6 with `scripts/fetch_gpu_image_triton.sh`); every variant's count: docs/kernels.md.
 SCORE_BLOCKS = (64, 64, 32, 8)
 MATMUL_BLOCKS = (64, 32, 64, 4)
+#: The score buffer's column blocks (batch, then queue) start and end on multiples of this (Triton's
+#: divisibility specialisation: 16 elements), whatever the batch and queue sizes are.
+COLUMN_ALIGN = 16
 
 
 @triton.jit
@@ -70,7 +84,7 @@ def _inv_norm(norm, eps, NORMALIZE: tl.constexpr):
         return norm * 0.0 + 1.0
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["col_offset", "R", "NC", "B"])
 def _scores_kernel(
     x_ptr, stride_x, x_norm_ptr,  # anchor rows [R, D] and their norms
     y_ptr, stride_y, y_norm_ptr,  # candidate rows [NC, D] and their norms
@@ -111,7 +125,7 @@ def _scores_kernel(
     tl.store(out, s, mask=in_m[:, None] & in_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "K"])
 def _scaled_matmul_kernel(
     a_ptr, stride_am, stride_ak,  # A [M, K] fp32 (any strides)
     k_norm_ptr,  # [K] norms: A[:, k] is scaled by inv_tau / max(norm_k, eps) (or inv_tau)
@@ -220,6 +234,11 @@ def _fill_scores(scores: Tensor, x: Tensor, x_norms: Tensor, rows: int, y: Tenso
     )
 
 
+def _aligned(n: int) -> int:
+    """n rounded up to a multiple of `COLUMN_ALIGN`."""
+    return -(-n // COLUMN_ALIGN) * COLUMN_ALIGN
+
+
 def _forward_and_grads(a: Tensor, b: Tensor, tau: float, queue: Optional[Tensor], normalize: bool,
                        symmetric: bool, same_view: bool, want_grad: bool, groups: Optional[Tensor] = None,
                        reduction: str = "mean") -> tuple[Tensor, Optional[Tensor]]:
@@ -231,15 +250,18 @@ def _forward_and_grads(a: Tensor, b: Tensor, tau: float, queue: Optional[Tensor]
     x = torch.cat([a, b]).to(dtype).contiguous()
     q = None if queue is None else queue.detach().to(dtype).contiguous()
     rows = 2 * batch if symmetric else batch
-    cols = 2 * batch + (0 if q is None else q.shape[0])
+    queue_start = _aligned(2 * batch)  # the batch block, padded (see the module docstring)
+    cols = _aligned(queue_start + (0 if q is None else q.shape[0]))
     inv_tau = 1.0 / tau
     x_norms = _row_norms(x)
     q_norms = None if q is None else _row_norms(q)
 
     scores = torch.empty(rows, cols, device=a.device, dtype=torch.float32)
+    scores[:, 2 * batch:queue_start].fill_(float("-inf"))  # padding columns: excluded, like a pair with itself
+    scores[:, queue_start + (0 if q is None else q.shape[0]):].fill_(float("-inf"))
     _fill_scores(scores, x, x_norms, rows, x, x_norms, 0, batch, inv_tau, True, same_view, normalize, groups)
     if q is not None:
-        _fill_scores(scores, x, x_norms, rows, q, q_norms, 2 * batch, batch, inv_tau, False, same_view, normalize)
+        _fill_scores(scores, x, x_norms, rows, q, q_norms, queue_start, batch, inv_tau, False, same_view, normalize)
     partners = (torch.arange(rows, device=a.device) + batch) % (2 * batch)
     scale = 1.0 if reduction == "sum" else 1.0 / rows
     inv_count = torch.full((1,), scale, device=a.device)
@@ -254,7 +276,7 @@ def _forward_and_grads(a: Tensor, b: Tensor, tau: float, queue: Optional[Tensor]
     # anchors: dL/dx^_r += sum_c dS[r, c] y^_c / tau, batch columns then queue columns
     _accumulate(d_x, scores, stride_s, 1, rows, 2 * batch, x_norms, x, inv_tau, normalize)
     if q is not None:
-        _accumulate(d_x, scores[:, 2 * batch:], stride_s, 1, rows, q.shape[0], q_norms, q, inv_tau, normalize)
+        _accumulate(d_x, scores[:, queue_start:], stride_s, 1, rows, q.shape[0], q_norms, q, inv_tau, normalize)
     # batch rows as candidates: dL/dy^_c += sum_r dS[r, c] x^_r / tau  (A = dS[:, :2B]^T)
     _accumulate(d_x, scores, 1, stride_s, 2 * batch, rows, x_norms, x, inv_tau, normalize)
     if normalize:

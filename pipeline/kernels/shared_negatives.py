@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from pipeline.kernels import linear_cross_entropy as lce
-from pipeline.kernels.linear_cross_entropy import chunk_rows_for, softmax_xent_rows
+from pipeline.kernels.linear_cross_entropy import chunk_rows_for, scaled_grads, softmax_xent_rows
 from pipeline.kernels.functional import check_shared_negatives
 
 
@@ -89,12 +89,15 @@ def _shared_forward(
             d_bc += z.sum(0)
         del z
     d_weight = d_bias = None
+    every_id = columns.numel() == weight.shape[0]  # C = all V ids in order: the gradient needs no scatter
     if want_w:
-        d_weight = torch.zeros(weight.shape, device=device, dtype=torch.float32)
-        d_weight[columns] = d_wc
+        d_weight = d_wc if every_id else torch.zeros(weight.shape, device=device, dtype=torch.float32)
+        if not every_id:
+            d_weight[columns] = d_wc
     if want_b:
-        d_bias = torch.zeros(weight.shape[0], device=device, dtype=torch.float32)
-        d_bias[columns] = d_bc
+        d_bias = d_bc if every_id else torch.zeros(weight.shape[0], device=device, dtype=torch.float32)
+        if not every_id:
+            d_bias[columns] = d_bc
     return (loss_rows.sum() * inv_count).reshape(()), d_hidden, d_weight, d_bias
 
 
@@ -115,7 +118,7 @@ class _SharedNegativesXent(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads = [None if g is None else (g * grad_loss).to(dt) for g, dt in zip(ctx.saved_tensors, ctx.dtypes)]
+        grads = scaled_grads(ctx.saved_tensors, grad_loss, ctx.dtypes)
         return grads[0], grads[1], grads[2], None, None, None, None, None
 
 

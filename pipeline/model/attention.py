@@ -25,8 +25,9 @@ the dense and masked paths, T and sum_b s_b^2 for varlen); `pipeline.train.metri
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import ContextManager, Optional, Sequence
 
 import numpy as np
 import torch
@@ -114,6 +115,25 @@ def plan_attention(x: Tensor, attention_mask: Optional[Tensor], seqlens: Optiona
         return AttentionPlan("varlen", layout=layout, tokens=layout.tokens, sum_sq=sum(n * n for n in lengths),
                              static=False)
     return AttentionPlan("masked", bias=attention_bias(attention_mask, x.dtype), tokens=full[0], sum_sq=full[1])
+
+
+#: The SDPA backends a masked pass whose shape changes every micro-batch may use: every one but cuDNN's.
+#: torch (>= 2.9, with its bundled cuDNN >= 9.15) tries cuDNN's attention first on sm90 / sm100, and
+#: cuDNN builds and caches an execution graph per distinct input shape (batch, length, mask shape), which
+#: costs host time each time a shape is new: InfoWord's n-gram rows (count and bucketed width set by the
+#: batch) would pay it nearly every micro-batch. Flash / memory-efficient attention are compiled ahead.
+SHAPE_FREE_BACKENDS = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def attention_backends(plan: AttentionPlan) -> ContextManager:
+    """Where SDPA may look for a kernel during the layers of a pass planned as `plan`: anywhere (the
+    default order) unless the pass is masked with a shape nobody fixed (`plan.static` False); then
+    `SHAPE_FREE_BACKENDS` only (`torch.nn.attention.sdpa_kernel`, restored after the pass)."""
+    if plan.kind != "masked" or plan.static:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in SHAPE_FREE_BACKENDS])
 
 
 def window_bias(length: int, window: int, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.model.attention import ATTENTION_MODES, VarlenLayout, plan_attention, varlen_attention
+from pipeline.model.attention import (ATTENTION_MODES, VarlenLayout, attention_backends, plan_attention,
+                                      varlen_attention)
 from pipeline.model.checkpointing import is_checkpointed, run_layer
 
 #: What a layer receives about attention: nothing (dense), an additive bias (masked) or a layout (varlen).
@@ -233,8 +234,9 @@ class BertLayerStack(nn.Module):
             torch._dynamo.maybe_mark_dynamic(plan.bias, 0)
             torch._dynamo.maybe_mark_dynamic(plan.bias, 3)
         step = _compiled("masked") if self.compiled else _masked_step
-        for i, layer in enumerate(self.layer):
-            x = run_layer(step, layer, x, plan.bias, checkpointed=is_checkpointed(i, self.checkpoint_period))
+        with attention_backends(plan):  # a shape that changes per batch: no per-shape cuDNN graphs
+            for i, layer in enumerate(self.layer):
+                x = run_layer(step, layer, x, plan.bias, checkpointed=is_checkpointed(i, self.checkpoint_period))
         return x
 
 

@@ -37,8 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.model.attention import (VarlenLayout, plan_attention, varlen_attention, varlen_layout,
-                                      window_bias)
+from pipeline.model.attention import (VarlenLayout, attention_backends, plan_attention, varlen_attention,
+                                      varlen_layout, window_bias)
 from pipeline.model.checkpointing import is_checkpointed, run_layer
 from pipeline.model.encoder import EncoderOutput
 from pipeline.model.heads import TiedVocabProjection
@@ -295,10 +295,11 @@ class ModernBertLayerStack(nn.Module):
                 layers = self._compiled  # type: ignore[assignment]
         tables = {g: rotary_tables(positions, cfg.head_dim, cfg.global_rope_theta if g else cfg.local_rope_theta, x.dtype)
                   for g in {layer.is_global for layer in self.layers}}
-        for i, (module, layer) in enumerate(zip(layers, self.layers)):
-            cos, sin = tables[layer.is_global]
-            hidden = run_layer(module, hidden, global_attn if layer.is_global else local_attn, cos, sin,
-                               checkpointed=is_checkpointed(i, self.checkpoint_period))
+        with attention_backends(plan):  # a masked shape that changes per batch: no per-shape cuDNN graphs
+            for i, (module, layer) in enumerate(zip(layers, self.layers)):
+                cos, sin = tables[layer.is_global]
+                hidden = run_layer(module, hidden, global_attn if layer.is_global else local_attn, cos, sin,
+                                   checkpointed=is_checkpointed(i, self.checkpoint_period))
         hidden = self.final_norm(hidden)
         if plan.kind == "varlen":
             assert plan.layout is not None

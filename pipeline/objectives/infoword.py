@@ -160,6 +160,28 @@ def ngram_width(widths: np.ndarray, length: int) -> int:
     return min(-(-(longest + 2) // NGRAM_WIDTH_BUCKET) * NGRAM_WIDTH_BUCKET, max(length, longest + 2))
 
 
+def host_span_widths(batch: Mapping[str, Tensor]) -> np.ndarray:
+    """The [B, S] span widths as host numbers: the collator's `span_widths` (a host key, so the sizes
+    need no device read), else computed from `span_index` (read from the device: one sync). A
+    `span_widths` that is not on the CPU (a batch moved to the device key by key, host keys included)
+    is not trusted to be readable on the host: it is computed again from `span_index` like a
+    hand-built batch's, instead of failing on `.numpy()` of a device tensor."""
+    host = batch.get("span_widths")
+    if host is not None and host.device.type == "cpu":
+        return host.numpy()  # numpy: host numbers stay host numbers
+    return span_widths(batch["span_index"].cpu().numpy())
+
+
+def ngram_seqlens(widths: np.ndarray) -> Tensor:
+    """[P] int64 host tensor: the real tokens of each [CLS] n-gram [SEP] row when every span of every
+    row is encoded, in the row-major (sentence, span) order of the pairs (`nonzero_known`): the
+    widths of the present spans (`widths > 0`, spans are numbered 0, 1, ... in each row) plus 2.
+    With it the encoder can run the n-gram pass unpadded (`pipeline.model.attention`): about
+    width / (mean span + 2) fewer tokens than the bucketed padded rows, and one flash kernel for every
+    batch's shape instead of a masked pass whose shape changes every micro-batch."""
+    return torch.from_numpy(np.ascontiguousarray(widths[widths > 0] + 2, dtype=np.int64))
+
+
 def build_ngram_inputs(
     input_ids: Tensor, span_index: Tensor, chosen_span: Tensor, cls_id: int, sep_id: int, pad_id: int,
     width: Optional[int] = None,
@@ -254,9 +276,7 @@ class InfoWord(Objective):
         span_index = ctx.batch["span_index"]
         # the words of the masked sentence: its [MASK]ed spans included (they are part of the view)
         sentence = pooled_states(ctx.encode("span_masked_ids").last_hidden, content_tokens(ctx.batch), self.pool)
-        host = ctx.batch.get("span_widths")  # host [B, S]: the collator's, so sizes need no device read
-        # a hand-built batch: the same table, read from the device; numpy: host numbers stay host numbers
-        widths = host.numpy() if host is not None else span_widths(span_index.cpu().numpy())
+        widths = host_span_widths(ctx.batch)
         num_spans = widths.shape[1]
         present = torch.zeros(span_index.shape[0], num_spans + 1, dtype=torch.bool, device=span_index.device)
         present.scatter_(1, span_index.clamp(min=-1) + 1, True)  # column 0 collects "no span"
@@ -271,7 +291,9 @@ class InfoWord(Objective):
                 self.special["cls"], self.special["sep"], self.special["pad"], ngram_width(widths, span_index.shape[1]),
             )
             words = mask.bool() & (ids != self.special["cls"]) & (ids != self.special["sep"])
-            ngram = pooled_states(ctx.encoder(ids, mask).last_hidden, words, self.pool)
+            # every span taken: the host knows each n-gram row's length, so the pass can be unpadded
+            seqlens = ngram_seqlens(widths) if k >= num_spans else None
+            ngram = pooled_states(ctx.encoder(ids, mask, seqlens=seqlens).last_hidden, words, self.pool)
         else:  # no span anywhere: an empty (graph-connected) pair list; other ranks may still gather
             ngram = sentence[:0]
         if self.center:  # before the gather: other ranks' n-grams arrive centred on their own micro-batch

@@ -59,14 +59,17 @@ def variants():
     block_v, warps = lce.rows_launch_config(VOCAB)
     rows_ptrs = dict(z_ptr="*fp32", bias_ptr="*fp32", targets_ptr="*i64", copy_prob_ptr="*fp32",
                      corrupted_ptr="*i64", loss_ptr="*fp32", correct_ptr="*fp32", inv_count_ptr="*fp32")
+    # a bf16 / fp16 gradient is written into the fp32 scores' own rows (NARROW_IN_PLACE), as the launchers do
     for grad, bias, corrective, write, argmax in (
             ("*fp32", True, False, True, False), ("*bf16", True, True, True, False), ("*fp16", False, False, True, False),
             ("*fp32", False, False, False, False), ("*bf16", True, False, True, True), ("*fp32", True, False, True, True),
             ("*bf16", True, False, True, False)):  # bf16 without argmax: COCO-LM's generator, MLM without accuracy
+        narrow = write and grad != "*fp32"
         yield (lce._softmax_xent_rows_kernel,
                f"grad={grad[1:]} bias={bias} corrective={corrective} write={write} argmax={argmax}",
                {**rows_ptrs, "grad_ptr": grad}, ("copy_prob_max",),
-               dict(HAS_BIAS=bias, CORRECTIVE=corrective, WRITE_GRAD=write, ARGMAX=argmax, BLOCK_V=block_v), warps)
+               dict(HAS_BIAS=bias, CORRECTIVE=corrective, WRITE_GRAD=write, ARGMAX=argmax, NARROW_IN_PLACE=narrow,
+                    BLOCK_V=block_v), warps)
 
     block_k, block_h, warps = tok._blocks(HIDDEN, CANDIDATES)
     for dt in ("*bf16", "*fp32"):

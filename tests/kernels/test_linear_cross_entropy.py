@@ -170,3 +170,44 @@ def test_sampled_softmax_shared_negatives_edge_cases(device):
     assert loss.item() == 0.0
     with pytest.raises(ValueError, match=r"anchor_groups must be \[6\]"):
         fused_nce.sampled_softmax_cross_entropy(h, w, b, t, ids, counts, groups[:2])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_half_width_gradient_written_over_the_scores_equals_a_separate_buffer(device, dtype, with_bias):
+    """The low-precision path writes dL/dZ into Z's own rows (`narrow_view`): the same losses and the
+    same gradient bits as the row kernel writing a separate [R, V] buffer, over several 4,096-wide blocks
+    (so a block's stores land on scores earlier blocks read) and with excluded (-inf) entries."""
+    gen = torch.Generator().manual_seed(11)
+    rows, vocab = 5, 9000  # 3 blocks of 4,096 columns, the last one partial
+    z = (torch.randn(rows, vocab, generator=gen) * 3).to(device)
+    z[1, 100:200] = float("-inf")
+    targets = torch.randint(0, vocab, (rows,), generator=gen).to(device)
+    targets[2] = -100  # an ignored row: its gradient is zero
+    bias = (torch.randn(vocab, generator=gen) * 0.1).to(device) if with_bias else None
+    inv = torch.full((1,), 1.0 / 4, device=device)
+    loss_ref, loss = (torch.empty(rows, device=device) for _ in range(2))
+    separate = torch.empty(rows, vocab, dtype=dtype, device=device)
+    fused.softmax_xent_rows(z.clone(), targets, loss_ref, inv, separate, bias)
+    scores = z.clone()
+    grad = fused.narrow_view(scores, dtype)
+    assert grad.shape == (rows, vocab) and grad.stride(0) == 2 * vocab and grad.data_ptr() == scores.data_ptr()
+    fused.softmax_xent_rows(scores, targets, loss, inv, grad, bias)
+    assert torch.equal(loss, loss_ref)
+    assert torch.equal(grad, separate) and grad[2].abs().max() == 0 and separate.abs().max() > 0
+    with pytest.raises(ValueError, match="narrow_view"):  # z's memory in another layout: refused
+        fused.softmax_xent_rows(scores, targets, loss, inv, scores.view(dtype).view(2 * rows, vocab)[:rows], bias)
+
+
+def test_backward_scales_and_casts_in_one_op_and_chunk_budget_restores():
+    g32 = torch.randn(6, 4)
+    g16 = g32.to(torch.bfloat16)
+    scale = torch.tensor(0.37)
+    dh, dw, none = fused.scaled_grads((g32, g16, None), scale, (torch.bfloat16, torch.bfloat16, None))
+    assert dh.dtype == dw.dtype == torch.bfloat16 and none is None
+    assert torch.equal(dh, (g32 * scale).to(torch.bfloat16))  # one rounding of the fp32 product
+    assert torch.equal(dw, g16 * scale)
+    before = fused.CHUNK_BYTES
+    with fused.chunk_budget(4 * VOCAB * 20):
+        assert fused.chunk_rows_for(VOCAB, TOKENS) == 16
+    assert fused.CHUNK_BYTES == before

@@ -15,6 +15,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.data.batch import HOST_KEYS
@@ -28,25 +29,31 @@ HOST_READS = {aten.nonzero, aten._local_scalar_dense, aten.is_nonzero, aten.equa
               aten.bincount, aten.repeat_interleave, aten._unique, aten._unique2, aten.unique_dim,
               aten.unique_consecutive, aten.unique_dim_consecutive, aten.argwhere, aten.histc}
 BOOL_INDEXED = {aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_}
+#: ops that wrap numbers the host already has in a tensor (what `torch.from_numpy` / `torch.tensor` dispatch)
+HOST_MADE = {aten.lift_fresh, aten.lift_fresh_copy}
 
 
 class HostReads(TorchDispatchMode):
     """Records every op that reads tensor data back to the host, boolean-mask indexing and
-    `Tensor.tolist` included (`tolist` reads the data without dispatching an op, so it is wrapped).
-    `host_tensors`: the batch's host keys (`pipeline.data.batch.HOST_KEYS`), which stay on the CPU in a GPU
-    run too: reading them is not a read of device data."""
+    `Tensor.tolist` of device data included (`tolist` reads the data without dispatching an op, so it
+    is wrapped). Device data: the batch's keys that move to the device (all but
+    `pipeline.data.batch.HOST_KEYS`, which stay on the CPU in a GPU run too) and every tensor an op
+    makes inside the step, except `HOST_MADE`'s: a tensor the step builds from host numbers
+    (`torch.from_numpy` of the collator's `span_widths`: InfoWord's n-gram lengths) is host data, and
+    reading it is no sync."""
 
-    def __init__(self, host_tensors=()) -> None:
+    def __init__(self, batch=None) -> None:
         super().__init__()
         self.seen: list[str] = []
-        self.host_ids = {id(t) for t in host_tensors}
+        self.device_data = [v for k, v in (batch or {}).items() if k not in HOST_KEYS]  # held: ids stay unique
+        self.device_ids = {id(t) for t in self.device_data}
 
     def __enter__(self):
         self._tolist = torch.Tensor.tolist
-        seen, host_ids = self.seen, self.host_ids
+        seen, device_ids = self.seen, self.device_ids
 
         def tolist(t, *args, **kwargs):
-            if id(t) not in host_ids:
+            if id(t) in device_ids:
                 seen.append("Tensor.tolist")
             return self._tolist(t, *args, **kwargs)
 
@@ -64,7 +71,13 @@ class HostReads(TorchDispatchMode):
         elif packet in BOOL_INDEXED and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
                                             for i in (args[1] or ())):
             self.seen.append(f"{packet}[bool mask]")
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if packet in HOST_MADE:  # a tensor of host numbers (torch.from_numpy, torch.tensor): host data
+            return out
+        made = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        self.device_data += made
+        self.device_ids.update(id(t) for t in made)
+        return out
 
 
 #: every objective, its options that change the sampling path, and the paper recipes' combinations
@@ -135,7 +148,7 @@ def without_collator_keys(batch):
 
 
 def step_reads(model, batch) -> tuple[list[str], torch.Tensor, dict]:
-    with HostReads([v for k, v in batch.items() if k in HOST_KEYS]) as reads:
+    with HostReads(batch) as reads:
         loss, metrics = model(batch, sampling_seed=11)
         loss.backward()
     return reads.seen, loss.detach(), metrics

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from pipeline.data.batch import move_batch
 from pipeline.data.corruption import CorruptionCollator
 from tests.objectives.conftest import SPECIAL, VOCAB, tiny_model
 
@@ -50,11 +51,14 @@ def test_objectives_run_on_collator_batches(objectives):
 @pytest.mark.gpu
 @pytest.mark.parametrize("objectives", RECIPES, ids=lambda o: "+".join(o))
 def test_objectives_on_cuda_under_bf16_autocast(objectives):
-    """Same recipes on the GPU path: CUDA sampling generator, bf16 autocast, fp32 losses."""
+    """Same recipes on the GPU path: CUDA sampling generator, bf16 autocast, fp32 losses. The batch moves
+    as the training loop moves it (`move_batch`: host keys such as `span_widths` stay on the CPU; the
+    first lease's version moved every key and InfoWord failed reading `span_widths` on the host, which
+    `test_infoword_shapes.py` covers)."""
     model = tiny_model(objectives).cuda()
     collator = CorruptionCollator(model.views, SPECIAL, VOCAB, seed=7)
     ids, starts = packed_rows(8, 32, seed=3)
-    batch = {k: v.cuda() for k, v in collator.collate(ids, starts, np.arange(8)).items()}
+    batch = move_batch(collator.collate(ids, starts, np.arange(8)), torch.device("cuda"))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss, metrics = model(batch)
     assert loss.dtype == torch.float32 and torch.isfinite(loss), metrics
