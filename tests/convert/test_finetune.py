@@ -74,7 +74,8 @@ def test_regression_task_reports_correlations(converted, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["problem"] == "regression" and result["metric"] == "pearson"
     assert result["runs"][0]["metrics"]["pearson"] > 0.7 and result["runs"][0]["metrics"]["spearman"] > 0.7
-    assert result["std"] == {"pearson": 0.0, "spearman": 0.0}
+    # one seed has no spread: null with the reason, never 0
+    assert result["std"] == {"pearson": None, "spearman": None} and "one seed" in result["undefined"]["std"]
 
 
 def test_bad_arguments_are_named(tmp_path, capsys):
