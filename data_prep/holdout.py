@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from data_prep.readers import InputError
+
 SIDES = ("train", "validation")
 #: The validation set's directory inside the training build's `--out` unless `--holdout-dir` names one.
 DEFAULT_SUBDIR = "validation"
@@ -29,6 +31,14 @@ def holdout_hash(text: str) -> int:
     import xxhash
 
     return xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
+
+
+class EmptySide(InputError):
+    """Every non-empty document fell on the other side of the rule: `side` ("train" / "validation") has none."""
+
+    def __init__(self, message: str, side: str) -> None:
+        super().__init__(message)
+        self.side = side
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,10 @@ def test_a_user_corpus_too_small_to_hold_out_is_trained_on_whole(tmp_path: Path,
     manifest, held = build_demo_shards(corpus, tiny_tokenizer_dir, tmp_path / "shards", args, num_proc=1)
     assert held is None and not (tmp_path / "shards" / DEFAULT_SUBDIR).exists()  # no validation, all trained on
     assert manifest.stats["documents"] == 20
+    one = tmp_path / "one.txt"  # a single document the rule does not hold out: no validation set at all
+    one.write_text("The river flows past the old mill near the hills, and the mill grinds the grain. " * 4)
+    manifest, held = build_demo_shards(one, tiny_tokenizer_dir, tmp_path / "shards1", args, num_proc=1)
+    assert held is None and manifest.stats["documents"] == 1
     args.corpus = []  # the installation's documentation that small: an error naming --corpus
     with pytest.raises(ValueError, match="too small.*--corpus PATH"):
         build_demo_shards(corpus, tiny_tokenizer_dir, tmp_path / "shards2", args, num_proc=1)
