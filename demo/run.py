@@ -173,16 +173,11 @@ def run_training(preset: str, overrides: Sequence[str], log_path: Path) -> None:
 
 
 def startup_note() -> str:
-    """What the silent start of the training process does: imports, checks, and on the first run in
-    this Python environment DeepSpeed's compilation of its C++ CPU ops (`pipeline.capabilities`)."""
-    from pipeline.capabilities import private_extensions_dir
-
-    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or private_extensions_dir())
-    built = cache.is_dir() and any(cache.rglob("*.so"))
-    return ("starting: imports, config and data checks, DeepSpeed engine (its C++ ops are already built in "
-            f"{cache})" if built else
-            "starting: imports, config and data checks, then DeepSpeed compiles its C++ CPU ops with g++ (first "
-            f"run in this environment only, about half a minute; cached in {cache}), then step 1")
+    """What the quiet start of the training process does. The demo trains in one process, which needs none of
+    DeepSpeed's C++ ops (`pipeline.distributed.cpu_comm_op`: the shared-memory all-reduce is for several CPU
+    ranks), so nothing is compiled."""
+    return ("starting: imports, config and data checks, the DeepSpeed engine (one process: no C++ op to compile), "
+            "then step 1")
 
 
 def build_demo_shards(corpus: Path, tok_dir: Path, shards: Path, args: argparse.Namespace,
