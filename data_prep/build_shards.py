@@ -50,7 +50,7 @@ from tqdm import tqdm
 from data_prep.packing import PACKING_MODES, Packer
 from data_prep.readers import InputError, ReadOptions, Source, check_source, iter_documents, resolve_inputs
 from data_prep.encode import DocumentEncoder
-from data_prep.holdout import DEFAULT_SUBDIR, DocumentSplit, EmptySide
+from data_prep.holdout import DEFAULT_SUBDIR, DocumentSplit
 from data_prep.tokenizer_io import LoadedTokenizer, load_tokenizer
 from pipeline.tokenizer_checks import SAMPLE_DOCUMENTS, coverage_problem, unknown_share
 from pipeline.data.shards import (
@@ -454,14 +454,7 @@ def build_shards(
                 out.rmdir()
         sources_text = " ".join(map(str, inputs))
         if split is not None and stats.other_side:  # the documents exist: the held-out rule gave them all away
-            count = f"{stats.other_side} non-empty document(s) of --input {sources_text}"
-            if split.side == "validation":
-                raise EmptySide(f"--holdout-fraction {split.fraction:g}: none of the {count} is held out (whole "
-                                 "documents are held out by the hash of their text, data_prep.holdout); give more "
-                                 "documents or a larger fraction", split.side)
-            raise EmptySide(f"--holdout-fraction {split.fraction:g}: all {count} are held out, none is left to train "
-                             "on (whole documents, by the hash of their text, data_prep.holdout); give more documents "
-                             "or a smaller fraction", split.side)
+            raise split.nothing_on_this_side(stats.other_side, sources_text)
         raise InputError(f"--input {sources_text}: no non-empty documents ({stats.skipped_empty} empty skipped)")
     for record, raw, docs in zip(records, stats.per_source_raw, stats.per_source_documents):
         record.update(raw_documents=raw, documents=docs)

@@ -59,6 +59,17 @@ class DocumentSplit:
         held = holdout_hash(text) < int(self.fraction * 2**64)
         return held if self.side == "validation" else not held
 
+    def nothing_on_this_side(self, other_side: int, inputs: str) -> EmptySide:
+        """The error of a build of this side that found no document: all `other_side` went to the other."""
+        count = f"{other_side} non-empty document(s) of --input {inputs}"
+        if self.side == "validation":
+            return EmptySide(f"--holdout-fraction {self.fraction:g}: none of the {count} is held out (whole documents "
+                             "are held out by the hash of their text, data_prep.holdout); give more documents or a "
+                             "larger fraction", self.side)
+        return EmptySide(f"--holdout-fraction {self.fraction:g}: all {count} are held out, none is left to train on "
+                         "(whole documents, by the hash of their text, data_prep.holdout); give more documents or a "
+                         "smaller fraction", self.side)
+
     def record(self) -> dict[str, Any]:
         """What the build's fingerprint and manifest record of the split."""
         return {"fraction": self.fraction, "side": self.side, "rule": "xxh3_64(text) < fraction * 2^64"}
