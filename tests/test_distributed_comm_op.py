@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 import time
 from pathlib import Path
 
