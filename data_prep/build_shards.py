@@ -30,6 +30,7 @@ shard written but not recorded) is removed, and the same command resumes once th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import multiprocessing
@@ -337,10 +338,21 @@ def build_shards(
     """
     out = Path(out)
     if holdout_fraction:
-        train_side = build_shards(inputs, tokenizer, out, seq_len, packing, read_options, shard_size_mb, num_proc,
-                                  progress, split=DocumentSplit(holdout_fraction, "train"))
-        build_shards(inputs, tokenizer, holdout_dir or out / DEFAULT_SUBDIR, seq_len, packing, read_options,
-                     shard_size_mb, num_proc, progress, split=DocumentSplit(holdout_fraction, "validation"))
+        held_dir = Path(holdout_dir) if holdout_dir else out / DEFAULT_SUBDIR
+        created = [d for d in (out, held_dir) if not d.exists()]  # what this command makes, and removes on failure
+        try:
+            train_side = build_shards(inputs, tokenizer, out, seq_len, packing, read_options, shard_size_mb, num_proc,
+                                      progress, split=DocumentSplit(holdout_fraction, "train"))
+            build_shards(inputs, tokenizer, held_dir, seq_len, packing, read_options, shard_size_mb, num_proc,
+                         progress, split=DocumentSplit(holdout_fraction, "validation"))
+        except InputError as err:
+            # one side without documents (or bad input): a training set left without its validation set would be
+            # refused by the re-run with another fraction ("holds a different build"), so nothing made here stays
+            for directory in reversed(created):
+                shutil.rmtree(directory, ignore_errors=True)
+            if created:
+                err.args = (f"{err}; nothing was written",)
+            raise
         return train_side
     if packing not in PACKING_MODES:
         raise ValueError(f"--packing {packing!r}: expected one of {PACKING_MODES}")
@@ -378,6 +390,7 @@ def build_shards(
         (out / STATE_FILE).unlink(missing_ok=True)  # left behind if a run died right after the manifest
         return read_manifest(out)
 
+    made_out = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     valid = _valid_prefix(out, previous["shards"]) if previous else []
     _remove_unrecorded(out, {entry["name"] for entry in valid})
@@ -436,7 +449,13 @@ def build_shards(
     if stats.documents == 0:
         shutil.rmtree(out / TOKENIZER_SUBDIR, ignore_errors=True)
         (out / STATE_FILE).unlink()
-        raise InputError(f"--input {' '.join(map(str, inputs))}: no non-empty documents ({stats.skipped_empty} empty skipped)")
+        if made_out:
+            with contextlib.suppress(OSError):  # the directory this build made, when nothing else is in it
+                out.rmdir()
+        sources_text = " ".join(map(str, inputs))
+        if split is not None and stats.other_side:  # the documents exist: the held-out rule gave them all away
+            raise split.nothing_on_this_side(stats.other_side, sources_text)
+        raise InputError(f"--input {sources_text}: no non-empty documents ({stats.skipped_empty} empty skipped)")
     for record, raw, docs in zip(records, stats.per_source_raw, stats.per_source_documents):
         record.update(raw_documents=raw, documents=docs)
     shards = [ShardInfo(e["name"], e["rows"], e["sha256"], e["bytes"], e.get("xxh3_64") or xxh3_file(out / e["name"]))

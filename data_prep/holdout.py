@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from data_prep.readers import InputError
+
 SIDES = ("train", "validation")
 #: The validation set's directory inside the training build's `--out` unless `--holdout-dir` names one.
 DEFAULT_SUBDIR = "validation"
@@ -29,6 +31,14 @@ def holdout_hash(text: str) -> int:
     import xxhash
 
     return xxhash.xxh3_64_intdigest(text.encode("utf-8", "surrogatepass"))
+
+
+class EmptySide(InputError):
+    """Every non-empty document fell on the other side of the rule: `side` ("train" / "validation") has none."""
+
+    def __init__(self, message: str, side: str) -> None:
+        super().__init__(message)
+        self.side = side
 
 
 @dataclass(frozen=True)
@@ -48,6 +58,17 @@ class DocumentSplit:
         """Does this side's build pack the (non-empty) document `text`?"""
         held = holdout_hash(text) < int(self.fraction * 2**64)
         return held if self.side == "validation" else not held
+
+    def nothing_on_this_side(self, other_side: int, inputs: str) -> EmptySide:
+        """The error of a build of this side that found no document: all `other_side` went to the other."""
+        count = f"{other_side} non-empty document(s) of --input {inputs}"
+        if self.side == "validation":
+            return EmptySide(f"--holdout-fraction {self.fraction:g}: none of the {count} is held out (whole documents "
+                             "are held out by the hash of their text, data_prep.holdout); give more documents or a "
+                             "larger fraction", self.side)
+        return EmptySide(f"--holdout-fraction {self.fraction:g}: all {count} are held out, none is left to train on "
+                         "(whole documents, by the hash of their text, data_prep.holdout); give more documents or a "
+                         "smaller fraction", self.side)
 
     def record(self) -> dict[str, Any]:
         """What the build's fingerprint and manifest record of the split."""

@@ -14,8 +14,13 @@ The masked-LM numbers have one home, the validation during training (`pipeline.t
   model at step 0 (`build_run_model`: the run's seed, its unigram output-bias start) — a working run
   beats both it and the plateau.
 
-Besides, on the converted (Hugging Face) checkpoint and a random-init model of the same shape, on
-held-out rows in random order, what validation does not measure:
+The chosen objective's own learning signals, from the same two validation records: each `val/<objective>/...`
+term against its reference (`pipeline.monitor.signals`: a contrastive loss against its chance level ln(candidates),
+a masked-token accuracy against the plateau, an LM loss against the unigram entropy), trained and at init, so the
+outcome measures what the chosen objective trains (`--objective mlm`: `val/mlm/loss`, `val/mlm/accuracy`).
+
+Besides, for TACO runs only (the objective they probe), on the converted (Hugging Face) checkpoint and a
+random-init model of the same shape, on held-out rows in random order, what validation does not measure:
 
 * TACO's loss (Fu et al. 2022, Eq. 6-8; g = hidden_states[-1] - hidden_states[0], the masked view,
   negatives from other documents, `pipeline.objectives.taco`, with the run's window, negatives and
@@ -172,15 +177,44 @@ def initial_validation(preset: str, overrides: Sequence[str]) -> dict:
     return {"step": 0, **validator.evaluate(model, model, 0, cfg.train.total_steps, plan.batch.grad_accum)}
 
 
+def objective_signals(final: dict, start: dict, objectives: Sequence[str]) -> list[dict]:
+    """The chosen objectives' own `val/<objective>/...` learning signals (`val_signals`), trained (`final`)
+    beside the same term at init (`start`): [{"term", "trained", "random_init", "reference", "reference_kind",
+    "direction", "learned", "text"}]."""
+    from pipeline.monitor.signals import format_signal
+    from pipeline.train.validation import val_signals
+
+    at_init = {s.term: s for s in val_signals(start)}
+    out = []
+    for signal in val_signals(final):
+        if not any(signal.term.startswith(f"val/{name}/") for name in objectives):
+            continue
+        init = at_init.get(signal.term)
+        out.append({"term": signal.term, "trained": signal.value, "random_init": init.value if init else None,
+                    "reference": signal.reference, "reference_kind": signal.kind, "direction": signal.direction,
+                    "learned": signal.learned, "text": format_signal(signal)})
+    return out
+
+
+def run_objectives(hf_dir: Path) -> list[str]:
+    """The objectives the converted run trained (its pipeline_meta.json), by weight."""
+    meta = hf_dir / "pipeline_meta.json"
+    objectives = json.loads(meta.read_text()).get("objectives", {}) if meta.is_file() else {}
+    return [name for name, weight in sorted(objectives.items(), key=lambda kv: -float(kv[1])) if float(weight)]
+
+
 def outcome(demo_out: Path, hf_dir: Path, run_dir: Path, preset: str, overrides: Sequence[str]) -> dict:
-    """The demo's outcome (module doc): validation's masked-LM numbers, trained and at init, merged with the
-    converted model's TACO and leak checks on the held-out shards."""
+    """The demo's outcome (module doc): validation's masked-LM numbers and the chosen objective's own signals,
+    trained and at init; for a TACO run, merged with the converted model's TACO and leak checks."""
     final = last_validation(run_dir / "metrics.jsonl")
     start = initial_validation(preset, overrides)
-    result = measure(hf_dir, heldout_shards(demo_out))
+    objectives = run_objectives(hf_dir)
+    result = measure(hf_dir, heldout_shards(demo_out)) if "taco" in objectives else {"trained": {}, "random_init": {}}
+    result["objectives"] = objectives
     result["validation_step"] = final["step"]
     result["trained"].update(validation_numbers(final, f"{run_dir / 'metrics.jsonl'} step {final['step']}"))
     result["random_init"].update(validation_numbers(start, "the validation of the initial model"))
+    result["objective_signals"] = objective_signals(final, start, objectives)
     return result
 
 
@@ -195,20 +229,28 @@ def verdict(result: dict) -> str:
 
 def report_lines(result: dict) -> list[str]:
     t, r = result["trained"], result["random_init"]
-    return [
+    lines = [
         f"held-out text (validation at step {result.get('validation_step', '?')}, documents the demo never "
         "trained on):",
         f"  masked-LM accuracy  {t['mlm_acc']:.3f} trained   {r['mlm_acc']:.3f} random init   "
         f"{t['unigram_acc']:.3f} always the most frequent token",
         f"  masked-LM loss      {t['mlm_loss']:.2f}  trained   {r['mlm_loss']:.2f}  random init",
         f"  token cosine        {t['token_cosine']:.2f}  trained   {r['token_cosine']:.2f}  random init   (> 0.9: collapsed)",
-        f"  TACO loss           {t['taco_loss']:.4f} trained, {t['taco_loss_random_tokens']:.4f} on random tokens; "
-        f"{r['taco_loss']:.3f} random init; {result['taco_loss_uniform_guess']:.2f} = no preference "
-        f"({result['taco_options']['num_negatives']} negatives, tau {result['taco_options']['tau']})",
-        f"  leak checks (must be 0): positive = anchor {t['leak_positive_is_anchor']}, positive in another document "
-        f"{t['leak_positive_other_document']}, negative in the anchor's document {t['leak_negative_same_document']}",
-        f"  verdict: {verdict(result)}",
     ]
+    names = "+".join(result.get("objectives") or []) or "the objective"
+    for signal in result.get("objective_signals") or []:  # what the chosen objective itself trains
+        init = "-" if signal["random_init"] is None else f"{signal['random_init']:.3f}"
+        lines.append(f"  {names} signal  {signal['text']}; random init {init}")
+    if "taco_loss" in t:  # TACO runs: the probes of its sampling
+        lines += [
+            f"  TACO loss           {t['taco_loss']:.4f} trained, {t['taco_loss_random_tokens']:.4f} on random tokens; "
+            f"{r['taco_loss']:.3f} random init; {result['taco_loss_uniform_guess']:.2f} = no preference "
+            f"({result['taco_options']['num_negatives']} negatives, tau {result['taco_options']['tau']})",
+            f"  leak checks (must be 0): positive = anchor {t['leak_positive_is_anchor']}, positive in another "
+            f"document {t['leak_positive_other_document']}, negative in the anchor's document "
+            f"{t['leak_negative_same_document']}"]
+    lines.append(f"  verdict: {verdict(result)}")
+    return lines
 
 
 def write_outcome(out: Path, result: dict) -> None:

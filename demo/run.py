@@ -173,16 +173,11 @@ def run_training(preset: str, overrides: Sequence[str], log_path: Path) -> None:
 
 
 def startup_note() -> str:
-    """What the silent start of the training process does: imports, checks, and on the first run in
-    this Python environment DeepSpeed's compilation of its C++ CPU ops (`pipeline.capabilities`)."""
-    from pipeline.capabilities import private_extensions_dir
-
-    cache = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or private_extensions_dir())
-    built = cache.is_dir() and any(cache.rglob("*.so"))
-    return ("starting: imports, config and data checks, DeepSpeed engine (its C++ ops are already built in "
-            f"{cache})" if built else
-            "starting: imports, config and data checks, then DeepSpeed compiles its C++ CPU ops with g++ (first "
-            f"run in this environment only, about half a minute; cached in {cache}), then step 1")
+    """What the quiet start of the training process does. The demo trains in one process, which needs none of
+    DeepSpeed's C++ ops (`pipeline.distributed.cpu_comm_op`: the shared-memory all-reduce is for several CPU
+    ranks), so nothing is compiled."""
+    return ("starting: imports, config and data checks, the DeepSpeed engine (one process: no C++ op to compile), "
+            "then step 1")
 
 
 def build_demo_shards(corpus: Path, tok_dir: Path, shards: Path, args: argparse.Namespace,
@@ -192,23 +187,29 @@ def build_demo_shards(corpus: Path, tok_dir: Path, shards: Path, args: argparse.
     evaluation batch (32 sequences) is an error for the default corpus; a user's small corpus is then
     rebuilt whole and trained on without validation."""
     from data_prep.build_shards import build_shards
-    from data_prep.holdout import DEFAULT_SUBDIR
+    from data_prep.holdout import DEFAULT_SUBDIR, EmptySide
     from pipeline.data.shards import read_manifest
 
     options = dict(seq_len=args.seq_len, num_proc=num_proc, progress=False)
-    manifest = build_shards([str(corpus)], tok_dir, shards, holdout_fraction=HOLDOUT_FRACTION, **options)
     held_dir = shards / DEFAULT_SUBDIR
-    held = read_manifest(held_dir)
-    if held.total_sequences >= 32:
+    try:
+        manifest = build_shards([str(corpus)], tok_dir, shards, holdout_fraction=HOLDOUT_FRACTION, **options)
+        held_sequences = read_manifest(held_dir).total_sequences
+    except EmptySide as err:  # no document held out at all (a corpus of a few documents): as a held-out set too small
+        if err.side != "validation":
+            raise
+        manifest, held_sequences = None, 0
+    if held_sequences >= 32:
+        held = read_manifest(held_dir)
         return manifest, {"path": str(held_dir), "sequences": held.total_sequences, "tokens": held.total_tokens,
                           "documents": int(held.stats.get("documents", 0))}
     if not args.corpus:
         raise ValueError(f"the corpus of this Python installation's documentation (--max-corpus-mb "
                          f"{args.max_corpus_mb:g}) is too small to train on and hold out one document in "
                          f"{round(1 / HOLDOUT_FRACTION)} with at least one evaluation batch (32 sequences; "
-                         f"{held.total_sequences} held out); give the demo more text with --corpus PATH (files or "
+                         f"{held_sequences} held out); give the demo more text with --corpus PATH (files or "
                          "folders)" + ("" if args.max_corpus_mb >= 4 else " or raise --max-corpus-mb"))
-    shutil.rmtree(shards)
+    shutil.rmtree(shards, ignore_errors=True)
     return build_shards([str(corpus)], tok_dir, shards, **options), None
 
 

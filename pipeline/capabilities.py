@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 
 def cuda_available() -> bool:
@@ -54,6 +55,24 @@ def private_extensions_dir() -> Path:
     prefix = os.path.realpath(sys.prefix)
     tag = hashlib.sha256(prefix.encode()).hexdigest()[:12]
     return cache / "torch_extensions" / f"{Path(prefix).name}-{tag}-torch{torch.__version__}"
+
+
+#: DeepSpeed's shared-memory all-reduce for CPU ranks, JIT-built with g++ the first time a process group
+#: starts on the CPU accelerator (`deepspeed.comm.torch.build_shm_op`).
+SHM_COMM_OP = "deepspeed_shm_comm"
+
+
+def extensions_dir() -> Path:
+    """Where the JIT-built ops of this process go: `TORCH_EXTENSIONS_DIR`, else `private_extensions_dir()`
+    (what `use_private_extensions_dir` sets for training)."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or private_extensions_dir())
+
+
+def op_built(name: str, directory: Optional[Path] = None) -> bool:
+    """Has the JIT op `name` been built (linked: its `.so` is there) in `directory` (default `extensions_dir()`)?
+    A build that stopped before linking left only sources and `build.ninja`: not built."""
+    folder = (directory or extensions_dir()) / name
+    return folder.is_dir() and any(folder.glob("*.so"))
 
 
 def use_private_extensions_dir() -> str:

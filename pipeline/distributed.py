@@ -15,19 +15,26 @@ The rendezvous address is `MASTER_ADDR`/`MASTER_PORT` when set (our sbatch scrip
 once per job); under SLURM otherwise the `NodeAddr` of the first host of the step's node list
 (node names need not resolve, the address SLURM itself uses does) and a port derived from the job
 and step ids; under MPI rank 0's hostname and a free port of rank 0, broadcast with mpi4py when available.
+
+On the CPU, DeepSpeed's process group wants a C++ communication op it compiles on first use
+(`cpu_comm_op`): a single process does without it (nothing compiled), several ranks are told before
+it is built, once per Python environment.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import re
 import socket
 import subprocess
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -137,14 +144,48 @@ def init_distributed(backend: str | None = None, timeout_s: int = 1800) -> DistI
         torch.distributed.init_process_group(backend, store=torch.distributed.HashStore(), rank=0, world_size=1,
                                              timeout=timeout)
     if not torch.distributed.is_initialized() or not deepspeed.comm.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend=backend,
-            auto_mpi_discovery=False,
-            timeout=timeout,
-            rank=info.rank,
-            world_size=info.world_size,
-        )
+        with cpu_comm_op(info.world_size, info.rank):
+            deepspeed.init_distributed(
+                dist_backend=backend,
+                auto_mpi_discovery=False,
+                timeout=timeout,
+                rank=info.rank,
+                world_size=info.world_size,
+            )
     return info
+
+
+@contextlib.contextmanager
+def cpu_comm_op(world_size: int, rank: int) -> Iterator[None]:
+    """Around `deepspeed.init_distributed` on the CPU accelerator, whose backend JIT-builds its shared-memory
+    all-reduce (`capabilities.SHM_COMM_OP`, g++) the first time: ~100 s on an idle machine, minutes on a busy
+    one, silent. One process has no other rank to all-reduce with, so the op is not built: DeepSpeed skips an op
+    its `deepspeed.ops.__compatible_ops__` marks incompatible (the dict it keeps for that; restored after).
+    Several ranks need it: before an unbuilt op is built, rank 0 says so, that it happens once per Python
+    environment, and where it is cached. Nothing changes on a GPU (no such op there)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from pipeline.capabilities import SHM_COMM_OP, extensions_dir, op_built
+
+    if get_accelerator().device_name() != "cpu":
+        yield
+        return
+    if world_size > 1:
+        if rank == 0 and not op_built(SHM_COMM_OP):
+            log.warning("DeepSpeed now builds its CPU communication op (%s) with g++ for the %d ranks: once per "
+                        "Python environment (about 2 minutes on an idle machine, longer on a busy one), cached in "
+                        "%s; later runs start at once", SHM_COMM_OP, world_size, extensions_dir() / SHM_COMM_OP)
+        yield
+        return
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    before = compatible.get(SHM_COMM_OP, False)
+    compatible[SHM_COMM_OP] = False  # one process: `build_shm_op` returns None, nothing is compiled
+    try:
+        yield
+    finally:
+        compatible[SHM_COMM_OP] = before
 
 
 def shutdown_distributed() -> bool:

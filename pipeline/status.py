@@ -2,9 +2,11 @@
 
 Per run directory: its state, the step of the total, tokens seen, the recent speed (tokens/s and MFU
 over the last `RECENT` logged steps) and the ETA at that speed, the last loss and its trend, the
-learning signals' verdicts, the newest complete checkpoint with the `cpt-convert` command for it,
-and the disk its checkpoints use. A directory that is not itself a run but holds runs (a sweep) is
-expanded to them, and several runs print as one table.
+learning signals' verdicts, the newest complete checkpoint with the `cpt-convert` command for it (and,
+with `train.keep_best`, the best one with its own), the architecture (`model.arch`, `model.size`), the
+held-out validation, and the disk its checkpoints use. A directory that is not itself a run but holds
+runs (a sweep) is expanded to them, and several runs print as one table (with a validation column).
+`--json`: one JSON object per run, one per line.
 
 What it reads (no process attached, nothing written; safe on a run that is writing):
 * `run_state.json` (`pipeline.train.exit_record`): running (pid, host, total steps) or the exit code
@@ -25,7 +27,9 @@ What it reads (no process attached, nothing written; safe on a run that is writi
 
 Trend: the mean loss over the last `TAIL_FRACTION` of the logged steps against the window before it
 (`pipeline.monitor.signals.tail_windows`), flat within `FLAT` (1%). Signals: `final_signals` over the
-same last window, each with `still improving` when its window-over-window move is the good way.
+same last window, each with its `trend` (`pipeline.monitor.signals.trend`: "improving" or "worsening"
+only beyond noise, "" otherwise). A run that died (killed) is told how to go on: the same command
+resumes it from its newest checkpoint (`train.resume=auto`), or, before its first one, starts it over.
 ETA = remaining steps x the mean `step_time_s` of the recent logged steps (checkpoint saves are
 kept out of that time by the loop, so a run that saves often ends somewhat later); only for a run
 that is running, stopped for requeue (its requeue resumes it) or of unknown state: a run that
@@ -47,9 +51,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from pipeline.monitor.signals import TAIL_FRACTION, final_signals, format_signal, still_improving, tail_windows
+from pipeline.monitor.signals import TAIL_FRACTION, final_signals, format_signal, tail_windows, trend
 from pipeline.train import exit_record
 from pipeline.train.checkpoint import CHECKPOINT_DIR, is_complete, list_tags
+from pipeline.train.checkpoint_best import BEST_FILE, read_best
 from pipeline.train.cli import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_SAVE_FAILED
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
@@ -92,9 +97,11 @@ class RunStatus:
     loss_trend: str = ""  # falling / flat / rising
     loss_change: Optional[float] = None  # relative change of the mean loss, last window vs the one before
     signals: list[dict[str, Any]] = field(default_factory=list)
+    architecture: str = ""  # model.arch and model.size ("bert base", "modernbert tiny"), when the run records them
     checkpoint: Optional[str] = None
     checkpoint_step: Optional[int] = None
     convert_command: str = ""
+    best: dict[str, Any] = field(default_factory=dict)  # train.keep_best's tag (`best_checkpoint`), {} without one
     checkpoint_bytes: int = 0
     metrics_age_s: Optional[float] = None  # seconds since metrics.jsonl was last written
     trackers: dict[str, dict[str, str]] = field(default_factory=dict)  # trackers.json: W&B / MLflow run ids
@@ -194,9 +201,10 @@ def _exit_code(record: dict) -> Optional[int]:
 
 
 def state_of(record: Optional[dict], step: int, total: Optional[int], checkpoint_step: Optional[int],
-             damage: str = "") -> tuple[str, str, Optional[int], str]:
+             damage: str = "", resume: str = "auto") -> tuple[str, str, Optional[int], str]:
     """(state, detail, exit code, error line) from the exit record (and, without one, the files);
-    `damage`: how the record file is damaged (`exit_record.read_checked`), read then as no record."""
+    `damage`: how the record file is damaged (`exit_record.read_checked`), read then as no record;
+    `resume`: the run's `train.resume` (what the same command does after a death)."""
     if record is not None and record.get("state") != "running" and _exit_code(record) is None:
         damage = f"exit_code {record.get('exit_code')!r} is not a number"
         record = None
@@ -211,8 +219,14 @@ def state_of(record: Optional[dict], step: int, total: Optional[int], checkpoint
         if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
             if total is not None and step >= total and checkpoint_step == total:
                 return "finished", "finished (its process is gone without an exit record)", None, ""
-            return ("died", f"died: process {pid} on {host} is gone without an exit record (SIGKILL, OOM killer?); "
-                            "resume it with the same command", None, "")
+            gone = f"died: process {pid} on {host} is gone without an exit record (SIGKILL, OOM killer?)"
+            if checkpoint_step is None:  # train.resume=auto finds nothing: the same command trains from step 0
+                return ("died", f"{gone} before its first checkpoint: nothing to resume; the same command starts it "
+                                "over from step 0", None, "")
+            if resume == "never":
+                return ("died", f"{gone}; it has train.resume=never, so the same command starts over: add "
+                                f"train.resume=auto to resume from step {checkpoint_step}", None, "")
+            return "died", f"{gone}; the same command resumes it from step {checkpoint_step}", None, ""
         return "running", f"running (pid {pid} on {host})", None, ""
     code = _exit_code(record)
     assert code is not None  # checked above
@@ -225,6 +239,37 @@ def state_of(record: Optional[dict], step: int, total: Optional[int], checkpoint
         return "diverged", f"diverged (exit {code}): {error}" if error else f"diverged (exit {code})", code, error
     meaning = EXIT_MEANINGS.get(code, "error")
     return "failed", f"failed (exit {code}, {meaning}){': ' + error if error else ''}", code, error
+
+
+def best_checkpoint(run_dir: Path) -> dict[str, Any]:
+    """`train.keep_best`'s tag from `checkpoints/best.json` (`checkpoint_best.read_best`, the one reader of
+    that file; fields it does not know are ignored): {"metric", "mode", "value", "step", "checkpoint",
+    "convert_command"}, with "problem" when the record names a tag that is missing or incomplete; {} when
+    there is no record (or it is unreadable: then "problem" says so)."""
+    path = run_dir / CHECKPOINT_DIR / BEST_FILE
+    if not path.exists():
+        return {}
+    record = read_best(run_dir / CHECKPOINT_DIR)
+    if record is None:
+        return {"problem": f"{path} is unreadable (damaged or hand-edited): no best checkpoint known"}
+    tag = run_dir / CHECKPOINT_DIR / record.tag
+    out: dict[str, Any] = {"metric": record.metric, "mode": record.mode, "value": record.value, "step": record.step,
+                           "checkpoint": str(tag)}
+    if not tag.is_dir():
+        out["problem"] = f"{path} names {record.tag}, which is not there"
+    elif not is_complete(tag):
+        out["problem"] = f"{path} names {record.tag}, which is not complete"
+    else:
+        out["convert_command"] = f"cpt-convert {tag} {run_dir / EXPORT_SUBDIR / f'step{record.step}'}"
+    return out
+
+
+def architecture_of(record: Optional[dict], config: dict) -> str:
+    """"<model.arch> <model.size>" from the exit record (written at start) or the checkpoint's config."""
+    model = config.get("model") or {}
+    arch = (record or {}).get("arch") or model.get("arch")
+    size = (record or {}).get("size") or model.get("size")
+    return " ".join(str(v) for v in (arch, size) if v)
 
 
 def collect(run_dir: Path) -> RunStatus:
@@ -247,7 +292,8 @@ def collect(run_dir: Path) -> RunStatus:
     name = (record or {}).get("name") or meta_config.get("name") or run_dir.name
     last = records[-1] if records else {}
     step = int(last.get("step", newest[0] if newest else 0))
-    state, detail, code, error = state_of(record, step, total, newest[0] if newest else None, damage)
+    resume = str((meta_config.get("train") or {}).get("resume", "auto"))
+    state, detail, code, error = state_of(record, step, total, newest[0] if newest else None, damage, resume)
     recent = records[-RECENT:]
     status = RunStatus(run_dir=str(run_dir), name=name, state=state, detail=detail, exit_code=code, error=error,
                        step=step, total_steps=total, tokens_seen=_number(last.get("tokens_seen")),
@@ -259,11 +305,14 @@ def collect(run_dir: Path) -> RunStatus:
         status.eta_s = (total - step) * step_time
     status.loss_trend, status.loss_change = loss_trend(records)
     for signal in final_signals(records) if records else []:
-        status.signals.append({**signal.to_dict(), "still_improving": still_improving(records, signal),
+        moving = trend(records, signal)  # "improving" / "worsening" beyond noise, else ""
+        status.signals.append({**signal.to_dict(), "trend": moving, "still_improving": moving == "improving",
                                "text": format_signal(signal)})
+    status.architecture = architecture_of(record, meta_config)
     if newest is not None:
         status.checkpoint_step, status.checkpoint = newest[0], str(newest[1])
         status.convert_command = f"cpt-convert {newest[1]} {run_dir / EXPORT_SUBDIR / f'step{newest[0]}'}"
+    status.best = best_checkpoint(run_dir)
     status.checkpoint_bytes = disk_bytes(run_dir / CHECKPOINT_DIR)
     status.validation = validation_summary(everything)
     status.trackers = read_ids(run_dir)
@@ -326,14 +375,14 @@ def format_detail(s: RunStatus) -> str:
     speed = "-" if s.tokens_per_s is None else f"{s.tokens_per_s:,.0f} tokens/s"
     if s.mfu is not None:
         speed += f", MFU {100 * s.mfu:.1f}%"
-    lines = [f"{s.run_dir}  ({s.name})",
+    lines = [f"{s.run_dir}  ({s.name}{', ' + s.architecture if s.architecture else ''})",
              f"  state       {s.detail}{age}",
              f"  step        {_step_text(s)}, {human_count(s.tokens_seen)} tokens seen",
              f"  speed       {speed} (last {RECENT} logged steps), ETA {human_duration(s.eta_s)}",
              f"  loss        {_loss_text(s)}" + (" (last 20% of logged steps vs the 20% before)" if s.loss_trend else "")]
     if s.signals:
         lines.append(f"  signals     {s.signals_learned} learned")
-        lines += [f"    {sig['text']}{' (still improving)' if sig['still_improving'] else ''}" for sig in s.signals]
+        lines += [f"    {sig['text']}{TREND_WORDS.get(sig.get('trend', ''), '')}" for sig in s.signals]
     if s.validation:
         lines.append(f"  validation  {s.validation['evaluations']} evaluation(s), latest at step {s.validation['step']} "
                      "(held-out set, eval.shards_dir)")
@@ -342,16 +391,34 @@ def format_detail(s: RunStatus) -> str:
             latest = texts.get(term, f"{term} {v['latest']:.4f}")
             lines.append(f"    {latest} (best {v['best']:.4f} at step {v['best_step']})")
     if s.checkpoint:
-        lines.append(f"  checkpoint  {s.checkpoint} (step {s.checkpoint_step}); {human_bytes(s.checkpoint_bytes)} "
-                     "in checkpoints/")
+        lines.append(f"  checkpoint  {s.checkpoint} (step {s.checkpoint_step}, the latest); "
+                     f"{human_bytes(s.checkpoint_bytes)} in checkpoints/")
         lines.append(f"  convert     {s.convert_command}")
     else:
         lines.append(f"  checkpoint  none complete yet; {human_bytes(s.checkpoint_bytes)} in checkpoints/")
+    lines += best_lines(s)
     if s.trackers:
         lines.append(f"  trackers    {tracker_text(s)}")
     if s.metrics_skipped:
         lines.append(f"  metrics     {skipped_text(s)}")
     return "\n".join(lines)
+
+
+#: What `cpt-status` appends to a signal by its `trend` (`pipeline.monitor.signals.trend`; "" within noise).
+TREND_WORDS = {"improving": " (still improving)", "worsening": " (worsening)"}
+
+
+def best_lines(s: RunStatus) -> list[str]:
+    """The best checkpoint (`train.keep_best`) and its convert command, when it is not the latest."""
+    best = s.best
+    if not best:
+        return []
+    if "metric" not in best or best.get("problem"):
+        return [f"  best        {best.get('problem')}"]
+    what = f"{best['metric']} {best['value']:.4f} ({best['mode']}) at step {best['step']}"
+    if best["step"] == s.checkpoint_step:
+        return [f"  best        the latest checkpoint: {what}"]
+    return [f"  best        {best['checkpoint']}: {what}", f"  convert     {best['convert_command']}"]
 
 
 def skipped_text(s: RunStatus) -> str:
@@ -377,19 +444,32 @@ def tracker_text(s: RunStatus) -> str:
 
 def format_table(statuses: Sequence[RunStatus]) -> str:
     """One row per run (a sweep)."""
-    header = ("RUN", "STATE", "STEP", "TOKENS", "TOK/S", "MFU", "ETA", "LOSS", "SIGNALS", "CHECKPOINT", "DISK")
+    header = ("RUN", "STATE", "STEP", "TOKENS", "TOK/S", "MFU", "ETA", "LOSS", "SIGNALS", "VALIDATION", "CHECKPOINT",
+              "DISK")
     rows = [header]
     for s in statuses:
         state = s.state if s.exit_code in (None, 0) else f"{s.state} ({s.exit_code})"
+        best = f", best step {s.best['step']}" if s.best.get("step") not in (None, s.checkpoint_step) else ""
         rows.append((Path(s.run_dir).name, state, _step_text(s), human_count(s.tokens_seen),
                      human_count(s.tokens_per_s), "-" if s.mfu is None else f"{100 * s.mfu:.1f}%",
-                     human_duration(s.eta_s), _loss_text(s), s.signals_learned,
-                     f"step {s.checkpoint_step}" if s.checkpoint else "-", human_bytes(s.checkpoint_bytes)))
+                     human_duration(s.eta_s), _loss_text(s), s.signals_learned, validation_cell(s),
+                     f"step {s.checkpoint_step}{best}" if s.checkpoint else "-", human_bytes(s.checkpoint_bytes)))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(header))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip() for row in rows]
     errors = [f"{Path(s.run_dir).name}: {s.error}" for s in statuses if s.error]
     errors += [f"{Path(s.run_dir).name}: {skipped_text(s)}" for s in statuses if s.metrics_skipped]
     return "\n".join(lines + errors)
+
+
+def validation_cell(s: RunStatus) -> str:
+    """`val/loss 2.310 (best 2.280 @400)`: the latest held-out loss (else the first `val/` term) and its best."""
+    terms = (s.validation or {}).get("terms") or {}
+    if not terms:
+        return "-"
+    name = "val/loss" if "val/loss" in terms else next(iter(terms))
+    v = terms[name]
+    best = "" if v["best_step"] == s.validation.get("step") else f" (best {v['best']:.3f} @{v['best_step']})"
+    return f"{name} {v['latest']:.3f}{best}"
 
 
 def _finite(value: Any) -> Any:
@@ -407,7 +487,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="cpt-status", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                         help="a run's output directory, or a directory of runs (a sweep)")
-    parser.add_argument("--json", action="store_true", help="print a JSON list with one object per run")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON object per run, one per line (JSON Lines: jq reads it as it is)")
     args = parser.parse_args(argv)
     try:
         runs = expand(args.run_dirs)
@@ -416,7 +497,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     statuses = [collect(run) for run in runs]
     if args.json:
-        print(json.dumps([_finite(asdict(s)) for s in statuses], indent=1, default=str))
+        for s in statuses:
+            print(json.dumps(_finite(asdict(s)), default=str))
     elif len(statuses) == 1:
         print(format_detail(statuses[0]))
     else:

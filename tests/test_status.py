@@ -25,7 +25,7 @@ def status(*paths, json_output=True):
     cmd = [sys.executable, "-m", "pipeline.status", *map(str, paths), *(["--json"] if json_output else [])]
     proc = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=DEADLINE_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout) if json_output else proc.stdout
+    return [json.loads(line) for line in proc.stdout.splitlines()] if json_output else proc.stdout
 
 
 def train(shards, out, *extra):

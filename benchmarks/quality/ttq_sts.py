@@ -97,6 +97,10 @@ def comparison_rows(curves: dict[str, dict[int, list[EvalPoint]]]) -> list[dict]
                                    "no evaluation point of the objective within MLM's device-hours")
                     rows.append(row)
                     continue
+                if any(r.values.get(metric) is None or b.values.get(metric) is None for r, b in pairs.values()):
+                    row["note"] = "a compared point's Spearman is undefined (cpt-sts: every cosine equal)"
+                    rows.append(row)
+                    continue
                 ours = mean_ci([r.values[metric] for r, _ in pairs.values()])
                 theirs = mean_ci([b.values[metric] for _, b in pairs.values()])
                 gap = mean_ci([r.values[metric] - b.values[metric] for r, b in pairs.values()])
@@ -164,8 +168,9 @@ def floor_rows(selected: dict[str, list[dict]]) -> list[dict]:
         for split, result in record["splits"].items():
             if reference in result:
                 value = result[reference]
-                row[f"sts_{split}"] = (f"{value['spearman']:.1f}" + (" [{:.1f}, {:.1f}]".format(*value["interval"])
-                                                                      if value.get("interval") else ""))
+                row[f"sts_{split}"] = ("undefined" if value.get("spearman") is None else f"{value['spearman']:.1f}"
+                                       + (" [{:.1f}, {:.1f}]".format(*value["interval"]) if value.get("interval")
+                                          else ""))
         if len(row) > 2:
             rows.append(row)
     return rows
@@ -175,4 +180,5 @@ def floor_lines(selected: dict[str, list[dict]], split: str = "test") -> list[tu
     """(Spearman, label) of each STS floor on `split`, for the plots."""
     result = ((floor_record(selected) or {}).get("splits") or {}).get(split) or {}
     return [(float(result[reference]["spearman"]), label.replace(" (STS floor)", ""))
-            for reference, label in FLOORS.items() if reference in result]
+            for reference, label in FLOORS.items() if reference in result and result[reference].get("spearman")
+            is not None]

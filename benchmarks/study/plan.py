@@ -1,6 +1,8 @@
 """`cpt-study plan`: the jobs a study submits and their estimated GPU-hours, before anything is queued.
 
-GPU-seconds of one pretraining run:
+GPU-seconds of one pretraining run, at the run's sequence length and vocabulary: the training shards'
+manifest's when it is there, else the objective's `data.seq_len` (preset and overrides), else the study's
+`cost.seq_len` / `cost.vocab_size`, else 128 / 30522, which the plan then prints as ASSUMED:
 
 * with a measured rate (`cost.tokens_per_s.<objective>`: tokens/s per GPU, e.g. from
   `benchmarks/throughput` or a run's metrics): steps x global batch x seq_len / rate;
@@ -26,13 +28,32 @@ from benchmarks.study.spec import Study, StudyError, run_config
 MASK_FRACTION, FINETUNE_SEQ = 0.15, 128
 
 
-def _vocab_and_seq(study: Study, cfg) -> tuple[int, int]:
+#: what the estimate takes when nothing says (BERT's vocabulary, the study presets' usual sequence length); a plan
+#: that uses either says so
+ASSUMED_VOCAB, ASSUMED_SEQ = 30522, 128
+
+
+def _vocab_and_seq(study: Study, cfg, objective: str) -> tuple[int, int, str, str]:
+    """(vocab size, seq_len, where each came from): the training shards' manifest when it is there, else the
+    objective's preset and overrides (`data.seq_len`), else the study's `cost.vocab_size` / `cost.seq_len`,
+    else `ASSUMED_VOCAB` / `ASSUMED_SEQ` ("assumed")."""
     manifest = study.shards["train"] / "manifest.json"
-    if manifest.is_file():
-        m = json.loads(manifest.read_text())
-        return int(m.get("vocab_size", study.cost.get("vocab_size", 30522))), int(m.get("seq_len", 128))
-    # no shards yet: the preset's seq_len (None: the shards' own), else the cost section's
-    return int(study.cost.get("vocab_size", 30522)), int(cfg.data.seq_len or study.cost.get("seq_len", 128))
+    m = json.loads(manifest.read_text()) if manifest.is_file() else {}
+    if m.get("vocab_size"):
+        vocab, vocab_from = int(m["vocab_size"]), "the shards' manifest"
+    elif study.cost.get("vocab_size"):
+        vocab, vocab_from = int(study.cost["vocab_size"]), "cost.vocab_size"
+    else:
+        vocab, vocab_from = ASSUMED_VOCAB, "assumed"
+    if m.get("seq_len"):
+        seq, seq_from = int(m["seq_len"]), "the shards' manifest"
+    elif cfg.data.seq_len:  # the preset's or the objective's overrides' (None: the shards' own)
+        seq, seq_from = int(cfg.data.seq_len), f"objectives.{objective} data.seq_len"
+    elif study.cost.get("seq_len"):
+        seq, seq_from = int(study.cost["seq_len"]), "cost.seq_len"
+    else:
+        seq, seq_from = ASSUMED_SEQ, "assumed"
+    return vocab, seq, vocab_from, seq_from
 
 
 def plan(study: Study) -> dict[str, Any]:
@@ -49,7 +70,7 @@ def plan(study: Study) -> dict[str, Any]:
     for name in study.objectives:
         cfg = run_config(study, name)
         shape = cfg.model.shape()
-        vocab, seq = _vocab_and_seq(study, cfg)
+        vocab, seq, vocab_from, seq_from = _vocab_and_seq(study, cfg, name)
         batch, steps = cfg.data.global_batch_size, study.steps_of[name]
         precision = cfg.deepspeed.precision
         peak = peak_flops(device, precision, tf32=bool(cfg.deepspeed.tf32))
@@ -74,8 +95,10 @@ def plan(study: Study) -> dict[str, Any]:
         rows.append({"objective": name, "preset": study.objectives[name].preset, "steps": steps,
                      "tokens_per_run": tokens, "runs": runs, "gpu_hours_per_run": run_s / 3600.0,
                      "pretrain_gpu_hours": runs * run_s / 3600.0, "eval_points": points, "finetunes": finetunes,
-                     "finetune_gpu_hours": ft_s / 3600.0, "estimate": how,
-                     "shape": f"{shape['num_layers']}x{shape['hidden_size']}, seq {seq}, batch {batch}"})
+                     "finetune_gpu_hours": ft_s / 3600.0, "estimate": how, "seq_len": seq, "seq_len_from": seq_from,
+                     "vocab_size": vocab, "vocab_size_from": vocab_from,
+                     "shape": f"{shape['num_layers']}x{shape['hidden_size']}, seq {seq}{' (ASSUMED)' if seq_from == 'assumed' else ''}, "
+                              f"batch {batch}"})
         total_pre += runs * run_s
         total_ft += ft_s
     n_obj = len(study.objectives)
@@ -103,6 +126,17 @@ def format_plan(p: dict[str, Any]) -> str:
                  f"{j['eval_array_tasks']} tasks, 1 driver, 1 final)")
     lines.append(f"estimated GPU-hours: {p['gpu_hours']:.4g} (pretraining {p['pretrain_gpu_hours']:.4g}, "
                  f"fine-tuning {p['finetune_gpu_hours']:.3g}; queue time and held-out evaluation not counted)")
+    why = {"seq_len": f"ASSUMED seq_len {ASSUMED_SEQ} for {{}}: no shards' manifest at shards.train yet, no data.seq_len "
+                      "in the preset or overrides, no cost.seq_len; the estimate scales with it: set cost.seq_len to the "
+                      "shards' --seq-len",
+           "vocab_size": f"ASSUMED vocab_size {ASSUMED_VOCAB} for {{}}: no shards' manifest at shards.train yet, no "
+                         "cost.vocab_size: set cost.vocab_size to the tokenizer's size"}
+    for key in ("seq_len", "vocab_size"):
+        assumed = [r["objective"] for r in p["rows"] if r[f"{key}_from"] == "assumed"]
+        if assumed:
+            lines.append(why[key].format(", ".join(assumed)))
+        else:
+            lines.append(f"{key}: " + "; ".join(sorted({f"{r[key]} from {r[key + '_from']}" for r in p["rows"]})))
     lines.append("data (as written; checked at submit): " + ", ".join(f"{k} {v}" for k, v in p["data"].items()))
     return "\n".join(lines)
 

@@ -21,7 +21,7 @@ import inspect
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -42,7 +42,7 @@ class Encoder:
     model: torch.nn.Module
     tokenizer: object
     pooling: SentencePooling
-    weights: str = "converted"  # "converted" (the directory's), or "random_init" (`random_init`)
+    weights: str = "converted"  # "converted" (the directory's), or "random_init <seed>" (`random_init`)
 
     def inputs(self, sentences: Sequence[str]) -> dict[str, torch.Tensor]:
         """The tokenizer's batch, truncated at `max_seq_length`, with only the keys the model's forward takes
@@ -53,13 +53,17 @@ class Encoder:
         return {k: v for k, v in batch.items() if k in accepted}
 
     @torch.no_grad()
-    def embed(self, sentences: Sequence[str], batch_size: int = BATCH_SIZE) -> np.ndarray:
-        """[N, H] float32 embeddings (sentence-transformers' `encode`, numpy output)."""
+    def embed(self, sentences: Sequence[str], batch_size: int = BATCH_SIZE,
+              progress: Optional[Callable[[int], object]] = None) -> np.ndarray:
+        """[N, H] float32 embeddings (sentence-transformers' `encode`, numpy output); `progress(n)` after each
+        batch of n sentences."""
         out = []
         for start in range(0, len(sentences), batch_size):
             batch = self.inputs(sentences[start:start + batch_size])
             hidden = self.model(**batch).last_hidden_state
             out.append(embed_states(hidden, batch["attention_mask"], self.pooling).float().numpy())
+            if progress is not None:
+                progress(len(batch["attention_mask"]))
         return np.concatenate(out) if out else np.zeros((0, self.model.config.hidden_size), np.float32)
 
     @torch.no_grad()
@@ -80,7 +84,7 @@ class Encoder:
             model = AutoModel.from_config(self.model.config).eval()
         finally:
             torch.random.set_rng_state(generator_state)
-        return replace(self, model=model, weights="random_init")
+        return replace(self, model=model, weights=f"random_init {seed}")
 
 
 def content_ids(tokenizer, sentence: str) -> list[int]:
@@ -144,5 +148,6 @@ def open_encoder(model_dir: str | Path, flag: str = "--model", pooling: Optional
     except Exception as err:
         raise ValueError(f"{flag} {err}") from err
     hf_logging.set_verbosity_error()  # "some weights not used" (the MLM head) is expected for AutoModel
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar: the commands draw their own
     model = AutoModel.from_pretrained(str(directory), local_files_only=True).eval()
     return Encoder(directory, model, tokenizer, chosen)

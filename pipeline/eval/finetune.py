@@ -5,7 +5,9 @@ AdamW, linear warm-up then linear decay, dynamic padding per batch, one run per 
 metrics after the last epoch are reported (no checkpoint selection on dev, so the number is not
 tuned on the data it is measured on). Output: one JSON object on stdout (and in `--output`, written
 atomically) with every seed's metrics and, per metric, the mean and the sample standard deviation
-over seeds.
+over seeds. A metric with no value on its predictions (`pipeline.eval.metrics`: a Matthews correlation
+of predictions that are all one class, a correlation of constant scores, a spread of one seed) is
+`null`, never a number, and an `undefined` entry beside it says why.
 
 What pretraining bought: `--random-init` fine-tunes, with the same seeds, data and
 hyperparameters, a randomly initialised model of the same configuration (`from_config`) as well,
@@ -131,26 +133,50 @@ def run_seed(args: argparse.Namespace, spec: TaskSpec, train: Split, splits: dic
 
     predictions = {name: predict(model, _encode(tokenizer, split, args.max_length), args.batch_size, tokenizer,
                                  regression, args.device) for name, split in splits.items()}
-    metrics = {name: task_metrics(spec, predictions[name], np.asarray(split.labels))
-               for name, split in splits.items() if split.labels is not None}
+    scored = {name: task_metrics(spec, predictions[name], np.asarray(split.labels))
+              for name, split in splits.items() if split.labels is not None}
     tail = losses[-steps_per_epoch:] or [float("nan")]
+    dev_metrics, dev_undefined = scored.pop("dev")
     record = {
         "seed": seed,
-        "metrics": metrics.pop("dev"),
+        "metrics": dev_metrics,
         "final_epoch_train_loss": sum(tail) / len(tail),
         "train_seconds": round(train_seconds, 2),
     }
-    if metrics:
-        record["eval_file_metrics"] = metrics
+    if dev_undefined:  # a metric with no value on these predictions: null above, and why here
+        record["undefined"] = dev_undefined
+    if scored:
+        record["eval_file_metrics"] = {name: values for name, (values, _) in scored.items()}
+        undefined = {name: why for name, (_, why) in scored.items() if why}
+        if undefined:
+            record["eval_file_undefined"] = undefined
     return record, (model, tokenizer), predictions
 
 
-def summarise(runs: list[dict]) -> tuple[dict[str, float], dict[str, float]]:
-    """Mean and sample standard deviation (0 for a single seed) of every metric over seeds."""
+def summarise(runs: list[dict]) -> tuple[dict[str, Optional[float]], dict[str, Optional[float]], dict[str, str]]:
+    """(mean, sample standard deviation, why undefined) of every metric over seeds. A mean is undefined
+    (None) when the metric is undefined on any seed; a standard deviation also with a single seed (n - 1 = 0)."""
     names = runs[0]["metrics"].keys()
-    mean = {n: statistics.fmean(r["metrics"][n] for r in runs) for n in names}
-    std = {n: statistics.stdev([r["metrics"][n] for r in runs]) if len(runs) > 1 else 0.0 for n in names}
-    return mean, std
+    mean: dict[str, Optional[float]] = {}
+    std: dict[str, Optional[float]] = {}
+    undefined: dict[str, str] = {}
+    for name in names:
+        values = [r["metrics"][name] for r in runs]
+        missing = [str(r["seed"]) for r in runs if r["metrics"][name] is None]
+        if missing:
+            mean[name] = std[name] = None
+            undefined[name] = f"undefined on seed(s) {', '.join(missing)} (their `undefined` says why)"
+            continue
+        mean[name] = statistics.fmean(values)
+        std[name] = statistics.stdev(values) if len(values) > 1 else None
+    if len(runs) == 1:
+        undefined["std"] = "one seed: a sample standard deviation needs two"
+    return mean, std, undefined
+
+
+def difference(a: dict[str, Optional[float]], b: dict[str, Optional[float]]) -> dict[str, Optional[float]]:
+    """a - b per metric; None where either is undefined."""
+    return {k: None if a[k] is None or b.get(k) is None else a[k] - b[k] for k in a}
 
 
 def prediction_tsv(spec: TaskSpec, split: Split, predictions: np.ndarray) -> str:
@@ -262,7 +288,7 @@ def finetune(args: argparse.Namespace) -> dict:
                     files.append(str(path))
             if save_dir is not None and variant == PRETRAINED:
                 save_model(trained, save_dir if len(args.seeds) == 1 else save_dir / f"seed_{seed}")
-    mean, std = summarise(results[PRETRAINED])
+    mean, std, undefined = summarise(results[PRETRAINED])
     out = {
         "model": str(model_dir),
         "task_dir": str(args.task_dir),
@@ -285,13 +311,15 @@ def finetune(args: argparse.Namespace) -> dict:
         "runs": results[PRETRAINED],
         "mean": mean,
         "std": std,
+        **({"undefined": undefined} if undefined else {}),
         "prediction_files": files,
         "saved_model": str(save_dir) if save_dir is not None else None,
     }
     if args.random_init:
-        r_mean, r_std = summarise(results[RANDOM_INIT])
-        out["random_init"] = {"runs": results[RANDOM_INIT], "mean": r_mean, "std": r_std}
-        out["pretraining_gain"] = {k: mean[k] - r_mean[k] for k in mean}
+        r_mean, r_std, r_undefined = summarise(results[RANDOM_INIT])
+        out["random_init"] = {"runs": results[RANDOM_INIT], "mean": r_mean, "std": r_std,
+                              **({"undefined": r_undefined} if r_undefined else {})}
+        out["pretraining_gain"] = difference(mean, r_mean)
     return out
 
 

@@ -10,9 +10,8 @@ label set and metric (GLUE paper, Wang et al. 2019, Table 1); `generic` detects 
   not purely numeric (ids); one column = single sentence, two = sentence pair;
 * regression when every label parses as a number and not all are integers, else classification.
 
-Metrics are plain numpy so fine-tuning needs no scikit-learn/scipy at run time; the tests check
-them against both. F1 is binary with the positive label `1` (MRPC, QQP); Spearman is the Pearson
-correlation of average ranks.
+Metrics: `pipeline.eval.metrics` (scikit-learn and scipy; an undefined one is null with its reason).
+F1 is binary with the positive label `1` (MRPC, QQP).
 """
 from __future__ import annotations
 
@@ -197,70 +196,28 @@ def subset_split(split: Split, n: int, seed: int) -> Split:
     return Split([split.texts[i] for i in rows], labels, index)
 
 
-# ---- metrics -------------------------------------------------------------------------------
+# ---- metrics ----------------------------------------------------------------------------------
 
 
-def accuracy(pred: np.ndarray, gold: np.ndarray) -> float:
-    return float(np.mean(pred == gold))
+def task_metrics(spec: TaskSpec, predictions: np.ndarray, gold: np.ndarray) -> tuple[dict[str, Optional[float]],
+                                                                                     dict[str, str]]:
+    """The task's metrics (`pipeline.eval.metrics`: scikit-learn / scipy): ({name: value, None when undefined},
+    {name: why undefined}); classification `predictions` are class indices, regression ones floats."""
+    from pipeline.eval import metrics
 
-
-def f1_binary(pred: np.ndarray, gold: np.ndarray, positive: int) -> float:
-    tp = float(np.sum((pred == positive) & (gold == positive)))
-    fp = float(np.sum((pred == positive) & (gold != positive)))
-    fn = float(np.sum((pred != positive) & (gold == positive)))
-    return 0.0 if tp == 0 else 2 * tp / (2 * tp + fp + fn)
-
-
-def matthews(pred: np.ndarray, gold: np.ndarray) -> float:
-    """Multi-class Matthews correlation (Gorodkin's R_K); 0 when undefined, as scikit-learn."""
-    classes = np.union1d(pred, gold)
-    conf = np.array([[np.sum((gold == a) & (pred == b)) for b in classes] for a in classes], dtype=np.float64)
-    t, p = conf.sum(axis=1), conf.sum(axis=0)
-    c, s = np.trace(conf), conf.sum()
-    denom = math.sqrt((s * s - p @ p) * (s * s - t @ t))
-    return 0.0 if denom == 0 else float((c * s - t @ p) / denom)
-
-
-def pearson(x: np.ndarray, y: np.ndarray) -> float:
-    x, y = x - x.mean(), y - y.mean()
-    denom = math.sqrt(float(x @ x) * float(y @ y))
-    return 0.0 if denom == 0 else float(x @ y) / denom
-
-
-def average_ranks(x: np.ndarray) -> np.ndarray:
-    """1-based ranks, ties sharing their average rank."""
-    order = np.argsort(x, kind="mergesort")
-    sorted_x = x[order]
-    first = np.r_[True, sorted_x[1:] != sorted_x[:-1]] if len(x) else np.zeros(0, dtype=bool)
-    starts = np.flatnonzero(first)  # each run of equal values shares (start + end) / 2 + 1 (0-based ends)
-    ends = np.r_[starts[1:], len(x)] - 1
-    ranks = np.empty(len(x), dtype=np.float64)
-    ranks[order] = ((starts + ends) / 2 + 1)[np.cumsum(first) - 1]
-    return ranks
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    return pearson(average_ranks(x), average_ranks(y))
-
-
-def task_metrics(spec: TaskSpec, predictions: np.ndarray, gold: np.ndarray) -> dict[str, float]:
-    """The task's metrics; classification `predictions` are class indices, regression ones floats."""
-    out: dict[str, float] = {}
-    for name in spec.metrics:
-        if name == "accuracy":
-            out[name] = accuracy(predictions, gold)
-        elif name == "f1":
-            assert spec.labels is not None
-            out[name] = f1_binary(predictions, gold, spec.labels.index(spec.positive_label))
-        elif name == "matthews":
-            out[name] = matthews(predictions, gold)
-        elif name == "pearson":
-            out[name] = pearson(predictions.astype(np.float64), gold.astype(np.float64))
-        elif name == "spearman":
-            out[name] = spearman(predictions.astype(np.float64), gold.astype(np.float64))
-        else:  # pragma: no cover - the table above only names these
-            raise ValueError(f"unknown metric {name}")
-    return out
+    if spec.labels is None:
+        x, y = predictions.astype(np.float64), gold.astype(np.float64)
+        table = {"pearson": lambda: metrics.pearson(x, y, ("predicted score", "gold score")),
+                 "spearman": lambda: metrics.spearman(x, y, ("predicted score", "gold score"))}
+    else:
+        labels = spec.labels
+        table = {"accuracy": lambda: metrics.accuracy(predictions, gold),
+                 "f1": lambda: metrics.f1_binary(predictions, gold, labels.index(spec.positive_label)),
+                 "matthews": lambda: metrics.matthews(predictions, gold)}
+    unknown = [name for name in spec.metrics if name not in table]
+    if unknown:  # pragma: no cover - the task table names only these
+        raise ValueError(f"metrics {unknown}: not for a {'regression' if spec.labels is None else 'classification'} task")
+    return metrics.metric_values({name: table[name] for name in spec.metrics})
 
 
 def resolve_task(

@@ -1,5 +1,6 @@
 """The shared tail of the evaluation commands (`cpt-finetune`, `cpt-sts`): run the measurement with torch's
-CPU thread count as asked, print its JSON result, and write it atomically where `--out`/`--output` says; an
+CPU thread count as asked, print its JSON result (or a person's rendering of it), and write the JSON
+atomically where `--out`/`--output` says; an
 expected failure (bad input, found before any compute) is one line on stderr and exit code 2."""
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def run_json_command(compute: Callable[[], dict], threads: int, output: Optional[str],
-                     errors: tuple[type[BaseException], ...] = (ValueError,)) -> int:
+                     errors: tuple[type[BaseException], ...] = (ValueError,),
+                     render: Optional[Callable[[dict], str]] = None) -> int:
     """`compute()` under `threads` torch threads (0: torch's default; small models on a shared CPU can be far
-    slower with more), its result printed as JSON and written to `output` (atomically) when given. Exit code 0,
-    or 2 with `error: <message>` for an exception of `errors`; the thread count is restored either way."""
+    slower with more), its result printed as JSON (or as `render(result)`, text for a person) and written to
+    `output` as JSON (atomically) when given. Exit code 0, or 2 with `error: <message>` for an exception of
+    `errors`; the thread count is restored either way."""
     previous_threads = torch.get_num_threads()
     if threads > 0:
         torch.set_num_threads(threads)
@@ -39,5 +42,5 @@ def run_json_command(compute: Callable[[], dict], threads: int, output: Optional
     text = json.dumps(result, indent=2)
     if output:
         write_atomic(Path(output), text + "\n")
-    print(text)
+    print(text if render is None else render(result))
     return 0

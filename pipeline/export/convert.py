@@ -71,8 +71,8 @@ from pipeline.export.consolidated import consolidated_files, fill_tied, load_con
 from pipeline.export.health_check import HealthReport, announce, check_health
 from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
-from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY, POOLINGS, SentencePooling, chosen_pooling, \
-    pooling_problem, write_sentence_config
+from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY, POOLINGS, TRANSFORMER_DIR, SentencePooling, \
+    chosen_pooling, pooling_problem, write_sentence_config
 from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.pretrain.build import model_from_meta
@@ -284,7 +284,8 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
     encoder = encoder_config_from_dict(meta.encoder_config)
     _write_hf_model(directory, export.main, encoder, meta, tokenizer)
     sentence = sentence or sentence_pooling(meta, encoder, tokenizer, None, None)
-    write_sentence_config(directory, sentence, encoder.hidden_size)
+    write_sentence_config(directory, sentence, encoder.hidden_size, tokenizer)
+    clean_tokenizer_config(directory / TRANSFORMER_DIR)
     if export.objective_heads:
         write_objective_heads(directory / OBJECTIVE_HEADS_FILE, model, export.objective_heads, meta)
     if with_generator:

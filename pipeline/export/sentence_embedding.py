@@ -3,11 +3,22 @@ sentence, and the files that make `SentenceTransformer(dir)` load it as it is (o
 
 Files (the classic layout every sentence-transformers release since 2.x reads; 6.x reads it silently):
 
-    modules.json                       0: Transformer (the directory's own HF model), 1: Pooling[, 2: Normalize]
-    sentence_bert_config.json          max_seq_length (the model's position table), do_lower_case false
+    modules.json                       0: Transformer (0_Transformer/), 1: Pooling[, 2: Normalize]
     config_sentence_transformers.json  similarity_fn_name cosine
+    0_Transformer/                     the encoder alone as an `AutoModel` checkpoint (BertModel without its
+                                       pooler, ModernBertModel), its tokenizer, and sentence_bert_config.json
+                                       (max_seq_length: the model's position table; do_lower_case false;
+                                       model_args add_pooling_layer false for BERT)
     1_Pooling/config.json              word_embedding_dimension, pooling_mode_* (one true)
     2_Normalize/                       only when the objective's representation is compared by cosine
+
+Why a folder of its own: the directory's root holds the `*ForMaskedLM` checkpoint (the MLM head, what
+fill-mask and `AutoModelForMaskedLM` load), and `AutoModel` reading it reports the head's weights as
+unexpected (`cls.predictions.*`, `head.*`, `decoder.bias`) and BERT's pooler, never trained by any of
+these objectives, as missing and newly initialised. `SentenceTransformer(dir)` loads the encoder from
+`0_Transformer/` instead, whose keys are exactly `AutoModel`'s (no pooler: sentence-transformers pools
+the token states, never the pooler's output), so the load reports nothing. The cost: a second copy of
+the encoder's weights on disk (the root keeps its own for the masked-LM head).
 
 The pooling (`default_pooling`): the sequence representation the run's own objective reads in
 pretraining, stripped of its training head; `cpt-convert --pooling` chooses another.
@@ -50,7 +61,7 @@ SEQUENCE_OBJECTIVES = ("capt", "cocolm", "infoword")
 MODULES_FILE = "modules.json"
 ST_CONFIG_FILE = "sentence_bert_config.json"
 ST_MODEL_CONFIG_FILE = "config_sentence_transformers.json"
-POOLING_DIR, NORMALIZE_DIR = "1_Pooling", "2_Normalize"
+TRANSFORMER_DIR, POOLING_DIR, NORMALIZE_DIR = "0_Transformer", "1_Pooling", "2_Normalize"
 #: The key of the export's pipeline_meta.json that records the choice (and why).
 META_KEY = "sentence_embedding"
 #: Pooling config keys of sentence-transformers 2.x-5.x (6.x maps them to `pooling_mode`).
@@ -149,14 +160,17 @@ def embed_states(hidden: Tensor, attention_mask: Tensor, pooling: SentencePoolin
     return torch.nn.functional.normalize(vectors, p=2, dim=1) if pooling.normalize else vectors
 
 
-def write_sentence_config(directory: Path, pooling: SentencePooling, hidden_size: int) -> None:
-    """The files of the module docstring, into `directory` (beside config.json and the weights)."""
-    modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+def write_sentence_config(directory: Path, pooling: SentencePooling, hidden_size: int, tokenizer) -> None:
+    """The files of the module docstring, into `directory`, whose root already holds the export's config.json,
+    weights and tokenizer (`0_Transformer/` is made from them: `write_encoder_module`)."""
+    modules = [{"idx": 0, "name": "0", "path": TRANSFORMER_DIR, "type": "sentence_transformers.models.Transformer"},
                {"idx": 1, "name": "1", "path": POOLING_DIR, "type": "sentence_transformers.models.Pooling"}]
     if pooling.normalize:
         modules.append({"idx": 2, "name": "2", "path": NORMALIZE_DIR, "type": "sentence_transformers.models.Normalize"})
+    model_args = write_encoder_module(directory, directory / TRANSFORMER_DIR, tokenizer)
     _write_json(directory / MODULES_FILE, modules)
-    _write_json(directory / ST_CONFIG_FILE, {"max_seq_length": pooling.max_seq_length, "do_lower_case": False})
+    _write_json(directory / TRANSFORMER_DIR / ST_CONFIG_FILE, {"max_seq_length": pooling.max_seq_length,
+                                                              "do_lower_case": False, "model_args": model_args})
     _write_json(directory / ST_MODEL_CONFIG_FILE, {"prompts": {}, "default_prompt_name": None,
                                                    "similarity_fn_name": "cosine"})
     config: dict[str, Any] = {"word_embedding_dimension": hidden_size}
@@ -166,6 +180,29 @@ def write_sentence_config(directory: Path, pooling: SentencePooling, hidden_size
     _write_json(directory / POOLING_DIR / "config.json", config)
     if pooling.normalize:
         (directory / NORMALIZE_DIR).mkdir(parents=True, exist_ok=True)
+
+
+def write_encoder_module(root: Path, into: Path, tokenizer) -> dict[str, Any]:
+    """The encoder of the `*ForMaskedLM` checkpoint in `root` as an `AutoModel` checkpoint in `into` (with the
+    tokenizer), written by transformers itself: loaded with `AutoModel` and saved. BERT's pooler is left out
+    (`add_pooling_layer=False`); the returned `model_args` make the load by sentence-transformers do the same."""
+    from transformers import AutoConfig, AutoModel
+    from transformers.utils import logging as hf_logging
+
+    config = AutoConfig.from_pretrained(str(root), local_files_only=True)
+    model_args = {"add_pooling_layer": False} if config.model_type == "bert" else {}
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # reading the encoder out of the masked-LM checkpoint: the head is left behind
+    hf_logging.disable_progress_bar()  # its "Loading weights" / "Writing model shards" bars: not the user's concern
+    try:
+        encoder = AutoModel.from_pretrained(str(root), config=config, local_files_only=True, **model_args)
+        encoder.save_pretrained(str(into))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+    tokenizer.save_pretrained(str(into))
+    return model_args
 
 
 def read_sentence_config(directory: Path) -> Optional[SentencePooling]:
@@ -182,7 +219,8 @@ def read_sentence_config(directory: Path) -> Optional[SentencePooling]:
         pooling_dir = next(m["path"] for m in modules if str(m["type"]).endswith("Pooling"))
         pooling_path = directory / pooling_dir / "config.json"
         config = json.loads(pooling_path.read_text())
-        st_file = directory / ST_CONFIG_FILE
+        transformer_dir = next(m.get("path", "") for m in modules if str(m["type"]).endswith("Transformer"))
+        st_file = directory / transformer_dir / ST_CONFIG_FILE  # "": the root (directories converted before)
         st_config = json.loads(st_file.read_text()) if st_file.is_file() else {}
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as err:
         raise ValueError(f"{modules_file}: not a sentence-transformers layout this project reads "

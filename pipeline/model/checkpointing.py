@@ -57,3 +57,23 @@ def run_layer(fn: Callable[..., Any], *args: Any, checkpointed: bool) -> Any:
     if checkpointed and torch.is_grad_enabled():
         return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=True)
     return fn(*args)
+
+
+def describe(model: torch.nn.Module) -> str:
+    """The start-up line of a model with checkpointed layers: per layer stack (the encoder, a COCO-LM
+    generator), how many of its layers recompute their activations in backward; '' when none does."""
+    parts = []
+    for name, module in model.named_modules():
+        period = getattr(module, "checkpoint_period", 0)
+        layers = getattr(module, "layers", None) or getattr(module, "layer", None)
+        if not period or not isinstance(layers, torch.nn.ModuleList):
+            continue
+        chosen = sum(is_checkpointed(i, period) for i in range(len(layers)))
+        which = "every layer" if period == 1 else f"one in {period}: layers 0, {period}, {2 * period}, ..."
+        parts.append(f"{name or 'model'}: {chosen} of {len(layers)} layers ({which})")
+    if not parts:
+        return ""
+    return ("activation checkpointing on (model.activation_checkpointing): " + "; ".join(parts)
+            + " recompute their activations in backward: less activation memory, about one more forward pass "
+              "of those layers per step")
+

@@ -40,8 +40,9 @@ ignores the input. The objectives and `pipeline.monitor.health` log each referen
   collapsed.
 
 One logged step is one micro-batch sample of each term: `final_signals(records)` judges the mean
-over the last `TAIL_FRACTION` of a run's logged steps, and `still_improving` compares that window
-with the one before it. The training loop logs `format_signals` (one line) on its logged steps;
+over the last `TAIL_FRACTION` of a run's logged steps, and `trend` / `still_improving` compare that
+window with the one before it, counting a move only beyond noise (`TREND_Z` standard errors of the
+difference and `TREND_MIN_RELATIVE` of the value). The training loop logs `format_signals` (one line) on its logged steps;
 the model card, the demo health report and the time-to-quality runs table carry the same pairs.
 """
 from __future__ import annotations
@@ -64,6 +65,12 @@ PLATEAU_MARGIN = 0.01
 ENTROPY_RATIO = 0.98
 #: Share of a run's logged steps whose mean is "the end" (and the window before it: "before the end").
 TAIL_FRACTION = 0.2
+#: A window-over-window move is a trend only beyond this many standard errors of the difference of the two
+#: window means (~95% two-sided under a normal approximation) ...
+TREND_Z = 2.0
+#: ... and only when it is at least this share of the earlier mean: a signal at chance moving 0.0002 (0.01%)
+#: is not "improving", however smooth its logged values.
+TREND_MIN_RELATIVE = 1e-3
 
 PLATEAU_KEY = "health/unigram_accuracy"
 ENTROPY_KEY = "health/unigram_entropy"
@@ -219,12 +226,38 @@ def final_signals(records: Sequence[Mapping[str, Any]], fraction: float = TAIL_F
     return learning_signals(mean_metrics(records[tail_windows(len(records), fraction)[1]]))
 
 
-def still_improving(records: Sequence[Mapping[str, Any]], signal: Signal, fraction: float = TAIL_FRACTION) -> bool:
-    """Is `signal.term` still moving its good way at the end: its mean over the last `fraction` of the
-    logged steps strictly below (lower is better) / above (higher) its mean over the `fraction` before?
-    False when either window has no value."""
+def _values(records: Sequence[Mapping[str, Any]], term: str) -> list[float]:
+    return [v for r in records if (v := _number(r.get(term))) is not None and math.isfinite(v)]
+
+
+def trend(records: Sequence[Mapping[str, Any]], signal: Signal, fraction: float = TAIL_FRACTION,
+          min_z: float = TREND_Z) -> str:
+    """How `signal.term` moves at the end: "improving" (its good way), "worsening", or "" (no window before the
+    end, or a move within noise). The move is the mean over the last `fraction` of the logged steps minus the
+    mean over the `fraction` before; it counts when it is at least `TREND_MIN_RELATIVE` of the earlier mean and,
+    with `min_z` > 0, at least `min_z` standard errors of that difference (Welch: sqrt(s1^2/n1 + s2^2/n2) over
+    the two windows' logged values; fewer than 2 values in a window: no claim)."""
     before, end = tail_windows(len(records), fraction)
-    means = [mean_metrics(records[window]).get(signal.term) for window in (before, end)]
-    if means[0] is None or means[1] is None:
-        return False
-    return means[1] < means[0] if signal.direction == "lower" else means[1] > means[0]
+    a, b = _values(records[before], signal.term), _values(records[end], signal.term)
+    if not a or not b:
+        return ""
+    mean_a, mean_b = sum(a) / len(a), sum(b) / len(b)
+    move = mean_b - mean_a
+    if abs(move) < TREND_MIN_RELATIVE * abs(mean_a) or move == 0:
+        return ""
+    if min_z > 0:
+        if len(a) < 2 or len(b) < 2:
+            return ""
+        var_a = sum((v - mean_a) ** 2 for v in a) / (len(a) - 1)
+        var_b = sum((v - mean_b) ** 2 for v in b) / (len(b) - 1)
+        if abs(move) < min_z * math.sqrt(var_a / len(a) + var_b / len(b)):
+            return ""
+    good = move < 0 if signal.direction == "lower" else move > 0
+    return "improving" if good else "worsening"
+
+
+def still_improving(records: Sequence[Mapping[str, Any]], signal: Signal, fraction: float = TAIL_FRACTION,
+                    min_z: float = TREND_Z) -> bool:
+    """Is `signal.term` still moving its good way at the end, beyond noise (`trend`)? A collapse measure
+    (`health/token_cosine`, lower is better) rising towards collapse is "worsening", never improving."""
+    return trend(records, signal, fraction, min_z) == "improving"

@@ -176,7 +176,7 @@ def _train(cfg: RunConfig, check_only: bool, preemption: PreemptionHandler, reci
         check_output_dir(Path(cfg.train.output_dir), world.rank)
         hold_run_dir(cfg.train.output_dir, world.rank)  # one writer per run directory (exit 2 naming the holder)
         exit_record.begin(Path(cfg.train.output_dir), world.rank == 0, name=cfg.name,  # run_state.json (cpt-status)
-                          total_steps=cfg.train.total_steps)
+                          total_steps=cfg.train.total_steps, arch=cfg.model.arch, size=cfg.model.size)
     # identical initial weights on every rank, for any world size
     model = build_run_model(plan.schedule.run_config(plan.schedule.phases[0]), plan, warm_start=target is None)
     if target is not None:

@@ -162,6 +162,10 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
         log.info("%s: %s, ZeRO %d, %s, optimizer %s, %d parameters", cfg.name, plan.batch, plan.zero_stage,
                  cfg.deepspeed.precision, resolve_impl(cfg.optim, device.type, offload),
                  sum(p.numel() for p in model.parameters()))
+        from pipeline.model.checkpointing import describe
+
+        if checkpointed := describe(model):  # memory for compute: say so where the run says what it is
+            log.info("%s", checkpointed)
     return Run(cfg, plan, info, device, model, engine, optimizer, batches, state, meta, flop_counter,
                MetricsWriter.for_run(cfg, info.is_main, state.step, recipe,  # train.trackers; a rewind: new runs
                                      rewound=bool(target and target.set_aside)),

@@ -17,15 +17,21 @@ hooks return at once, and `torch.profiler` is never imported. The loop calls thr
 `step_begin(step)` before the step's first micro-batch, `step_end(step)` after its all-reduce (the
 host has waited for the device there, so the last kernels are in the trace) and `close()` on the way
 out (a run stopped inside the window still writes the steps it profiled). A run resumed inside the
-window profiles its remaining steps; one resumed after it profiles nothing.
+window profiles its remaining steps; one resumed after it profiles nothing. Kineto's own tracing lines
+(`USDT:... profiler_start` / `profiler_stop`, printed by native code to stderr) are dropped
+(`native_stderr_filtered`); any other native output of those calls still reaches stderr.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import re
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -56,6 +62,35 @@ class ProfileConfig:
         if last > total_steps:
             raise ConfigError(f"train.profile: steps {self.start}-{last} end after train.total_steps={total_steps}; "
                               f"start at most {max(1, total_steps - self.steps + 1)} or profile fewer steps")
+
+
+#: What kineto (torch.profiler's native tracer) prints straight to file descriptor 2 on every start and stop, e.g.
+#: `USDT:2026-11-28 18:37:46 8347:8347 SyncActivityProfilerHandler.cpp:52] profiler_start`: its own tracing
+#: points, nothing a user acts on; KINETO_LOG_LEVEL does not silence them.
+KINETO_NOISE = re.compile(r"^(USDT|STAGE):\d{4}-\d\d-\d\d [\d:.]+ \d+:\d+ \S+\.cpp:\d+\] ")
+
+
+@contextlib.contextmanager
+def native_stderr_filtered(noise: re.Pattern = KINETO_NOISE) -> Iterator[None]:
+    """Run the block with file descriptor 2 sent to a temporary file, then write every captured line that
+    is not `noise` back to stderr (a real native warning still shows, after the block). The noise lines are
+    dropped, so they never land in the run's log. Only around the profiler's start and stop: short calls."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            lines = captured.read().decode(errors="replace").splitlines(keepends=True)
+            kept = [line for line in lines if not noise.match(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
 
 
 class StepProfiler:
@@ -89,7 +124,8 @@ class StepProfiler:
 
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self._prof = profile(activities=activities, record_shapes=True)
-            self._prof.start()
+            with native_stderr_filtered():  # kineto's USDT line
+                self._prof.start()
         self._range = torch.profiler.record_function(f"ProfilerStep#{step}")
         self._range.__enter__()
         self._steps.append(step)
@@ -113,7 +149,8 @@ class StepProfiler:
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the window's last kernels belong in the trace
         prof, self._prof = self._prof, None
-        prof.stop()
+        with native_stderr_filtered():  # kineto's USDT line
+            prof.stop()
         try:
             self._write(prof)
         except OSError as err:  # diagnostics: a full disk here must not end (or mask the end of) the run

@@ -69,7 +69,13 @@ def test_demo_runs_every_stage_and_prints_a_fill_mask(tmp_path: Path, monkeypatc
     assert summary["outcome"]["trained"]["unigram_acc"] == val["val/health/unigram_accuracy"]
     init = summary["outcome"]["random_init"]
     assert 0 <= init["mlm_acc"] <= 1 and init["mlm_loss"] > 0 and init["mlm_loss"] != val["val/mlm_head/loss"]
-    assert summary["outcome"]["heldout_sequences"] > 0 and (out / "outcome.json").is_file()
+    assert (out / "outcome.json").is_file()
+    # the outcome measures what --objective mlm trains (issue 58: it printed a TACO loss), never TACO's probes
+    assert "TACO" not in printed and "taco_loss" not in summary["outcome"]["trained"]
+    signals = {s["term"]: s for s in summary["outcome"]["objective_signals"]}
+    assert set(signals) == {"val/mlm/accuracy", "val/mlm/loss"}
+    assert signals["val/mlm/loss"]["trained"] == val["val/mlm/loss"] and signals["val/mlm/loss"]["random_init"] > 0
+    assert "  mlm signal  val/mlm/loss " in printed
     assert "validation at step 2" in printed
     assert "starting: imports, config and data checks" in printed  # the op-build note before the quiet start
     predictions = summary["fill_mask"][0]["predictions"]
@@ -102,6 +108,10 @@ def test_a_user_corpus_too_small_to_hold_out_is_trained_on_whole(tmp_path: Path,
     manifest, held = build_demo_shards(corpus, tiny_tokenizer_dir, tmp_path / "shards", args, num_proc=1)
     assert held is None and not (tmp_path / "shards" / DEFAULT_SUBDIR).exists()  # no validation, all trained on
     assert manifest.stats["documents"] == 20
+    one = tmp_path / "one.txt"  # a single document the rule does not hold out: no validation set at all
+    one.write_text("The river flows past the old mill near the hills, and the mill grinds the grain. " * 4)
+    manifest, held = build_demo_shards(one, tiny_tokenizer_dir, tmp_path / "shards1", args, num_proc=1)
+    assert held is None and manifest.stats["documents"] == 1
     args.corpus = []  # the installation's documentation that small: an error naming --corpus
     with pytest.raises(ValueError, match="too small.*--corpus PATH"):
         build_demo_shards(corpus, tiny_tokenizer_dir, tmp_path / "shards2", args, num_proc=1)

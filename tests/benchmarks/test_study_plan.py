@@ -130,3 +130,24 @@ def test_submit_and_status_without_slurm_on_path_say_so_in_one_line(tmp_path: Pa
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
     assert "SLURM's commands are not on PATH" in out.stderr
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["jobs.jsonl"]  # nothing made or queued
+
+
+def test_plan_says_where_its_seq_len_comes_from_and_what_it_assumed(tmp_path: Path) -> None:
+    """Issue 57: without the data variables the plan estimated at seq_len 128 without a word (5x off for 64-token
+    shards). Now the row and a line say where seq_len and vocab_size came from, and ASSUMED when nothing said."""
+    from benchmarks.study.plan import format_plan
+
+    bare = {"tokens_per_s": {"mlm": 1000.0}}
+    assumed = plan(load_study(_study(tmp_path, cost=bare), check_data=False))
+    text = format_plan(assumed)
+    assert assumed["rows"][0]["seq_len_from"] == "assumed" and "seq 128 (ASSUMED)" in text
+    assert "ASSUMED seq_len 128 for mlm: no shards' manifest at shards.train yet" in text
+    assert "ASSUMED vocab_size 30522 for mlm" in text
+    overridden = _study(tmp_path, cost=bare, objectives={"mlm": {"preset": "tiny-mlm", "overrides": ["data.seq_len=64"]}})
+    p = plan(load_study(overridden, check_data=False))
+    assert p["rows"][0]["seq_len"] == 64 and p["rows"][0]["seq_len_from"] == "objectives.mlm data.seq_len"
+    assert p["rows"][0]["gpu_hours_per_run"] == pytest.approx(assumed["rows"][0]["gpu_hours_per_run"] / 2)
+    stated = format_plan(plan(load_study(_study(tmp_path, cost={**bare, "seq_len": 64, "vocab_size": 4096}),
+                                         check_data=False)))
+    assert "seq_len: 64 from cost.seq_len" in stated and "vocab_size: 4096 from cost.vocab_size" in stated
+    assert "ASSUMED" not in stated

@@ -74,7 +74,8 @@ def test_regression_task_reports_correlations(converted, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["problem"] == "regression" and result["metric"] == "pearson"
     assert result["runs"][0]["metrics"]["pearson"] > 0.7 and result["runs"][0]["metrics"]["spearman"] > 0.7
-    assert result["std"] == {"pearson": 0.0, "spearman": 0.0}
+    # one seed has no spread: null with the reason, never 0
+    assert result["std"] == {"pearson": None, "spearman": None} and "one seed" in result["undefined"]["std"]
 
 
 def test_bad_arguments_are_named(tmp_path, capsys):
@@ -83,3 +84,27 @@ def test_bad_arguments_are_named(tmp_path, capsys):
     assert "--model" in capsys.readouterr().err
     assert main(["--model", str(tmp_path), "--task-dir", str(task), "--lr", "0"]) == 2
     assert "--lr must be positive" in capsys.readouterr().err
+
+
+def test_an_undefined_metric_is_null_with_its_reason(converted, tmp_path, capsys):
+    """Issue 57: a one-pair STS-B dev set (no correlation exists) reported Pearson and Spearman 0.0, and a
+    pretraining gain of 0.0 from them. Now null, with `undefined` saying why, for each seed, the mean and the gain."""
+    task = tmp_path / "sts1"
+    task.mkdir()
+    rng = random.Random(2)
+    for name, n in (("train", 16), ("dev", 1)):
+        lines = ["index\tsentence1\tsentence2\tscore"]
+        lines += [f"{i}\t{' '.join(rng.choice(WORDS) for _ in range(5))}\t{' '.join(rng.choice(WORDS) for _ in range(5))}"
+                  f"\t{rng.choice([0.5, 2.5, 4.5])}" for i in range(n)]
+        (task / f"{name}.tsv").write_text("\n".join(lines) + "\n")
+    argv = ["--model", str(converted("zero0-1rank-mlm")), "--task-dir", str(task), "--task", "stsb", "--seeds", "1",
+            "2", "--epochs", "1", "--batch-size", "8", "--max-length", "16", "--threads", "1", "--random-init"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    for run in result["runs"] + result["random_init"]["runs"]:
+        assert run["metrics"] == {"pearson": None, "spearman": None}
+        assert run["undefined"]["pearson"] == "1 pair: a correlation needs at least 2"
+    assert result["mean"] == {"pearson": None, "spearman": None} and result["std"] == result["mean"]
+    assert result["undefined"]["pearson"].startswith("undefined on seed(s) 1, 2")
+    assert result["pretraining_gain"] == {"pearson": None, "spearman": None}

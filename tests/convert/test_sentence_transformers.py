@@ -150,8 +150,8 @@ def test_files_are_written_without_sentence_transformers(runs, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    for name in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json",
-                 "1_Pooling/config.json"):
+    for name in ("modules.json", "0_Transformer/sentence_bert_config.json", "config_sentence_transformers.json",
+                 "0_Transformer/model.safetensors", "1_Pooling/config.json"):
         assert (out / name).is_file(), name
     assert (out / "2_Normalize").is_dir()
     modules = json.loads((out / "modules.json").read_text())
@@ -161,3 +161,30 @@ def test_files_are_written_without_sentence_transformers(runs, tmp_path):
     pooling = json.loads((out / "1_Pooling" / "config.json").read_text())
     assert pooling["pooling_mode_cls_token"] is True and pooling["word_embedding_dimension"] == 64
     assert sum(v is True for k, v in pooling.items() if k.startswith("pooling_mode")) == 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sentence_transformers_loads_the_export_without_a_load_report(family, runs, tmp_path):
+    """Issue 58: `SentenceTransformer(dir)` printed transformers' load report (the MLM head's keys unexpected,
+    BERT's pooler missing and newly initialised). The Transformer module is `0_Transformer/`, an AutoModel
+    checkpoint of the encoder alone: a load in a fresh process says nothing of keys, on stderr or as a warning."""
+    pytest.importorskip("sentence_transformers")
+    out = convert(runs("tiny-mlm", family), tmp_path / "hf")
+    code = ("import warnings, logging; warnings.simplefilter('always'); logging.captureWarnings(True)\n"
+            "from sentence_transformers import SentenceTransformer\n"
+            f"m = SentenceTransformer({str(out)!r}, device='cpu', local_files_only=True)\n"
+            "print(type(m[0].auto_model).__name__, m.encode(['a b']).shape)")
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_VERBOSITY": "info"}  # every report transformers has, not only its warnings
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[0] == ("ModernBertModel" if family == "modernbert" else "BertModel")
+    for word in ("LOAD REPORT", "UNEXPECTED", "MISSING", "newly initialized", "not used", "Warning"):
+        assert word not in proc.stderr, proc.stderr[-3000:]
+    state = json.loads((out / "0_Transformer" / "config.json").read_text())
+    assert state["architectures"] == [("ModernBertModel" if family == "modernbert" else "BertModel")]
+    from safetensors import safe_open
+
+    with safe_open(str(out / "0_Transformer" / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert not any(k.startswith(("cls.", "head.", "decoder.", "pooler.")) for k in keys)

@@ -27,7 +27,8 @@ from pipeline.train.exit_record import RUN_STATE_FILE
 def status_json(capsys, run: Path) -> dict:
     capsys.readouterr()
     assert status_main([str(run), "--json"]) == 0
-    (s,) = json.loads(capsys.readouterr().out)
+    (line,) = capsys.readouterr().out.splitlines()  # --json: one object per run, one per line
+    s = json.loads(line)
     return s
 
 

@@ -5,6 +5,8 @@ dense/masked paths, eager and compiled, and a ZeRO-3 training run logs the same 
 refused naming the field before any compute."""
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -14,7 +16,7 @@ from pipeline.config.checks import ConfigError
 from pipeline.train.run_config import load_config
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.pretrain.build import build_pretrain_model
-from pipeline.model.checkpointing import checkpoint_period, is_checkpointed
+from pipeline.model.checkpointing import checkpoint_period, describe, is_checkpointed
 from pipeline.model.encoder import build_encoder_config
 from pipeline.model.modernbert import MODERNBERT_SIZES, ModernBertConfig
 from tests.train.runs import metric_rows, run_inprocess
@@ -167,18 +169,34 @@ def test_bad_value_exits_2_before_compute(tiny_shards_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("arch, engine", [("bert", "zero3"), ("modernbert", "zero2")])
-def test_deepspeed_run_logs_the_same_metrics(arch, engine, tiny_shards_dir, tmp_path):
+def test_deepspeed_run_logs_the_same_metrics(arch, engine, tiny_shards_dir, tmp_path, caplog):
     """A 3-step run through the DeepSpeed engine (ZeRO-3 gathers the partitioned weights again for the
-    recompute) with dropout on: every logged metric of every step equals the run without checkpointing."""
-    runs = {}
+    recompute) with dropout on: every logged metric of every step equals the run without checkpointing. The
+    run says at start-up that its layers are checkpointed (issue 58: nothing said so)."""
+    runs, said = {}, {}
     for setting in ("none", "all"):
         out = tmp_path / setting
-        assert run_inprocess("tiny-mlm", tiny_shards_dir, out, f"model.arch={arch}", f"deepspeed.config={engine}",
-                             "train.total_steps=3", "train.checkpoint_every=3",
-                             f"model.activation_checkpointing={setting}") == 0
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="pipeline.train"):
+            assert run_inprocess("tiny-mlm", tiny_shards_dir, out, f"model.arch={arch}", f"deepspeed.config={engine}",
+                                 "train.total_steps=3", "train.checkpoint_every=3",
+                                 f"model.activation_checkpointing={setting}") == 0
         runs[setting] = metric_rows(out)
+        said[setting] = [r.getMessage() for r in caplog.records if "activation checkpointing" in r.getMessage()]
     assert sorted(runs["none"]) == [1, 2, 3]
     assert runs["all"] == runs["none"]  # every metric but timing and memory (`metric_rows` drops those)
+    assert said["none"] == [] and len(said["all"]) == 1
+    assert said["all"][0].startswith("activation checkpointing on (model.activation_checkpointing): ")
+    layers = 2 if arch == "bert" else 3  # the tiny sizes' depths
+    assert f"bert.encoder: {layers} of {layers} layers (every layer) recompute their activations" in said["all"][0]
+
+
+def test_the_start_up_line_names_each_stack_and_its_layers():
+    model = make("bert", "cocolm", "2")  # 3 encoder layers and a 2-layer generator, every 2nd checkpointed
+    line = describe(model)
+    assert ": 2 of 3 layers (one in 2: layers 0, 2, 4, ...)" in line
+    assert ": 1 of 2 layers (one in 2: layers 0, 2, 4, ...)" in line  # the generator
+    assert describe(make("bert", "mlm", "none")) == ""
 
 
 def test_a_warm_start_is_checked_against_its_own_depth(tmp_path):

@@ -19,6 +19,7 @@ from pipeline.monitor.signals import (
     learning_signals,
     still_improving,
     tail_windows,
+    trend,
 )
 from pipeline.objectives.base import OBJECTIVES, StepProgress
 from tests.objectives.conftest import SPECIAL, VOCAB, make_batch, tiny_model
@@ -91,6 +92,25 @@ def test_end_windows_and_still_improving_on_curves():
     assert flat.learned and not still_improving(flat_low, flat)  # low but no longer falling
     assert not still_improving(rising, final_signals(rising)[0])
     assert not still_improving(falling[:1], end)  # one logged step: no window before the end
+
+
+def test_a_move_within_noise_is_no_trend_and_rising_towards_collapse_is_worsening():
+    """Issue 58: cpt-status said "(still improving)" of a signal at chance moving 0.0002 and of a token cosine
+    rising towards collapse."""
+    chance = math.log(9)
+    rng = np.random.default_rng(0)
+    at_chance = [{"step": s, "taco/loss": chance + 0.01 * rng.standard_normal() - (0.0002 if s > 80 else 0),
+                  "taco/loss_chance": chance} for s in range(1, 101)]
+    signal = {s.term: s for s in final_signals(at_chance)}["taco/loss"]
+    assert trend(at_chance, signal) == "" and not still_improving(at_chance, signal)
+    smooth = [{**r, "taco/loss": chance - (0.0002 if r["step"] > 80 else 0)} for r in at_chance]  # no noise at all
+    assert trend(smooth, final_signals(smooth)[0]) == ""  # 0.01% of the value: below TREND_MIN_RELATIVE
+    cosine = [{"step": s, "health/token_cosine": 0.5 + 0.004 * s + 0.002 * rng.standard_normal()} for s in range(1, 101)]
+    collapse = final_signals(cosine)[0]
+    assert collapse.term == "health/token_cosine" and collapse.direction == "lower"
+    assert trend(cosine, collapse) == "worsening" and not still_improving(cosine, collapse)
+    falling = [{**r, "health/token_cosine": 1.0 - r["health/token_cosine"]} for r in cosine]
+    assert trend(falling, final_signals(falling)[0]) == "improving"
 
 
 def test_unigram_entropy_is_the_smoothed_unigram_cross_entropy_at_the_masked_positions():

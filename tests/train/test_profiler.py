@@ -1,6 +1,6 @@
 """`train.profile`: a tiny run profiling steps 2-3 writes a Chrome trace (JSON with both steps'
 `ProfilerStep#N` ranges and the operators inside them) and a table of the top operators by self
-time; without it nothing is written and the profiler is never started; a window outside the run is
+time, and kineto's USDT lines stay out of stderr (a native line that is not theirs still gets through); without it nothing is written and the profiler is never started; a window outside the run is
 refused naming the field, before compute."""
 from __future__ import annotations
 
@@ -17,8 +17,10 @@ from tests.train.runs import run_inprocess
 RUN = ["train.total_steps=4", "train.checkpoint_every=4"]
 
 
-def test_a_profiled_run_writes_a_trace_and_a_top_operator_table(tiny_shards_dir, tmp_path):
+def test_a_profiled_run_writes_a_trace_and_a_top_operator_table(tiny_shards_dir, tmp_path, capfd):
     assert run_inprocess("tiny-mlm", tiny_shards_dir, tmp_path, *RUN, "train.profile={start: 2, steps: 2}") == 0
+    err = capfd.readouterr().err  # file descriptor 2 itself: what kineto's native code writes
+    assert "USDT:" not in err and "profiler_start" not in err  # issue 58: they landed in the run's log
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]  # the run itself is whole
     files = sorted(p.name for p in (tmp_path / PROFILE_DIR).iterdir())
     assert files == ["rank0.steps_2-3.pt.trace.json", "rank0.steps_2-3.top_ops.md"]  # no temporary left behind
@@ -62,3 +64,16 @@ def test_refused_before_compute_with_exit_2(tiny_shards_dir, tmp_path, capsys):
     assert run_inprocess("tiny-mlm", tiny_shards_dir, tmp_path, *RUN, "train.profile.start=4") == 2
     assert "train.profile: steps 4-6 end after train.total_steps=4" in capsys.readouterr().err
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / PROFILE_DIR).exists()
+
+
+def test_the_filter_drops_kineto_lines_and_keeps_the_rest(capfd):
+    import os
+
+    from pipeline.train.profiler import native_stderr_filtered
+
+    with native_stderr_filtered():
+        os.write(2, b"USDT:2026-11-28 18:37:46 8347:8347 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"STAGE:2026-11-28 18:38:03 8687:8687 SyncActivityProfilerHandler.cpp:51] Completed Stage: Warm Up\n")
+        os.write(2, b"[W kineto] a real warning\n")
+    assert capfd.readouterr().err == "[W kineto] a real warning\n"
+
