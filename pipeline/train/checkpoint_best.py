@@ -61,7 +61,9 @@ def record_of(raw: object) -> Optional[BestRecord]:
                             str(raw["tag"]), str(raw.get("eval_set", "")))
     except (AssertionError, ValueError, KeyError, TypeError):
         return None
-    return record if record.mode in MODES and math.isfinite(record.value) else None
+    # the tag is the step's own name (`step_%08d`): a record cannot point outside checkpoints/
+    well_formed = record.mode in MODES and math.isfinite(record.value) and record.tag == f"step_{record.step:08d}"
+    return record if well_formed else None
 
 
 def read_best(root: Path) -> Optional[BestRecord]:

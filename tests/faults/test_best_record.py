@@ -139,3 +139,12 @@ def test_a_changed_validation_set_starts_a_new_lineage_and_keeps_the_old_best(tm
     assert 4 in steps_on_disk(root)  # the earlier set's best is not pruned
     again, _ = resume(tmp_path, 20, eval_set="B")  # the kept tag is recorded in the checkpoints: kept on
     assert again.best.tag == "step_00000016" and "step_00000004" in again.keep
+
+
+def test_a_best_record_pointing_outside_the_checkpoints_is_not_a_record(tmp_path):
+    root = first_run(tmp_path)
+    raw = json.loads((root / BEST_FILE).read_text())
+    (root / BEST_FILE).write_text(json.dumps({**raw, "tag": "../../elsewhere/checkpoints/step_00000004"}))
+    assert read_best(root) is None
+    checkpointer, _ = resume(tmp_path, 12)
+    assert checkpointer.best.tag == "step_00000004" and read_best(root).tag == "step_00000004"

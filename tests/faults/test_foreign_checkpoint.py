@@ -234,3 +234,36 @@ def test_a_universal_conversion_of_another_tag_is_not_reused(small_run, tmp_path
     some = next((older / "universal").rglob("fp32.pt"))
     torch.save({"param": torch.ones(3)}, some)  # a file edited after the conversion
     assert "not the ones the conversion wrote" in universal_mismatch(older)
+
+
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory, tiny_shards_dir) -> Path:
+    """A 4-step tiny MLM run on 2 ranks (torchrun, gloo; ZeRO-1, checkpoints at steps 2 and 4)."""
+    from tests.faults.faults import copy_shards
+    from tests.train.runs import run_torchrun
+
+    base = tmp_path_factory.mktemp("two_rank_run")
+    shards = copy_shards(tiny_shards_dir, base / "shards")
+    run_torchrun("tiny-mlm", shards, base / "run", "train.total_steps=4", "train.checkpoint_every=2",
+                 "train.keep_last=5")
+    return base / "run"
+
+
+def test_a_two_rank_checkpoint_resumed_on_one_rank_unpickles_only_through_the_restricted_loader(
+        two_rank_run, tmp_path, monkeypatch, capsys):
+    """The path issue 57 names: written by 2 ranks, resumed on 1 with no edit at all, the tag goes through
+    `ensure_universal` (DeepSpeed's `ds_to_universal`) and the universal load, both `weights_only=False` in
+    DeepSpeed. With the up-front scan off, a planted pickle in the second rank's optimizer file is refused by
+    name there, and runs nothing."""
+    import pipeline.train.checkpoint as checkpoint
+
+    run = Path(shutil.copytree(two_rank_run, tmp_path / "run"))
+    tag = run / "checkpoints" / tag_for_step(2)
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    marker = tmp_path / "planted-code-ran"
+    plant(tag, name, marker)
+    monkeypatch.setattr(checkpoint, "unsafe_checkpoint_problem", lambda tag_dir: None)
+    assert _resume_from(tag) == EXIT_CONFIG_ERROR
+    message = error_line(capsys.readouterr().err)
+    assert message.startswith(f"{tag / name}: refused: its pickle needs io.open"), message
+    assert not marker.exists()
