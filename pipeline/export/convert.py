@@ -84,7 +84,8 @@ from pipeline.model.encoder import fuse_qkv
 from pipeline.model.hf_names import ExportError
 from pipeline.model.modernbert import is_modernbert
 from pipeline.model.warm_start import tokenizer_difference
-from pipeline.tokenizer_checks import FINGERPRINT_KEY, no_tokenizer_message, tokenizer_fingerprint
+from pipeline.tokenizer_checks import FINGERPRINT_KEY, TOKENIZER_CONFIG_FILES, TOKENIZER_FILES, no_tokenizer_message, \
+    tokenizer_fingerprint
 from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
 from pipeline.safe_load import UnsafeCheckpointError, load_pt, safe_unpickling
@@ -207,7 +208,8 @@ def check_weights_of_tag(tag_dir: Path, weights: Path, state: dict[str, torch.Te
 
 def _run_tokenizer_reference(meta: RunMeta, given: Path) -> Optional[Path]:
     """The run's own tokenizer (`tokenizer_dir` of the meta) to compare a `--tokenizer` with; None when
-    it is gone (then only the special-token ids can be checked) or is `given` itself."""
+    it is gone (then only the special-token ids can be checked) or is `given` itself (a directory changed
+    since training was refused before: `_recorded_fingerprint_problem`)."""
     recorded = Path(meta.tokenizer_dir or "")
     if not str(meta.tokenizer_dir or "") or not recorded.is_dir():
         return None
@@ -216,28 +218,31 @@ def _run_tokenizer_reference(meta: RunMeta, given: Path) -> Optional[Path]:
 
 def _recorded_fingerprint_problem(meta: RunMeta, path: Path, given: bool) -> str | bool:
     """The tokenizer at `path` against the fingerprint training recorded (`RunMeta.tokenizer_hash`, the
-    shards' `tokenizer_hash`: `hash_directory` of their tokenizer/): True when they are equal, "" when there
-    is nothing to compare (a checkpoint from before the record) or `path` is a `--tokenizer DIR` (`given`)
-    compared by content below, else the refusal naming both fingerprints and paths (the run's own
-    `tokenizer_dir` changed since training: shards rebuilt in place with another tokenizer)."""
+    shards' `tokenizer_hash`: `hash_directory` of their tokenizer/): True when `path` holds those very
+    files; else the refusal naming both fingerprints and paths when the run's own `tokenizer_dir` changed
+    since training (shards rebuilt in place with another tokenizer), whether it is `path` or the reference
+    a `--tokenizer DIR` (`given`) would be compared with; "" when there is nothing to compare (a
+    checkpoint from before the record) or a `--tokenizer DIR` is left to the comparison by content."""
     from pipeline.data.shards import hash_directory
 
     recorded = str(meta.tokenizer_hash or "")
     if not recorded:
         return ""
-    current = hash_directory(path)
-    if current == recorded:
+    names = {p.name for p in path.rglob("*") if p.is_file()}
+    tokenizer_only = names <= set(TOKENIZER_FILES + TOKENIZER_CONFIG_FILES)  # (never hash a model's weights)
+    if tokenizer_only and hash_directory(path) == recorded:
         return True
     run_dir = Path(meta.tokenizer_dir or "")
-    if given and not (run_dir.is_dir() and run_dir.resolve() == path.resolve()):
-        if run_dir.is_dir() and hash_directory(run_dir) != recorded:
-            return (f"--tokenizer {path} (fingerprint {current[:16]}) cannot be confirmed as the run's tokenizer: the "
-                    f"checkpoint recorded {recorded[:16]} at training, and the run's tokenizer_dir={run_dir} has changed "
-                    f"since ({hash_directory(run_dir)[:16]}); pass the tokenizer the run trained with")
-        return ""
-    return (f"tokenizer_dir={path} is not the tokenizer this checkpoint was trained with: fingerprint {current[:16]} "
-            f"now, {recorded[:16]} recorded at training (pipeline_meta.json tokenizer_hash, of {meta.tokenizer_dir}): "
-            "the shards' tokenizer was rebuilt or replaced since; pass the run's tokenizer with --tokenizer DIR")
+    if not given or (run_dir.is_dir() and run_dir.resolve() == path.resolve()):
+        return (f"tokenizer_dir={path} is not the tokenizer this checkpoint was trained with: fingerprint "
+                f"{hash_directory(path)[:16]} now, {recorded[:16]} recorded at training (pipeline_meta.json "
+                f"tokenizer_hash, of {meta.tokenizer_dir}): the shards' tokenizer was rebuilt or replaced since; pass "
+                "the run's tokenizer with --tokenizer DIR")
+    if run_dir.is_dir() and (now := hash_directory(run_dir)) != recorded:
+        return (f"--tokenizer {path} cannot be confirmed as the run's tokenizer: the checkpoint recorded {recorded[:16]} "
+                f"at training, and the run's tokenizer_dir={run_dir} has changed since ({now[:16]}), so there is "
+                "nothing to compare it with; pass the tokenizer files the run trained with")
+    return ""
 
 
 def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], encoder: AnyEncoderConfig):

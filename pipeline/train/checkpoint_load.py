@@ -82,7 +82,7 @@ def _convert(tag_dir: Path) -> None:
 
     target, tmp = tag_dir / UNIVERSAL_TAG, tag_dir / (UNIVERSAL_TAG + ".tmp")
     why = universal_mismatch(tag_dir) if target.exists() or target.is_symlink() else ""
-    if target.is_symlink():
+    if target.is_symlink() or target.is_file():  # (a link was refused before if it led out of the tag)
         target.unlink()
     shutil.rmtree(target, ignore_errors=True)
     shutil.rmtree(tmp, ignore_errors=True)
