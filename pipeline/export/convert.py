@@ -228,16 +228,18 @@ def _recorded_fingerprint_problem(meta: RunMeta, path: Path, given: bool) -> str
     recorded = str(meta.tokenizer_hash or "")
     if not recorded:
         return ""
-    names = {p.name for p in path.rglob("*") if p.is_file()}
-    tokenizer_only = names <= set(TOKENIZER_FILES + TOKENIZER_CONFIG_FILES)  # (never hash a model's weights)
-    if tokenizer_only and hash_directory(path) == recorded:
-        return True
     run_dir = Path(meta.tokenizer_dir or "")
-    if not given or (run_dir.is_dir() and run_dir.resolve() == path.resolve()):
-        return (f"tokenizer_dir={path} is not the tokenizer this checkpoint was trained with: fingerprint "
-                f"{hash_directory(path)[:16]} now, {recorded[:16]} recorded at training (pipeline_meta.json "
-                f"tokenizer_hash, of {meta.tokenizer_dir}): the shards' tokenizer was rebuilt or replaced since; pass "
-                "the run's tokenizer with --tokenizer DIR")
+    own = not given or (run_dir.is_dir() and run_dir.resolve() == path.resolve())
+    names = {p.name for p in path.rglob("*") if p.is_file()}
+    if own or names <= set(TOKENIZER_FILES + TOKENIZER_CONFIG_FILES):  # (a given model directory: not hashed whole)
+        current = hash_directory(path)
+        if current == recorded:
+            return True
+        if own:
+            return (f"tokenizer_dir={path} is not the tokenizer this checkpoint was trained with: fingerprint "
+                    f"{current[:16]} now, {recorded[:16]} recorded at training (pipeline_meta.json tokenizer_hash, of "
+                    f"{meta.tokenizer_dir}): the shards' tokenizer was rebuilt or replaced since; pass the run's "
+                    "tokenizer with --tokenizer DIR")
     if run_dir.is_dir() and (now := hash_directory(run_dir)) != recorded:
         return (f"--tokenizer {path} cannot be confirmed as the run's tokenizer: the checkpoint recorded {recorded[:16]} "
                 f"at training, and the run's tokenizer_dir={run_dir} has changed since ({now[:16]}), so there is "
