@@ -38,7 +38,6 @@ from pipeline.train.checkpoint import (
     ResumeTarget,
     TrainState,
     find_resume_checkpoint,
-    is_complete,
     last_good_tag,
     list_tags,
     plan_resume,

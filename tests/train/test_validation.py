@@ -339,12 +339,12 @@ def test_an_mlm_run_reports_one_validation_loss(split_shards, tmp_path):
     positions), and the two accuracies one too. A run of MLM beside another objective keeps `val/loss` their
     weighted sum."""
     out = tmp_path / "mlm"
-    assert run_inprocess("tiny-mlm", *split_shards[:1], out, "train.total_steps=4", *_eval(split_shards[1])) == 0
+    assert run_inprocess("tiny-mlm", split_shards[0], out, "train.total_steps=4", *_eval(split_shards[1])) == 0
     for record in _val_records(out).values():
         assert record["val/mlm/loss"] == record["val/mlm_head/loss"] == record["val/loss"]
         assert record["val/mlm/accuracy"] == record["val/mlm_head/accuracy"]
     both = tmp_path / "mlm_capt"
-    assert run_inprocess("tiny-capt", *split_shards[:1], both, "train.total_steps=4", *_eval(split_shards[1])) == 0
+    assert run_inprocess("tiny-capt", split_shards[0], both, "train.total_steps=4", *_eval(split_shards[1])) == 0
     record = _val_records(both)[4]
     assert record["val/mlm/loss"] == record["val/mlm_head/loss"]
     from pipeline.train.run_config import load_config
