@@ -83,9 +83,9 @@ def test_no_import_cycles():
 #: Draw the package -> package edges with `python tests/test_architecture.py`.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # leaves every layer may use: errors and shared config checks + the YAML loader, the random streams,
-    # collectives, machine probes, tokenizer probes, the DeepSpeed engine files
+    # collectives, machine probes, tokenizer probes, the restricted unpickler, the DeepSpeed engine files
     ("foundation", ("pipeline.config", "pipeline.seeding", "pipeline.distributed", "pipeline.capabilities",
-                    "pipeline.tokenizer_checks", "ds_configs")),
+                    "pipeline.tokenizer_checks", "pipeline.safe_load", "ds_configs")),
     ("data", ("pipeline.data",)),  # shards, reader, corruption views, the batch contract
     ("kernels", ("pipeline.kernels",)),  # the loss ops: torch reference (`functional`) + Triton kernels, `get_op`
     ("model", ("pipeline.model",)),  # encoders, heads, `ModelConfig`, HF name maps, warm starts

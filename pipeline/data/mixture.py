@@ -37,7 +37,8 @@ import numpy as np
 
 from pipeline.data.reader import ShardDataset, open_dataset
 from pipeline.data.shards import Manifest
-from pipeline.data.sources import Interleave, MixturePlan, parse_sources, plan_mixture, source_seed
+from pipeline.data.sources import Interleave, MixturePlan, match_sources, parse_sources, plan_mixture, source_identities, \
+    source_seed
 from pipeline.seeding import epoch_permutation
 
 log = logging.getLogger(__name__)
@@ -158,14 +159,22 @@ class MixtureDataset:
         """Samples of each source among the first `consumed` positions: b_s + C'_s(consumed - P0)."""
         return self.base + self._order(seed).counts_before(max(consumed - self.start, 0))
 
+    def described(self) -> list[dict[str, str]]:
+        """`{name, identity, path}` of each source, in order (`pipeline.data.sources.match_sources`)."""
+        identities = source_identities([d.manifest.content_hash or "" for d in self.datasets])
+        return [{"name": spec.name, "identity": ident if d.manifest.content_hash else "", "path": spec.path}
+                for spec, d, ident in zip(self.plan.sources, self.datasets, identities)]
+
     def record(self, seed: int, consumed: int, phase: str) -> dict[str, Any]:
         """What a checkpoint after `consumed` positions (of phase `phase`) records to continue the
-        stream: the segment, the quotas it reads with, and every source's count at `consumed`."""
+        stream: the segment, the quotas it reads with, every source's count at `consumed` (keyed by
+        name), and what each source is (`sources`: the identity a resume matches it by)."""
         names = [spec.name for spec in self.plan.sources]
         return {"phase": phase, "start": int(self.start), "block": int(self.plan.block),
                 "base": dict(zip(names, (int(b) for b in self.base))),
                 "quotas": dict(zip(names, (int(q) for q in self.plan.quotas))),
-                "counts": dict(zip(names, (int(c) for c in self.counts(seed, consumed)))), "consumed": int(consumed)}
+                "counts": dict(zip(names, (int(c) for c in self.counts(seed, consumed)))), "consumed": int(consumed),
+                "sources": self.described()}
 
     def continue_stream(self, record: dict[str, Any], phase: str, consumed: int, seed: int,
                         run_samples: Optional[int]) -> Optional[str]:
@@ -180,12 +189,26 @@ class MixtureDataset:
             return None
         names = [spec.name for spec in self.plan.sources]
         quotas = dict(zip(names, (int(q) for q in self.plan.quotas)))
-        if record.get("quotas") == quotas and record.get("block") == self.plan.block:
+        # each source keyed by what it reads, not by its name: a renamed source keeps its counts
+        before = record.get("sources") or [{"name": n} for n in record.get("counts", {})]
+        was = [None if j is None else str(before[j].get("name")) for j in match_sources(before, self.described())]
+
+        def recorded(field: str) -> np.ndarray:
+            values = record.get(field) or {}
+            return np.asarray([int(values.get(w, 0)) if w is not None else 0 for w in was], dtype=np.int64)
+
+        renamed = [f"{w} -> {n}" for w, n in zip(was, names) if w is not None and w != n]
+        if renamed:
+            log.info("data mixture: source(s) renamed since the checkpoint (%s); each goes on from its own counts",
+                     ", ".join(renamed))
+        same_sources = len(before) == len(names) and was == [str(b.get("name")) for b in before]
+        if same_sources and recorded("quotas").tolist() == list(quotas.values()) \
+                and record.get("block") == self.plan.block:
             self.start = int(record["start"])
-            self.base = np.asarray([int(record["base"].get(n, 0)) for n in names], dtype=np.int64)
+            self.base = recorded("base")
             return None
         self.start = consumed
-        self.base = np.asarray([int(record["counts"].get(n, 0)) for n in names], dtype=np.int64)
+        self.base = recorded("counts")
         if run_samples:
             final = self.counts(seed, run_samples)
             for s, spec in enumerate(self.plan.sources):
@@ -193,7 +216,7 @@ class MixtureDataset:
                     raise ConfigError(f"{spec.where} ({spec.path}, on_exhausted: stop): with the new shares from "
                                       f"sample {consumed} on, the run needs {int(final[s]):,} of its "
                                       f"{len(self.datasets[s]):,} sequences; lower its share or shorten the run")
-        old = ", ".join(f"{n} {record['quotas'].get(n, 0)}" for n in names)
+        old = ", ".join(f"{w} {record['quotas'].get(w, 0)}" for w in was if w is not None)
         new = ", ".join(f"{n} {quotas[n]}" for n in names)
         return (f"data mixture: new shares from sample {consumed} of the stream (per {self.plan.block} positions: "
                 f"{old} -> {new}); every source goes on from its count there ({dict(zip(names, self.base.tolist()))})")

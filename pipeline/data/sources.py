@@ -211,6 +211,49 @@ def mixture_identity(data: Any, total_steps: int) -> str:
                         data.mixture_block, total_steps * data.global_batch_size)
     return mixture_hash([m.content_hash for m in manifests], plan)
 
+def source_identities(content_hashes: Sequence[str]) -> list[str]:
+    """What each source *is* (its data, not its display name): its manifest's content hash, with the
+    occurrence number appended when two sources read the same data ("h", "h#1", ...)."""
+    seen: dict[str, int] = {}
+    out = []
+    for h in content_hashes:
+        out.append(h if not seen.get(h) else f"{h}#{seen[h]}")
+        seen[h] = seen.get(h, 0) + 1
+    return out
+
+
+def match_sources(before: Sequence[dict], after: Sequence[dict]) -> list[Optional[int]]:
+    """For each source of `after`, the index of the same source in `before` (each a list of
+    `{name, identity, path}`), or None for a new one: the same data (`identity`) first, else the same
+    path at the same index (its contents changed in place), else the same name (records written before
+    identities were). A renamed source is thus the same source: its counters go on."""
+    matched: list[Optional[int]] = [None] * len(after)
+    free = set(range(len(before)))
+    rules = (lambda i, j: bool(after[i].get("identity")) and after[i].get("identity") == before[j].get("identity"),
+             lambda i, j: i == j and bool(after[i].get("path")) and after[i].get("path") == before[j].get("path"),
+             lambda i, j: not before[j].get("identity") and after[i].get("name") == before[j].get("name"))
+    for rule in rules:
+        for i in range(len(after)):
+            if matched[i] is None:
+                j = next((j for j in sorted(free) if rule(i, j)), None)
+                if j is not None:
+                    matched[i] = j
+                    free.discard(j)
+    return matched
+
+
+def _described(specs: Sequence[SourceSpec]) -> list[dict]:
+    """`{name, identity, path}` of each spec, the identity from its manifest ("" where unreadable)."""
+    hashes = []
+    for spec in specs:
+        try:
+            hashes.append(read_manifest(spec.path).content_hash or "")
+        except (OSError, ValueError):
+            hashes.append("")
+    return [{"name": spec.name, "identity": ident if h else "", "path": spec.path}
+            for spec, h, ident in zip(specs, hashes, source_identities(hashes))]
+
+
 def source_seed(seed: int, source: int) -> int:
     """The seed of source `source`'s own pass permutations: derived from (run seed, source index)."""
     digest = hashlib.sha256(f"mixture-source/{seed}/{source}".encode()).digest()
@@ -336,12 +379,13 @@ def interleave_change(old: Any, old_samples: int, new: Any, new_samples: int, co
                                       [m.total_tokens for m in manifests], data.mixture_block, samples))
     except (ConfigError, OSError, ValueError):
         return None
-    if continued:
-        before, after = [s.name for s in plans[0]], [s.name for s in plans[1]]
-        for i, name in enumerate(after):
-            if name in before and before.index(name) != i:
-                return (f"data.sources[{i}]: source {name} was data.sources[{before.index(name)}] (a source keeps its "
-                        "index: its pass order is drawn from it; add new sources at the end)")
+    if continued:  # a source is its data (`match_sources`), whatever its name now
+        before, after = _described(plans[0]), _described(plans[1])
+        for i, j in enumerate(match_sources(before, after)):
+            if j is not None and j != i:
+                renamed = f" (named {before[j]['name']} then)" if before[j]["name"] != after[i]["name"] else ""
+                return (f"data.sources[{i}]: source {after[i]['name']} was data.sources[{j}]{renamed} (a source keeps "
+                        "its index: its pass order is drawn from it; add new sources at the end)")
         return None
     before, after = plans
     if before.block != after.block:

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pipeline.safe_load import UnsafeCheckpointError, load_pt
+
 
 #: The files `zero_to_fp32.py` (and `transformers`' save_pretrained) name their weights with.
 WEIGHT_FILES = ("pytorch_model.bin", "model.safetensors")
@@ -65,8 +67,10 @@ def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], str]:
 
                 part = load_file(str(file))
             else:
-                part = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as err:  # torch / safetensors raise many types for a broken file
+                part = load_pt(file)  # restricted unpickler: a planted pickle is one line naming its global
+        except UnsafeCheckpointError as err:
+            raise ValueError(str(err)) from None
+        except Exception as err:  # safetensors raises many types for a broken file
             raise ValueError(f"{file}: unreadable ({type(err).__name__}: {err})") from err
         if not isinstance(part, dict) or not all(isinstance(v, torch.Tensor) for v in part.values()):
             raise ValueError(f"{file}: not a state dict of tensors")

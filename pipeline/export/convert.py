@@ -7,9 +7,13 @@ Steps, each failing with a message that names the file at fault and leaving OUT_
 1. check the tag is complete and intact (`pipeline.train.checkpoint.verify_checkpoint`: every file
    at the size and sha256 recorded in `COMPLETE.json` when it was saved), read `pipeline_meta.json`
    (encoder shape, objectives, special tokens, tokenizer dir) and the tokenizer before any heavy work.
-   A `--tokenizer DIR` must be the run's: compared with the run's own tokenizer (`tokenizer_dir` of
-   the meta) as training compares `model.init_from`'s (`warm_start.tokenizer_difference`); a
-   directory without tokenizer files is refused (`pipeline.tokenizer_checks`);
+   The tokenizer must be the one the run trained with: its files' fingerprint is compared with the
+   one training recorded (`tokenizer_hash` of the meta, the shards' `tokenizer_hash`), so shards
+   rebuilt in place with another tokenizer are refused naming both fingerprints; a `--tokenizer DIR`
+   with other files is compared with the run's own tokenizer (`tokenizer_dir` of the meta, while it
+   still has the recorded fingerprint) as training compares `model.init_from`'s
+   (`warm_start.tokenizer_difference`); a directory without tokenizer files is refused
+   (`pipeline.tokenizer_checks`);
 2. consolidate the fp32 master weights of every rank with DeepSpeed's own
    `zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint` (ZeRO 1/2/3, any number of ranks,
    CPU only). A checkpoint without ZeRO partitions (stage 0) is read from its single model file;
@@ -80,10 +84,11 @@ from pipeline.model.encoder import fuse_qkv
 from pipeline.model.hf_names import ExportError
 from pipeline.model.modernbert import is_modernbert
 from pipeline.model.warm_start import tokenizer_difference
-from pipeline.tokenizer_checks import FINGERPRINT_KEY, no_tokenizer_message, tokenizer_fingerprint
+from pipeline.tokenizer_checks import FINGERPRINT_KEY, TOKENIZER_CONFIG_FILES, TOKENIZER_FILES, no_tokenizer_message, \
+    tokenizer_fingerprint
 from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
-from pipeline.train.safe_load import load_pt
+from pipeline.safe_load import UnsafeCheckpointError, load_pt, safe_unpickling
 
 GENERATOR_SUBDIR = "generator"
 #: Exit code when OUT_DIR cannot be written (training's `EXIT_SAVE_FAILED`); 2 for every other refusal.
@@ -143,10 +148,12 @@ def consolidate_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], st
         try:
             # DeepSpeed logs (from its import on) and reports progress on stdout; keep our stdout
             # for our own one-line summary.
-            with contextlib.redirect_stdout(sys.stderr):
+            with contextlib.redirect_stdout(sys.stderr), safe_unpickling():  # every file it opens: restricted
                 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
                 state = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        except UnsafeCheckpointError as err:
+            raise CheckpointError(str(err)) from None
         except Exception as err:  # torch.load / DeepSpeed raise many types for a broken file
             raise CheckpointError(
                 f"{tag_dir}: cannot consolidate the ZeRO checkpoint: {type(err).__name__}: {err}"
@@ -161,6 +168,8 @@ def consolidate_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], st
         )
     try:
         module = load_pt(model_file)["module"]
+    except UnsafeCheckpointError as err:
+        raise CheckpointError(str(err)) from None
     except Exception as err:
         raise CheckpointError(f"{model_file}: unreadable: {type(err).__name__}: {err}") from err
     half = sorted({str(v.dtype) for v in module.values() if v.is_floating_point() and v.dtype != torch.float32})
@@ -199,11 +208,43 @@ def check_weights_of_tag(tag_dir: Path, weights: Path, state: dict[str, torch.Te
 
 def _run_tokenizer_reference(meta: RunMeta, given: Path) -> Optional[Path]:
     """The run's own tokenizer (`tokenizer_dir` of the meta) to compare a `--tokenizer` with; None when
-    it is gone (then only the special-token ids can be checked) or is `given` itself."""
+    it is gone (then only the special-token ids can be checked) or is `given` itself (a directory changed
+    since training was refused before: `_recorded_fingerprint_problem`)."""
     recorded = Path(meta.tokenizer_dir or "")
     if not str(meta.tokenizer_dir or "") or not recorded.is_dir():
         return None
     return None if recorded.resolve() == given.resolve() else recorded
+
+
+def _recorded_fingerprint_problem(meta: RunMeta, path: Path, given: bool) -> str | bool:
+    """The tokenizer at `path` against the fingerprint training recorded (`RunMeta.tokenizer_hash`, the
+    shards' `tokenizer_hash`: `hash_directory` of their tokenizer/): True when `path` holds those very
+    files; else the refusal naming both fingerprints and paths when the run's own `tokenizer_dir` changed
+    since training (shards rebuilt in place with another tokenizer), whether it is `path` or the reference
+    a `--tokenizer DIR` (`given`) would be compared with; "" when there is nothing to compare (a
+    checkpoint from before the record) or a `--tokenizer DIR` is left to the comparison by content."""
+    from pipeline.data.shards import hash_directory
+
+    recorded = str(meta.tokenizer_hash or "")
+    if not recorded:
+        return ""
+    run_dir = Path(meta.tokenizer_dir or "")
+    own = not given or (run_dir.is_dir() and run_dir.resolve() == path.resolve())
+    names = {p.name for p in path.rglob("*") if p.is_file()}
+    if own or names <= set(TOKENIZER_FILES + TOKENIZER_CONFIG_FILES):  # (a given model directory: not hashed whole)
+        current = hash_directory(path)
+        if current == recorded:
+            return True
+        if own:
+            return (f"tokenizer_dir={path} is not the tokenizer this checkpoint was trained with: fingerprint "
+                    f"{current[:16]} now, {recorded[:16]} recorded at training (pipeline_meta.json tokenizer_hash, of "
+                    f"{meta.tokenizer_dir}): the shards' tokenizer was rebuilt or replaced since; pass the run's "
+                    "tokenizer with --tokenizer DIR")
+    if run_dir.is_dir() and (now := hash_directory(run_dir)) != recorded:
+        return (f"--tokenizer {path} cannot be confirmed as the run's tokenizer: the checkpoint recorded {recorded[:16]} "
+                f"at training, and the run's tokenizer_dir={run_dir} has changed since ({now[:16]}), so there is "
+                "nothing to compare it with; pass the tokenizer files the run trained with")
+    return ""
 
 
 def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], encoder: AnyEncoderConfig):
@@ -220,11 +261,14 @@ def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], en
     missing = no_tokenizer_message(path)
     if missing:
         raise CheckpointError(f"{flag}{missing}; pass the run's tokenizer (the shards' tokenizer/ directory)")
+    same_files = _recorded_fingerprint_problem(meta, path, bool(tokenizer_dir))
+    if isinstance(same_files, str) and same_files:
+        raise CheckpointError(same_files)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as err:
         raise CheckpointError(f"{path}: not loadable with AutoTokenizer: {err}") from err
-    reference = _run_tokenizer_reference(meta, path) if tokenizer_dir else None
+    reference = _run_tokenizer_reference(meta, path) if tokenizer_dir and same_files is not True else None
     if reference is not None:
         try:
             difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(str(reference),
@@ -235,7 +279,7 @@ def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], en
         if difference:
             raise CheckpointError(f"--tokenizer {path} is not the tokenizer the run trained with (tokenizer_dir="
                                   f"{reference}: {difference}); pass that one, or omit --tokenizer")
-    elif tokenizer_dir:
+    elif tokenizer_dir and same_files is not True:
         print(f"note: the run's tokenizer (tokenizer_dir={meta.tokenizer_dir}) is not there to compare --tokenizer "
               f"{path} with; only its special-token ids are checked", file=sys.stderr)
     for name in SPECIAL_TOKEN_NAMES:

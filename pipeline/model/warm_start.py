@@ -36,6 +36,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor, nn
 
+from pipeline.safe_load import UnsafeCheckpointError, load_pt
 from pipeline.config.checks import ConfigError
 from pipeline.data.shards import SPECIAL_TOKEN_NAMES, TOKENIZER_SUBDIR, Manifest, sha256_file
 from pipeline.model.arch import AnyEncoderConfig, build_encoder_and_head
@@ -245,12 +246,14 @@ def _read(file: Path, shapes_only: bool) -> dict[str, Any]:
             with safe_open(str(file), framework="pt") as f:
                 return {k: tuple(f.get_slice(k).get_shape()) if shapes_only else f.get_tensor(k) for k in f.keys()}
         try:  # memory-mapped: reading the names and shapes does not read the tensors
-            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:  # files of torch's legacy (pre-zip) format cannot be mapped
+            state = load_pt(file, mmap=True)
+        except UnsafeCheckpointError as err:  # files of torch's legacy (pre-zip) format cannot be mapped
             if "mmap" not in str(err):
                 raise
-            state = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as err:  # safetensors / torch.load raise many types for a broken file
+            state = load_pt(file)
+    except UnsafeCheckpointError as err:  # the restricted unpickler's one line names the file and the global
+        raise ConfigError(str(err)) from None
+    except Exception as err:  # safetensors raises many types for a broken file
         raise ConfigError(f"{file}: unreadable weights ({type(err).__name__}: {err})") from err
     if not isinstance(state, Mapping):
         raise ConfigError(f"{file}: not a state dict")

@@ -36,7 +36,8 @@ so a resumed step draws exactly the numbers the uninterrupted run drew.
 Resume with a different number of ranks (or ZeRO stage 1 <-> 2): DeepSpeed refuses to re-partition
 ZeRO optimizer states directly, so the checkpoint is converted once to DeepSpeed's *universal*
 format (`deepspeed.checkpoint.ds_to_universal`, one file per parameter and optimizer moment) into
-`<tag>/universal/` and loaded with `checkpoint.load_universal`. ZeRO-3 checkpoints must be resumed
+`<tag>/universal/` and loaded with `checkpoint.load_universal` (`pipeline.train.checkpoint_load`, which
+also loads every tag: verified, and unpickled only by the restricted unpickler, `pipeline.safe_load`). ZeRO-3 checkpoints must be resumed
 on the rank count that wrote them: DeepSpeed 0.19's universal loading restores their weights but
 not a trajectory-preserving optimizer state (measured: losses drift by 1e-4 within 2 steps).
 
@@ -57,7 +58,6 @@ tag are decided by `pipeline.train.checkpointer.Checkpointer`; this module does 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -65,7 +65,7 @@ import shutil
 import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -77,7 +77,7 @@ from pipeline.model.arch import arch_of_fields
 from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, read_best, write_best
 from pipeline.train.checkpoint_writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
 from pipeline.train.run_meta import META_FILE, RunMeta
-from pipeline.train.safe_load import load_pt, unsafe_checkpoint_problem
+from pipeline.safe_load import unsafe_checkpoint_problem
 
 log = logging.getLogger(__name__)
 
@@ -279,30 +279,33 @@ def settle_pending_save(finisher: Optional[CheckpointFinisher], root: Path, is_m
 
 
 def _complete_or_describe(root: Path, tag_dir: Path, step: int, keep_last: int, healthy: bool = True,
-                          best: Optional[BestRecord] = None) -> str:
-    """Rank 0's last stage of a save: flush, record sizes and hashes, move `latest`, (`best`: this tag
-    is the new best) `best.json`, prune. Returns "" or what went wrong, after removing the unfinished
-    tag (`latest` still names the previous one)."""
+                          best: Optional[BestRecord] = None, keep: Sequence[str] = ()) -> str:
+    """Rank 0's last stage of a save: flush, record sizes and hashes, move `latest`, `best.json` (`best`:
+    the run's best as of this tag, written when the file does not already say it: a new best, or a file
+    damaged since), prune (never `best`'s tag nor `keep`'s). Returns "" or what went wrong, after
+    removing the unfinished tag (`latest` still names the previous one)."""
     problem = write_or_describe(tag_dir / COMPLETE_FILE, lambda: _complete(root, tag_dir, step, healthy))
-    if not problem and best is not None:
+    if not problem and best is not None and read_best(root) != best:
         problem = write_or_describe(root / BEST_FILE, lambda: write_best(root, best))
     if problem:
         shutil.rmtree(tag_dir, ignore_errors=True)
         (root / (LATEST_FILE + ".tmp")).unlink(missing_ok=True)  # `latest` is replaced last: never this tag
         return f"{problem}. Checkpoint {tag_dir.name} was not completed (its files were removed)"
-    prune_checkpoints(root, keep_last)
+    prune_checkpoints(root, keep_last, [*keep, *([best.tag] if best is not None else [])])
     return ""
 
 
 def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, keep_last: int, is_main: bool,
                     finisher: Optional[CheckpointFinisher] = None, healthy: bool = True,
-                    best: Optional[BestRecord] = None) -> Path:
+                    best: Optional[BestRecord] = None, keep: Sequence[str] = ()) -> Path:
     """Save tag `step_<state.step>` (collective: every rank calls it). Returns the tag directory.
 
     With a `finisher`, rank 0 completes the tag (hashes, `COMPLETE.json`, `latest`) on its thread
     and this returns as soon as every rank's files are written; without, before returning.
-    `healthy` is recorded in `COMPLETE.json` (pruning keeps the newest healthy tag); `best`: this
-    tag's record for `best.json`, written once the tag is complete (`pipeline.train.checkpoint_best`)."""
+    `healthy` is recorded in `COMPLETE.json` (pruning keeps the newest healthy tag); `best`: the run's
+    best as of this tag (this tag, or an earlier complete one), written to `best.json` once the tag is
+    complete when the file does not say it already (`pipeline.train.checkpoint_best`); pruning keeps
+    it and the tags `keep` names."""
     tag = tag_for_step(state.step)
     tag_dir = root / tag
     skip = False
@@ -321,7 +324,7 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
         move = is_main and (pointer is None or (step_of_tag(pointer.name) or 0) < state.step)
         pointer_file = root / LATEST_FILE
         problem = write_or_describe(pointer_file, lambda: _write_text_atomic(pointer_file, tag)) if move else ""
-        if is_main and best is not None and not problem:
+        if is_main and best is not None and not problem and read_best(root) != best:
             problem = write_or_describe(root / BEST_FILE, lambda: write_best(root, best))
         _fail_together(problem, root, None, is_main)  # `latest` names the newest complete tag, as after a save
         return tag_dir
@@ -336,10 +339,10 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
     if finisher is not None:
         if is_main:
             step = state.step  # the loop moves on while the thread runs: bind the value now
-            finisher.start(tag_dir, lambda: _complete_or_describe(root, tag_dir, step, keep_last, healthy, best))
+            finisher.start(tag_dir, lambda: _complete_or_describe(root, tag_dir, step, keep_last, healthy, best, keep))
         return tag_dir
     if is_main:
-        problem = _complete_or_describe(root, tag_dir, state.step, keep_last, healthy, best)
+        problem = _complete_or_describe(root, tag_dir, state.step, keep_last, healthy, best, keep)
     _fail_together(problem, root, None, is_main)
     barrier()
     return tag_dir
@@ -397,17 +400,19 @@ def _fail_together(problem: str, root: Path, tag_dir: Optional[Path], is_main: b
         f"in {root} (or choose another train.output_dir) and resume")
 
 
-def prune_checkpoints(root: Path, keep_last: int) -> list[Path]:
+def prune_checkpoints(root: Path, keep_last: int, protect: Sequence[str] = ()) -> list[Path]:
     """Delete all but the newest `keep_last` complete tags, and partial tags older than `latest`;
     never `latest`, nor the newest healthy tag before the newest one (the newest's weights have not
     produced a loss yet, so the one before is the newest known good), nor the best tag (`best.json`,
-    `train.keep_best`)."""
+    `train.keep_best`), nor a tag `protect` names (the run's own best record and the tags kept beside
+    it: a `best.json` damaged during the run protects nothing by itself)."""
     latest = read_latest(root)
     latest_step = step_of_tag(latest.name) if latest is not None else None
     complete = [(s, p) for s, p in list_tags(root) if is_complete(p)]
     confirmed = [p for _, p in complete[:-1] if saved_healthy(p)]
     best = read_best(root)
-    keep = {latest, confirmed[-1] if confirmed else None, root / best.tag if best is not None else None}
+    keep = {latest, confirmed[-1] if confirmed else None, root / best.tag if best is not None else None,
+            *(root / tag for tag in protect)}
     doomed = [p for _, p in complete[:-keep_last] if p not in keep] if keep_last > 0 else []
     if latest_step is not None:
         doomed += [p for s, p in list_tags(root) if s < latest_step and not is_complete(p)]
@@ -523,59 +528,3 @@ def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int
             "loading of ZeRO-3 optimizer states does not continue the same trajectory). Resume with "
             f"{meta.world_size} rank(s), or warm-start from the converted weights")
     return ResumeTarget(tag_dir, meta, universal, changed=bool(problems))
-
-
-def ensure_universal(tag_dir: Path, is_main: bool) -> Path:
-    """Convert `tag_dir` to DeepSpeed's universal format once (rank 0), under `<tag>/universal`."""
-    target = tag_dir / UNIVERSAL_TAG
-    if is_main and not (target / COMPLETE_FILE).is_file():
-        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
-
-        tmp = tag_dir / (UNIVERSAL_TAG + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(target, ignore_errors=True)
-        log.info("converting %s to DeepSpeed's universal format (rank count or ZeRO stage changed)", tag_dir)
-        try:
-            ds_to_universal(argparse.Namespace(input_folder=str(tag_dir), output_folder=str(tmp), num_extract_workers=1,
-                                               num_merge_workers=1, keep_temp_folder=False, strict=True,
-                                               inject_missing_state=True))
-        except Exception as err:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointError(f"{tag_dir}: conversion to the universal format failed ({err})") from err
-        (tag_dir / "latest_universal").unlink(missing_ok=True)  # the converter's pointer; we load by tag
-        (tmp / COMPLETE_FILE).write_text("{}")
-        os.replace(tmp, target)
-    barrier()
-    return target
-
-
-def load_checkpoint(engine: Any, target: ResumeTarget, is_main: bool) -> TrainState:
-    """Verify (rank 0, sha256 of every file) and load engine + train state (collective).
-    Any failure is a `CheckpointError` naming the tag, raised on every rank."""
-    problem = ""
-    if is_main:
-        try:
-            verify_checkpoint(target.tag_dir, check_hashes=True)
-        except CheckpointError as err:
-            problem = str(err)
-    problem = broadcast_object(problem)
-    if problem:
-        raise CheckpointError(problem)
-    load_dir, tag = target.tag_dir.parent, target.tag_dir.name
-    if target.universal:
-        ensure_universal(target.tag_dir, is_main)
-        load_dir, tag = target.tag_dir, UNIVERSAL_TAG
-    try:
-        path, _ = engine.load_checkpoint(str(load_dir), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=False)
-        raw = load_pt(target.tag_dir / TRAIN_STATE_FILE)
-    except Exception as err:
-        raise CheckpointError(f"{target.tag_dir}: failed to load ({type(err).__name__}: {err}); the checkpoint is "
-                              "corrupt — resume from an older tag with train.resume=<tag dir>") from err
-    if path is None:
-        raise CheckpointError(f"{target.tag_dir}: DeepSpeed found no checkpoint to load")
-    if target.set_aside:
-        if is_main:
-            set_aside(target.tag_dir.parent, target.set_aside, target.tag_dir)
-        barrier()
-    return TrainState.from_dict(raw)

@@ -23,6 +23,7 @@ The loop calls `step_end` after every step, `last_good` for the divergence guard
 from __future__ import annotations
 
 import logging
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,22 +38,23 @@ from pipeline.train.checkpoint import (
     ResumeTarget,
     TrainState,
     find_resume_checkpoint,
-    is_complete,
     last_good_tag,
     list_tags,
-    load_checkpoint,
     plan_resume,
     save_checkpoint,
     settle_pending_save,
     step_of_tag,
     tag_for_step,
 )
-from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, better, read_best
+from pipeline.train.checkpoint_load import load_checkpoint
+from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, better, read_best, write_best
+from pipeline.train.checkpoint_best_resume import eval_set_change, reconcile_best
 from pipeline.train.config import TrainConfig
 from pipeline.train.guard import weight_stats
 from pipeline.train.optim import check_optimizer_kept
 from pipeline.train.run_lock import check_still_held
-from pipeline.train.safe_load import load_pt
+from pipeline.train.validation import EVAL_SET_KEY, PREFIX
+from pipeline.safe_load import UnsafeCheckpointError, load_pt
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,7 @@ class Checkpointer:
         self.finisher = CheckpointFinisher()  # hashes saved tags off the training step (rank 0)
         self.best: Optional[BestRecord] = None  # the best tag saved (best.json), as of the last save
         self.pending_best: Optional[BestRecord] = None  # a better value seen, its tag not saved yet
+        self.keep: set[str] = set()  # tags kept from pruning besides the best (checkpoint_best_resume)
 
     # ---- resume ---------------------------------------------------------------------------------
     def find_resume(self) -> Optional[Path]:
@@ -106,6 +109,8 @@ class Checkpointer:
             return  # same config and data: same shapes
         try:
             saved = load_pt(target.tag_dir / MODEL_STATES_FILE)  # weights_only, allow-listed (safe_load)
+        except UnsafeCheckpointError as err:
+            raise CheckpointError(str(err)) from None
         except Exception as err:
             raise CheckpointError(f"{target.tag_dir / MODEL_STATES_FILE}: unreadable ({type(err).__name__}: {err})") from err
         shapes: dict[str, tuple] = {}
@@ -122,30 +127,41 @@ class Checkpointer:
                 f"{'; '.join(differ[:8])}{' ...' if len(differ) > 8 else ''}); train.allow_config_change=true resumes "
                 "changed settings, not a changed model shape. Start a new run (train.output_dir) for a new shape")
 
-    def load(self, engine: Any, target: Optional[ResumeTarget], model: Any) -> TrainState:
+    def load(self, engine: Any, target: Optional[ResumeTarget], model: Any, eval_set: str = "",
+             eval_dir: str = "") -> TrainState:
         """Collective: the train state to start from (a fresh one without `target`), the engine and the
-        objectives' state loaded from `target`, and the best record carried on."""
+        objectives' state loaded from `target`, and the best record carried on, reconciled with the
+        checkpoint's own and `metrics.jsonl` (`pipeline.train.checkpoint_best_resume`). `eval_set` /
+        `eval_dir`: this run's validation set (`Validator.identity`, `eval.shards_dir`; "" without)."""
         if target is None:
             return TrainState()
         state = load_checkpoint(engine, target, self.is_main)
         model.load_extra_state_from_checkpoint(state.objective_state)
         log.info("resumed from %s at step %d (%d samples)", target.tag_dir, state.step, state.consumed_samples)
-        self.best = self._resumed_best(state.step) if target.tag_dir.parent.resolve() == self.root.resolve() else None
+        if self.is_main and (note := eval_set_change(target.meta, state.step, eval_set, eval_dir)):
+            log.warning("%s", note)
+        if target.tag_dir.parent.resolve() == self.root.resolve():
+            self._resume_best(state.step, target.meta, eval_set)
         return state
 
-    def _resumed_best(self, step: int) -> Optional[BestRecord]:
-        """This run's best record, when it is still this run's (same metric and direction, a complete
-        tag at or before the resumed step); otherwise rank 0 removes it (it would protect a stale tag)."""
-        best = read_best(self.root)
-        if best is None:
-            return None
-        if (best.metric, best.mode) == (self.metric, self.mode) and best.step <= step and is_complete(self.root / best.tag):
-            return best
-        log.info("%s: %s at step %d is not this run's best any more (train.keep_best=%r %s, resumed at step %d): "
-                 "dropped", self.root / BEST_FILE, best.metric, best.step, self.metric, self.mode, step)
-        if self.is_main:
+    def _resume_best(self, step: int, meta: Any, eval_set: str) -> None:
+        """This run's best record and the tags kept beside it, as of resumed step `step`; rank 0 says what
+        it rebuilt and rewrites (or, without a best, removes) `best.json` (collective: rank 0 decides)."""
+        resumed = reconcile_best(self.root, self.metric, self.mode, step, meta.best, eval_set) if self.is_main else None
+        resumed = broadcast_object(resumed)
+        self.best, self.keep = resumed.best, set(resumed.keep)
+        if not self.is_main:
+            return
+        for note in resumed.notes:
+            log.warning("%s", note)
+        stale = read_best(self.root)
+        if self.best is not None and stale != self.best:
+            write_best(self.root, self.best)
+        elif self.best is None and (self.root / BEST_FILE).exists():
+            log.info("%s: %s is not this run's best (train.keep_best=%r %s, resumed at step %d): dropped",
+                     self.root / BEST_FILE, f"{stale.metric} at step {stale.step}" if stale else "a damaged record",
+                     self.metric, self.mode, step)
             (self.root / BEST_FILE).unlink(missing_ok=True)
-        return None
 
     # ---- during the run ---------------------------------------------------------------------------
     def observe_metric(self, step: int, values: dict) -> bool:
@@ -155,9 +171,10 @@ class Checkpointer:
         if not self.metric:
             return False
         value = values.get(self.metric) if self.is_main else None
+        eval_set = str(values.get(EVAL_SET_KEY, "")) if self.metric.startswith(PREFIX) else ""
         new = None
         if isinstance(value, (int, float)) and better(self.best, self.metric, self.mode, float(value)):
-            new = BestRecord(self.metric, self.mode, float(value), step, tag_for_step(step))
+            new = BestRecord(self.metric, self.mode, float(value), step, tag_for_step(step), eval_set)
         new = broadcast_object(new)
         if new is not None:
             self.pending_best = new
@@ -202,8 +219,10 @@ class Checkpointer:
         meta.mixture = dataset.record(batches.seed, batches.consumed_samples, state.phase) \
             if hasattr(dataset, "record") else {}
         best = self.pending_best if healthy and self.pending_best and self.pending_best.step == state.step else None
+        current = best or self.best  # the best as of this tag: recorded in it, written to best.json, never pruned
+        meta.best = {"record": asdict(current) if current else None, "keep": sorted(self.keep)}
         tag_dir = save_checkpoint(run.engine, self.root, state, meta, self.keep_last, self.is_main, self.finisher,
-                                  healthy, best)
+                                  healthy, current, sorted(self.keep))
         if best is not None:
             self.best, self.pending_best = best, None
         return tag_dir

@@ -7,7 +7,10 @@ rules training shards are (`pipeline.data.config.check_shard_dir`: complete, lis
 layout, content hash, special-token ids against its tokenizer), then against the run's data: the
 same tokenizer (hash, vocabulary, special-token ids, `pipeline.data.sources.mixture_mismatches`'
 fields), the same `seq_len` (every phase's: a phase with its own `seq_len` is refused, naming it),
-not the training set itself, and at least one evaluation micro-batch per rank.
+not the training set itself, nor its documents or rows in other shards (any training directory of the
+run: a mixture's sources, every phase's; `pipeline.data.overlap`: the same documents by their source
+files, the same rows by their token ids, whatever the shard size or build), and at least one
+evaluation micro-batch per rank.
 """
 from __future__ import annotations
 
@@ -69,9 +72,10 @@ class EvalConfig:
 
 
 def check_eval_set(cfg: EvalConfig, train: Manifest, train_dir: str, phases: Sequence[tuple[str, int]],
-                   world_size: int, train_micro: int) -> Optional[Manifest]:
+                   world_size: int, train_micro: int, train_dirs: Sequence[str] = ()) -> Optional[Manifest]:
     """Stage 2: the held-out set against the run (module doc); its manifest, None when validation is off.
-    `phases`: (label, seq_len) of each phase of a phased run (empty otherwise)."""
+    `phases`: (label, seq_len) of each phase of a phased run (empty otherwise); `train_dirs`: every
+    directory the run trains on (default: `train_dir`)."""
     if not cfg.enabled:
         return None
     from pipeline.data.config import check_shard_dir
@@ -91,12 +95,38 @@ def check_eval_set(cfg: EvalConfig, train: Manifest, train_dir: str, phases: Seq
     if held.content_hash and held.content_hash == train.content_hash:
         raise ConfigError(f"{where} is the training data itself ({train_dir}): a validation set must be held out "
                           "(data_prep.build_shards --holdout-fraction writes one)")
+    check_held_out(cfg.shards_dir, held, list(dict.fromkeys([*train_dirs] or [train_dir])))
     micro = cfg.micro_batch(train_micro)
     if held.total_sequences < micro * world_size:
         raise ConfigError(f"{where} holds {held.total_sequences} sequences, fewer than one evaluation batch per rank "
                           f"(eval.micro_batch_size {micro} x {world_size} rank(s) = {micro * world_size}); hold out "
                           "more documents or lower eval.micro_batch_size")
     return held
+
+
+def check_held_out(held_dir: str, held: Manifest, train_dirs: Sequence[str]) -> None:
+    """Refuse a held-out set holding documents or rows of any training directory (`pipeline.data.overlap`)."""
+    from pipeline.data.overlap import REFUSE_SHARE, row_overlap, shared_source
+    from pipeline.data.shards import read_manifest
+
+    where = f"eval.shards_dir={held_dir}"
+    for train_dir in train_dirs:
+        try:
+            train = read_manifest(train_dir)
+        except (OSError, ValueError):
+            continue  # the training data's own checks name it
+        source = shared_source(held, train)
+        if source is not None:
+            raise ConfigError(
+                f"{where} was built from {Path(str(source.get('path', '?'))).name} (sha256 {str(source['sha256'])[:12]}), "
+                f"which the training data {train_dir} was built from too: it holds training documents, whatever its "
+                "shards' size or bytes; hold documents out with data_prep.build_shards --holdout-fraction")
+        overlap = row_overlap(held_dir, train_dir)
+        if overlap.refused():
+            raise ConfigError(
+                f"{where}: about {overlap.share:.0%} of its rows are rows of the training data {train_dir} ({overlap.hits} "
+                f"of {overlap.sampled} sampled training rows are in it; refused from {REFUSE_SHARE:.0%}): the same "
+                "sequences in other shards; hold documents out with data_prep.build_shards --holdout-fraction")
 
 
 #: First name segments every run logs besides its objectives' (`pipeline.pretrain.pretrainer`, `pipeline.monitor.health`).

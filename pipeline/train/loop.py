@@ -134,7 +134,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
     checkpointer = checkpointer or Checkpointer(cfg.train, info.is_main)
-    state = checkpointer.load(engine, target, model)
+    validator = open_validator(cfg, plan, model, info.rank, info.world_size, device)
+    state = checkpointer.load(engine, target, model, validator.identity if validator else "", cfg.eval.shards_dir)
     # The phase of the next step: entered here when it starts with it (a checkpoint at a phase
     # boundary, or step 1), and its live-model overrides set (also mid-phase: a fresh model has none).
     view = plan.schedule.at(state.step + 1, state, plan.batch)
@@ -154,7 +155,8 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
         encoder_config=model.config.to_dict(), objectives=dict(cfg.objectives),
         objective_options=dict(cfg.objective_options), special_tokens=dict(dataset.special_tokens),
         tokenizer_dir=str(dataset.tokenizer_dir.resolve()), data_dir=str(dataset.directory.resolve()),
-        manifest_hash=plan.manifest_hash, config_hash=config_hash(config_dict), config=config_dict,
+        manifest_hash=plan.manifest_hash, tokenizer_hash=plan.manifest.tokenizer_hash,
+        config_hash=config_hash(config_dict), config=config_dict,
         zero_stage=plan.zero_stage, world_size=info.world_size,
         corpus=plan.schedule.corpus(corpus_summary(plan.manifest)),
         base_model=describe_base(cfg.model.init_from) if cfg.model.init_from else {}, recipe=dict(recipe or {}))
@@ -172,7 +174,7 @@ def start(cfg: RunConfig, plan: RunPlan, model: PretrainModel, target: Optional[
                ThroughputMeter(info.world_size, device_peak_flops(cfg.deepspeed.precision)),
                NonFiniteGuard(cfg.train.max_nonfinite_steps, cfg.deepspeed.precision == "fp16",
                               cfg.train.max_loss_ratio, cfg.train.max_weight_norm_ratio), checkpointer,
-               validator=open_validator(cfg, plan, model, info.rank, info.world_size, device))
+               validator=validator)
 
 
 def build_run(cfg: RunConfig, recipe: Optional[dict] = None) -> "Run":
@@ -283,7 +285,7 @@ class Run:
                    desc=cfg.name, dynamic_ncols=True, mininterval=1.0)
         last_metrics: dict = {}
         outcome = "failed"  # what the trackers are told at close (trackers.OUTCOMES); set on a clean way out
-        profiler = StepProfiler.for_run(cfg, self.info.rank)  # train.profile; a no-op when off
+        profiler = StepProfiler.for_run(cfg, self.info.rank, state.step)  # train.profile; a no-op when off
         try:
             if state.step < total and self.preempted_during_startup(preemption):
                 outcome = "stopped"

@@ -17,9 +17,9 @@ hooks return at once, and `torch.profiler` is never imported. The loop calls thr
 `step_begin(step)` before the step's first micro-batch, `step_end(step)` after its all-reduce (the
 host has waited for the device there, so the last kernels are in the trace) and `close()` on the way
 out (a run stopped inside the window still writes the steps it profiled). A run resumed inside the
-window profiles its remaining steps; one resumed after it profiles nothing. Kineto's own tracing lines
-(`USDT:... profiler_start` / `profiler_stop`, printed by native code to stderr) are dropped
-(`native_stderr_filtered`); any other native output of those calls still reaches stderr.
+window profiles its remaining steps (said in one line); one resumed after it profiles nothing, and says
+so. Kineto's own tracing lines (`USDT:... profiler_start` / `profiler_stop`, printed by native code to
+stderr) are dropped (`native_stderr_filtered`); any other native output of those calls still reaches stderr.
 """
 from __future__ import annotations
 
@@ -103,12 +103,23 @@ class StepProfiler:
         self._steps: list[int] = []
 
     @classmethod
-    def for_run(cls, cfg: Any, rank: int) -> "StepProfiler":
-        """The profiler `cfg.train.profile` asks for on `rank` (rank 0 only; off elsewhere or when unset)."""
+    def for_run(cls, cfg: Any, rank: int, resumed_step: int = 0) -> "StepProfiler":
+        """The profiler `cfg.train.profile` asks for on `rank` (rank 0 only; off elsewhere or when unset).
+        A run resumed at `resumed_step` says in one line when its window lies before that step (nothing will
+        be profiled) or begins before it (only the steps after it are)."""
         profile: ProfileConfig = cfg.train.profile
         if profile.start == 0 or rank != 0:
             return cls(None)
-        return cls(Path(cfg.train.output_dir) / PROFILE_DIR, profile.start, profile.start + profile.steps - 1)
+        first, last = profile.start, profile.start + profile.steps - 1
+        if last <= resumed_step:
+            log.warning("train.profile: steps %d-%d were trained before the resumed step %d: nothing will be profiled "
+                        "(train.profile.start=N with N > %d profiles steps of this run)", first, last, resumed_step,
+                        resumed_step)
+            return cls(None)
+        if first <= resumed_step:
+            log.info("train.profile: steps %d-%d asked, resumed at step %d: steps %d-%d will be profiled", first, last,
+                     resumed_step, resumed_step + 1, last)
+        return cls(Path(cfg.train.output_dir) / PROFILE_DIR, first, last)
 
     @property
     def enabled(self) -> bool:

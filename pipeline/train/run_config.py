@@ -139,8 +139,9 @@ def check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_start
         plan, phases = _check_run(cfg, world_size, cuda_available, fresh_start, schedule), []
     if plan.schedule is None:
         plan.schedule = Schedule.implicit(cfg, plan.batch, plan.manifest, plan.manifest_hash)
+    train_dirs = [*data_directories(cfg.data), *(d for p in plan.schedule.phases for d in data_directories(p.data))]
     plan.eval_manifest = check_eval_set(cfg.eval, plan.manifest, data_directories(cfg.data)[0], phases, world_size,
-                                        cfg.data.micro_batch_size)
+                                        cfg.data.micro_batch_size, train_dirs)
     return plan
 
 

@@ -16,6 +16,21 @@ What one evaluation measures (`Validator.evaluate`, logged as `val/<term>`):
 
 Each value is the mean over the `eval.batches` micro-batches of every rank (one all-reduce per
 evaluation, `pipeline.distributed.all_reduce_sum`); the head yardstick is weighted by positions.
+One number per quantity: where an objective's own loss *is* the yardstick (`mlm` on the head's view,
+a full softmax with no log-q offset: the same positions, targets and logits), its `val/<name>/loss`
+and `val/<name>/accuracy` are the yardstick's position-weighted values (sum over all masked positions
+/ N: the loss of the set, not a mean of micro-batch means, which weighs a micro-batch with few masked
+positions like one with many and so differs in the 4th decimal), and `val/loss` is sum_o w_o
+`val/<o>/loss` again; an MLM-only run thus logs one validation loss under all three names.
+
+The set's identity. Every `val/` record carries `eval_set` (`eval_set_identity`): a digest of the
+held-out shards' content hash and of what picks and corrupts the evaluated sequences (`eval.seed`,
+the evaluation micro-batch size, the number of micro-batches over all ranks, `data.corruption`).
+Values of two identities were measured on different sequences and are never compared:
+`validation_summary` (what `cpt-status`, the model card and checkpoints report) takes the latest and
+best values over the evaluations of the latest set only and counts the others, and the best
+checkpoint (`train.keep_best`) starts a new lineage when a resume changes the set
+(`pipeline.train.checkpoint_best_resume`).
 
 Fixed corruption. The held-out rows are visited in the order `epoch_permutation(eval.seed, 0, N)`;
 micro-batch b of rank r reads positions (b x world + r) x micro ... + micro, and the collator and the
@@ -32,6 +47,8 @@ the throughput window restarts, so a run with validation trains bit for bit as o
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import random
 from typing import Any, Optional
@@ -52,6 +69,16 @@ from pipeline.objectives.registry import mlm_head_training
 log = logging.getLogger(__name__)
 PREFIX = "val/"
 HEAD_KEY = "mlm_head"
+#: The key of every validation record that names the set its values were measured on (module doc).
+EVAL_SET_KEY = "eval_set"
+
+
+def eval_set_identity(content_hash: str, seed: int, micro: int, micro_batches: int, corruption: dict) -> str:
+    """16 hex digits naming what an evaluation measures (module doc): the held-out shards' content hash,
+    `eval.seed`, the micro-batch size, the micro-batches over all ranks and the corruption settings."""
+    blob = json.dumps({"content_hash": content_hash, "seed": seed, "micro": micro, "micro_batches": micro_batches,
+                       "corruption": corruption}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 class Validator:
@@ -83,6 +110,16 @@ class Validator:
             self.offset_owner = next(iter(log_proposal_samplers(model).values()), None)
         self.collator = CorruptionCollator(views, dataset.special_tokens, dataset.vocab_size, cfg.seed,
                                            plans=model.host_plans(), **corruption)
+        #: objectives whose own loss is the head's yardstick (module doc: reported as one number)
+        self.yardstick_objectives = [
+            name for name, objective in model.objectives.items()
+            if self.head and self.offset_owner is None and getattr(objective, "name", "") == "mlm"
+            and tuple(objective.views) == (self.head_view,) and model.weights.get(name, 1.0) != 0]
+        self.weights = {name: float(model.weights.get(name, 1.0)) for name in model.objectives}
+        from pipeline.data.shards import manifest_hash
+
+        self.identity = eval_set_identity(manifest_hash(dataset.directory), cfg.seed, self.micro,
+                                          self.batches * world_size, corruption)
         self._host_batches: Optional[list[dict[str, Tensor]]] = None
         #: this run's evaluation records so far (`validation_summary`); None until `remember` first reads the file
         self.history: Optional[list[dict]] = None
@@ -145,6 +182,12 @@ class Validator:
             out[f"{PREFIX}{HEAD_KEY}/loss"] = loss_sum / positions
             out[f"{PREFIX}{HEAD_KEY}/accuracy"] = correct / positions
             out[f"{PREFIX}{HEAD_KEY}/positions"] = positions
+            for name in self.yardstick_objectives:  # one number (module doc)
+                out[f"{PREFIX}{name}/loss"] = out[f"{PREFIX}{HEAD_KEY}/loss"]
+                if f"{PREFIX}{name}/accuracy" in out:
+                    out[f"{PREFIX}{name}/accuracy"] = out[f"{PREFIX}{HEAD_KEY}/accuracy"]
+            if self.yardstick_objectives and all(f"{PREFIX}{n}/loss" in out for n in self.weights):
+                out[f"{PREFIX}loss"] = sum(w * out[f"{PREFIX}{n}/loss"] for n, w in self.weights.items())
         return out
 
     def head_scores(self, model: Any, batch: dict[str, Tensor]) -> Tensor:
@@ -217,13 +260,15 @@ def open_validator(cfg: Any, plan: Any, model: Any, rank: int, world_size: int,
                      root.data.micro_batch_size, device)
 
 
-def validate(run: Any, step: int) -> dict[str, float]:
+def validate(run: Any, step: int) -> dict[str, Any]:
     """Collective, the training loop's hook (`run`: its `Run`): evaluate after step `step`, write the
-    `val/` metrics through the run's `MetricsWriter` (its own record at that step), log them on one line
+    `val/` metrics and the set's identity (`EVAL_SET_KEY`) through the run's `MetricsWriter` (its own
+    record at that step), log them on one line
     beside their chance levels, and keep the evaluation out of the next step's FLOPs and throughput."""
     total = run.cfg.train.total_steps
-    metrics = run.validator.evaluate(run.engine, run.model, step, total,
-                                     run.plan.batch.grad_accum * run.info.world_size)
+    metrics = {**run.validator.evaluate(run.engine, run.model, step, total,
+                                        run.plan.batch.grad_accum * run.info.world_size),
+               EVAL_SET_KEY: run.validator.identity}  # the set they were measured on (module doc)
     run.writer.write(step, metrics)
     run.meta.validation = run.validator.remember({"step": step, **metrics}, run.writer.path)  # the checkpoint's meta
     check_best_metric(run.cfg.train.keep_best, metrics)
@@ -258,12 +303,16 @@ def val_signals(metrics: dict[str, Any]) -> list:
 
 def validation_summary(records: list[dict]) -> dict[str, Any]:
     """What a run's `metrics.jsonl` says of its validation (`cpt-status`, the model card): the latest
-    evaluation's step and signals, and for `val/loss` and every `val/` learning signal its latest value
-    and its best (lowest for a loss, highest for an accuracy / AUC) with the step; {} without any."""
+    evaluation's step, set (`eval_set`, module doc) and signals, and for `val/loss` and every `val/`
+    learning signal its latest value and its best (lowest for a loss, highest for an accuracy / AUC) with
+    the step, over the evaluations of the latest set only (`other_set_evaluations`: how many were left
+    out, measured on another set; a record without `eval_set` is of an unknown set); {} without any."""
     evaluations = [r for r in records if is_validation_record(r) and isinstance(r.get("step"), int)]
     if not evaluations:
         return {}
     last = evaluations[-1]
+    other = [r for r in evaluations if r.get(EVAL_SET_KEY) != last.get(EVAL_SET_KEY)]
+    evaluations = [r for r in evaluations if r.get(EVAL_SET_KEY) == last.get(EVAL_SET_KEY)]
     directions = {s.term: s.direction for s in val_signals(last)}
     directions.setdefault(f"{PREFIX}loss", "lower")
     terms = {}
@@ -274,7 +323,8 @@ def validation_summary(records: list[dict]) -> dict[str, Any]:
         # the earliest evaluation among equals: min over (value, step), the value negated when higher is better
         best_step, best = min(seen, key=lambda sv: (sv[1] if direction == "lower" else -sv[1], sv[0]))
         terms[term] = {"latest": seen[-1][1], "best": best, "best_step": best_step, "direction": direction}
-    return {"step": last["step"], "evaluations": len(evaluations), "terms": terms,
+    return {"step": last["step"], "evaluations": len(evaluations), EVAL_SET_KEY: last.get(EVAL_SET_KEY, ""),
+            "other_set_evaluations": len(other), "terms": terms,
             "signals": [s.to_dict() | {"text": format_signal(s)} for s in val_signals(last)]}
 
 

@@ -213,3 +213,39 @@ def test_a_phase_lr_segment_keeps_its_trained_rates(tiny_shards_dir):
         check_resume(schedule_of(8, 4, linear), meta_of(schedule_of(6, 6, linear), 3))
     stable = {"warmup_steps": 0, "schedule": "wsd", "decay_steps": 2}
     check_resume(schedule_of(8, 4, stable), meta_of(schedule_of(6, 6, stable), 3))  # steps 1-3 at the peak both ways
+
+
+def test_a_source_renamed_on_resume_keeps_its_counter_and_its_place(tiny_shards_dir, small_source, tmp_path, caplog):
+    """Issue 57: a source is what it reads (its manifest), not its display name. Renamed on `--resume` (same
+    path, same index), it goes on from its own count: the rows read and the losses are bitwise the
+    uninterrupted run's, and its counter (now `data/<new name>/...`) never goes back."""
+    run = tmp_path / "run"
+    first = ["data.shards_dir=", "data.mixture_block=16", sources(tiny_shards_dir, small_source, 0.75, 0.25),
+             "train.total_steps=8", "train.checkpoint_every=4", "train.keep_last=10"]
+    assert run_inprocess("tiny-mlm", Path(""), run, *first) == 0
+    reference = metric_rows(run)
+    renamed = ("data.sources=[" + f"{{path: {tiny_shards_dir}, weight: 0.75, name: encyclopedia}}, "
+               f"{{path: {small_source}, weight: 0.25, name: small}}" + "]")
+    with caplog.at_level(logging.INFO):
+        assert main(["--resume", str(tag_dir(run, 4)), renamed]) == 0
+    assert "renamed since the checkpoint (wiki -> encyclopedia)" in caplog.text
+    rows = metric_rows(run)
+    for step in range(5, 9):
+        assert rows[step]["loss"] == reference[step]["loss"], step
+        assert rows[step]["data/encyclopedia/samples"] == reference[step]["data/wiki/samples"]
+        assert rows[step]["data/encyclopedia/tokens"] == reference[step]["data/wiki/tokens"]
+    assert rows[5]["data/encyclopedia/samples"] > rows[4]["data/wiki/samples"]  # never back
+
+
+def test_a_renamed_source_moved_to_another_index_is_refused(tiny_shards_dir, small_source):
+    """Matched by what it reads, a source that moved keeps being refused, whatever its new name."""
+    from pipeline.data.sources import interleave_change
+
+    cfg = load_config("tiny-mlm", ["data.shards_dir=", "data.mixture_block=16",
+                                   sources(tiny_shards_dir, small_source, 0.75, 0.25)])
+    moved = load_config("tiny-mlm", ["data.shards_dir=", "data.mixture_block=16",
+                                     "data.sources=[" + f"{{path: {small_source}, weight: 1, name: tiny}}, "
+                                     f"{{path: {tiny_shards_dir}, weight: 3, name: big}}" + "]"])
+    assert interleave_change(cfg.data, 32, moved.data, 64, continued=True) == \
+        "data.sources[0]: source tiny was data.sources[1] (named small then) (a source keeps its index: its pass " \
+        "order is drawn from it; add new sources at the end)"

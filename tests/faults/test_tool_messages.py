@@ -141,3 +141,61 @@ def test_invalid_yaml_is_one_line_with_line_and_column(tiny_shards_dir, tmp_path
     assert "\n" not in err, err
     assert re.fullmatch(rf"error: {re.escape(str(config))}: invalid YAML at line 3, column \d+: expected ',' or '}}', "
                         r"but got .+ \(while parsing a flow mapping\)", err), err
+
+
+class _WritesAFile:
+    """A hostile pickle: unpickling it creates `target`."""
+
+    def __init__(self, target: Path):
+        self.target = str(target)
+
+    def __reduce__(self):
+        return open, (self.target, "w")
+
+
+@pytest.fixture()
+def pickled_export(small_export, tmp_path):
+    """A copy of the converted tiny model whose weights are a `pytorch_model.bin` carrying a planted pickle."""
+    import torch
+
+    model = Path(shutil.copytree(small_export, tmp_path / "hf_pickled"))
+    state = safetensors.torch.load_file(str(model / "model.safetensors"))
+    (model / "model.safetensors").unlink()
+    marker = tmp_path / "planted-code-ran"
+    torch.save({**state, "planted": _WritesAFile(marker)}, model / "pytorch_model.bin")
+    return model, marker
+
+
+def _refused_in_one_line(err: str, weights: Path, prefix: str = "") -> None:
+    message = error_line(err)
+    assert message.startswith(f"{prefix}{weights}: refused: its pickle needs io.open, which is not a type"), message
+    assert "weights_only" not in err and "Re-running" not in err, err
+
+
+@pytest.mark.parametrize("tool", ["model.init_from", "cpt-convert --weights", "cpt-finetune", "cpt-sts"])
+def test_a_pickle_in_pytorch_model_bin_is_one_line_naming_the_file_and_the_global(tool, pickled_export, small_run,
+                                                                                   tiny_shards_dir, tmp_path, capsys):
+    """Issue 57: every tool that reads a converted directory's `pytorch_model.bin` refuses a planted pickle with the
+    restricted unpickler's one line (`pipeline.safe_load`), never torch's advice to load with
+    `weights_only=False`; nothing of it runs."""
+    from pipeline.eval import sts
+    from pipeline.export.convert import main as convert_main
+    from tests.eval.conftest import write_sts
+    from tests.faults.test_tool_refusals import _task
+
+    model, marker = pickled_export
+    weights = model / "pytorch_model.bin"
+    capsys.readouterr()
+    if tool == "model.init_from":
+        assert run_inprocess("tiny-mlm", tiny_shards_dir, tmp_path / "run", f"model.init_from={model}") == 2
+        _refused_in_one_line(capsys.readouterr().err, weights)
+    elif tool == "cpt-convert --weights":
+        assert convert_main([str(small_run), str(tmp_path / "out"), "--weights", str(model)]) == 2
+        _refused_in_one_line(capsys.readouterr().err, weights)
+    elif tool == "cpt-finetune":
+        assert finetune_main(["--model", str(model), "--task-dir", str(_task(tmp_path / "task")), "--epochs", "1"]) == 2
+        _refused_in_one_line(capsys.readouterr().err, weights)
+    else:
+        assert sts.main([str(model), "--data", str(write_sts(tmp_path / "sts", n_pairs=10))]) == 2
+        _refused_in_one_line(capsys.readouterr().err, weights, prefix="CONVERTED_DIR ")
+    assert not marker.exists()

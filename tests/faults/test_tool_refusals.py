@@ -173,3 +173,49 @@ def test_convert_of_a_run_whose_shards_were_rebuilt_in_place_does_not_measure_th
     assert note, err
     assert "are not the data this checkpoint trained on" in (out / "README.md").read_text()
     assert "mean token cosine" in (out / "README.md").read_text()
+
+
+def _renumbered(tokenizer_dir: Path, into: Path) -> Path:
+    """The same tokenizer with two ordinary tokens' ids swapped: the same size, other ids."""
+    import json
+
+    copy = Path(shutil.copytree(tokenizer_dir, into))
+    spec = json.loads((copy / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (copy / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
+    return copy
+
+
+def test_convert_refuses_shards_rebuilt_in_place_with_another_tokenizer(tiny_shards_dir, tiny_corpus_file,
+                                                                        tiny_tokenizer_dir, tmp_path, capsys):
+    """Issue 57: the export would carry the new tokenizer beside the old weights. The checkpoint records the
+    fingerprint of the tokenizer it trained with (`tokenizer_hash`); conversion refuses another one, naming both
+    fingerprints and paths, and accepts the run's own tokenizer given with --tokenizer."""
+    import json
+
+    from pipeline.data.shards import hash_directory
+
+    shards = copy_shards(tiny_shards_dir, tmp_path / "shards")
+    run = tmp_path / "run"
+    assert run_inprocess("tiny-mlm", shards, run, "train.total_steps=3", "train.checkpoint_every=3") == 0
+    recorded = json.loads((tag_dir(run, 3) / "pipeline_meta.json").read_text())["tokenizer_hash"]
+    assert recorded == hash_directory(shards / "tokenizer")
+    other = _renumbered(tiny_tokenizer_dir, tmp_path / "renumbered")
+    shutil.rmtree(shards)
+    build_shards([str(tiny_corpus_file)], other, shards, seq_len=TINY_SEQ_LEN, shard_size_mb=TINY_SHARD_MB,
+                 progress=False)
+    current = hash_directory(shards / "tokenizer")
+    capsys.readouterr()
+    out = tmp_path / "hf"
+    assert convert_main([str(run), str(out)]) == 2
+    message = error_line(capsys.readouterr().err)
+    assert message == (f"tokenizer_dir={shards / 'tokenizer'} is not the tokenizer this checkpoint was trained with: "
+                       f"fingerprint {current[:16]} now, {recorded[:16]} recorded at training (pipeline_meta.json "
+                       f"tokenizer_hash, of {(shards / 'tokenizer').resolve()}): the shards' tokenizer was rebuilt or "
+                       "replaced since; pass the run's tokenizer with --tokenizer DIR"), message
+    assert not out.exists()
+    assert convert_main([str(run), str(out), "--tokenizer", str(other)]) == 2  # another dir with it: refused too
+    assert "cannot be confirmed as the run's tokenizer" in error_line(capsys.readouterr().err)
+    assert convert_main([str(run), str(out), "--tokenizer", str(tiny_tokenizer_dir)]) == 0  # the run's own files

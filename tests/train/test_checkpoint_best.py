@@ -143,13 +143,14 @@ def test_a_changed_keep_best_starts_afresh(tmp_path, change, why):
     assert checkpointer.best is None and not (tmp_path / "checkpoints" / BEST_FILE).exists(), why
 
 
-def test_a_best_after_the_resumed_tag_is_dropped(tmp_path):
-    """`train.resume=<older tag>`: a best from the set-aside future is not this run's."""
+def test_a_best_after_the_resumed_tag_is_replaced_by_the_best_as_of_that_tag(tmp_path):
+    """`train.resume=<older tag>`: a best from the set-aside future is not this run's; the resumed tag's own
+    record (`RunMeta.best`) says which was the best at its step."""
     walk(Checkpointer(train_cfg(tmp_path, checkpoint_every=2, keep_last=10), is_main=True), FakeRun(TrainState()),
          range(1, 13), {4: 5.0, 9: 1.0})
     assert read_best(tmp_path / "checkpoints").step == 9
     checkpointer, _ = resume(tmp_path, 6, keep_last=10)
-    assert checkpointer.best is None and read_best(tmp_path / "checkpoints") is None
+    assert checkpointer.best.step == 4 and read_best(tmp_path / "checkpoints") == checkpointer.best
 
 
 def test_keep_best_mode_is_checked():

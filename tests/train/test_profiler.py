@@ -77,3 +77,22 @@ def test_the_filter_drops_kineto_lines_and_keeps_the_rest(capfd):
         os.write(2, b"[W kineto] a real warning\n")
     assert capfd.readouterr().err == "[W kineto] a real warning\n"
 
+
+def test_a_window_before_the_resumed_step_says_nothing_will_be_profiled(tiny_shards_dir, tmp_path, caplog):
+    """Issue 57: a run resumed after its window profiles nothing, and says so in one line (before, silence);
+    one resumed inside it says which steps it profiles."""
+    import logging
+
+    assert run_inprocess("tiny-mlm", tiny_shards_dir, tmp_path, "train.total_steps=6", "train.checkpoint_every=4") == 0
+    resume = ["train.total_steps=6", "train.checkpoint_every=4", f"train.resume={tmp_path}/checkpoints/step_00000004"]
+    with caplog.at_level(logging.INFO):
+        assert run_inprocess("tiny-mlm", tiny_shards_dir, tmp_path, *resume, "train.profile={start: 2, steps: 2}") == 0
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train.profile")]
+    assert lines == ["train.profile: steps 2-3 were trained before the resumed step 4: nothing will be profiled "
+                     "(train.profile.start=N with N > 4 profiles steps of this run)"], lines
+    assert not (tmp_path / PROFILE_DIR).exists()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert run_inprocess("tiny-mlm", tiny_shards_dir, tmp_path, *resume, "train.profile={start: 4, steps: 2}") == 0
+    assert "train.profile: steps 4-5 asked, resumed at step 4: steps 5-5 will be profiled" in caplog.text
+    assert sorted(p.name for p in (tmp_path / PROFILE_DIR).iterdir())[0] == "rank0.steps_5-5.pt.trace.json"

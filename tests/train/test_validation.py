@@ -313,7 +313,7 @@ def test_two_ranks_evaluate_their_slices_as_one_rank_evaluates_all(split_shards,
 @pytest.mark.slow  # three training runs: outside the GPU lease's 40 s pytest row (benchmarks.gpu_suite.kernel_rows)
 def test_bf16_validation_and_resume_from_a_bf16_checkpoint(split_shards, tmp_path):
     """On a GPU, `deepspeed.precision=bf16`: the run logs finite val/* at every evaluation step; killed after a
-    checkpoint, its bf16 checkpoint passes the safe loader on resume (`pipeline.train.safe_load`: every .pt of
+    checkpoint, its bf16 checkpoint passes the safe loader on resume (`pipeline.safe_load`: every .pt of
     the tag unpickled with weights_only and the allow-list), and the evaluations after resume are the
     uninterrupted run's within bf16 rounding (GPU kernels need not repeat bit for bit)."""
     shards, held = split_shards
@@ -331,3 +331,23 @@ def test_bf16_validation_and_resume_from_a_bf16_checkpoint(split_shards, tmp_pat
         if key.startswith("val/"):
             assert torch.isfinite(torch.tensor(value)), key
             assert b[8][key] == pytest.approx(value, rel=2e-2, abs=1e-3), key
+
+
+def test_an_mlm_run_reports_one_validation_loss(split_shards, tmp_path):
+    """Issue 58/57: in an MLM-only run the objective's loss *is* the head's yardstick (same positions, targets,
+    logits): `val/mlm/loss`, `val/mlm_head/loss` and `val/loss` are one number (the set's loss over all its masked
+    positions), and the two accuracies one too. A run of MLM beside another objective keeps `val/loss` their
+    weighted sum."""
+    out = tmp_path / "mlm"
+    assert run_inprocess("tiny-mlm", split_shards[0], out, "train.total_steps=4", *_eval(split_shards[1])) == 0
+    for record in _val_records(out).values():
+        assert record["val/mlm/loss"] == record["val/mlm_head/loss"] == record["val/loss"]
+        assert record["val/mlm/accuracy"] == record["val/mlm_head/accuracy"]
+    both = tmp_path / "mlm_capt"
+    assert run_inprocess("tiny-capt", split_shards[0], both, "train.total_steps=4", *_eval(split_shards[1])) == 0
+    record = _val_records(both)[4]
+    assert record["val/mlm/loss"] == record["val/mlm_head/loss"]
+    from pipeline.train.run_config import load_config
+
+    weights = load_config("tiny-capt").objectives
+    assert record["val/loss"] == pytest.approx(sum(w * record[f"val/{n}/loss"] for n, w in weights.items()), rel=1e-6)
