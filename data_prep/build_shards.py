@@ -59,17 +59,14 @@ from pipeline.data.shards import (
     TOKENIZER_SUBDIR,
     Manifest,
     ShardInfo,
-    hash_directory,
     id_dtype_for,
     read_manifest,
     rows_per_shard,
-    sha256_file,
     shard_name,
-    write_atomic,
     write_datasets_files,
     write_shard,
-    xxh3_file,
 )
+from pipeline.io import hash_directory, sha256_file, write_atomic, xxh3_file
 
 from data_prep.output_state import (  # STATE_FILE and EXIT_WRITE_FAILED are imported from here by callers
     EXIT_WRITE_FAILED,

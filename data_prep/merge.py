@@ -37,14 +37,12 @@ from pipeline.data.shards import (
     TOKENIZER_SUBDIR,
     Manifest,
     ShardInfo,
-    hash_directory,
     manifest_file_sha256,
     read_manifest,
     shard_name,
-    write_atomic,
     write_datasets_files,
-    xxh3_file,
 )
+from pipeline.io import hash_directory, write_atomic, xxh3_file
 
 #: Manifest fields every part must share for its shards to be read as one dataset.
 SHARED_FIELDS = ("format_version", "seq_len", "vocab_size", "special_tokens", "tokenizer_hash", "id_dtype", "packing")

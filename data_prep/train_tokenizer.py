@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tqdm import tqdm
 
 from data_prep.readers import InputError, ReadOptions, Source, iter_documents, resolve_inputs
-from pipeline.data.shards import write_atomic
+from pipeline.io import write_atomic
 
 WORDPIECE_SPECIALS = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 BPE_SPECIALS = {"cls": "<s>", "pad": "<pad>", "sep": "</s>", "unk": "<unk>", "mask": "<mask>"}

@@ -25,7 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from pipeline.data.shards import check_layout, iter_shard_paths, open_shard, read_manifest, sha256_file, xxh3_file
+from pipeline.data.shards import check_layout, iter_shard_paths, open_shard, read_manifest
+from pipeline.io import sha256_file, xxh3_file
 from pipeline.data.sources import data_directories, mixture_mismatches
 
 

@@ -83,9 +83,10 @@ def test_no_import_cycles():
 #: Draw the package -> package edges with `python tests/test_architecture.py`.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # leaves every layer may use: errors and shared config checks + the YAML loader, the random streams,
-    # collectives, machine probes, tokenizer probes, the restricted unpickler, the DeepSpeed engine files
+    # collectives, machine probes, tokenizer probes, the restricted unpickler, atomic writes and file
+    # hashes, the DeepSpeed engine files
     ("foundation", ("pipeline.config", "pipeline.seeding", "pipeline.distributed", "pipeline.capabilities",
-                    "pipeline.tokenizer_checks", "pipeline.safe_load", "ds_configs")),
+                    "pipeline.tokenizer_checks", "pipeline.safe_load", "pipeline.io", "ds_configs")),
     ("data", ("pipeline.data",)),  # shards, reader, corruption views, the batch contract
     ("kernels", ("pipeline.kernels",)),  # the loss ops: torch reference (`functional`) + Triton kernels, `get_op`
     ("model", ("pipeline.model",)),  # encoders, heads, `ModelConfig`, HF name maps, warm starts
@@ -187,6 +188,7 @@ def test_files_are_small(package):
     (r"^def (broadcast_object|barrier|all_gather_rows|all_reduce_sum)\b", "pipeline/distributed.py"),
     (r"^def (fp32_logits|_logits_fp32)\b", "pipeline/kernels/functional.py"),
     (r"^def build_pretrain_model\b|(return|=)\s*PretrainModel\(", "pipeline/pretrain/build.py"),
+    (r"^def (sha256_file|xxh3_file|hash_directory)\b", "pipeline/io.py"),
 ])
 def test_one_home(pattern, home):
     """Each of these concepts is defined in exactly one module (they used to be repeated)."""

@@ -31,9 +31,9 @@ from pipeline.data.shards import (
     id_dtype_for,
     read_manifest,
     shard_name,
-    write_atomic,
     write_shard,
 )
+from pipeline.io import write_atomic
 
 #: Special-token ids of the synthetic vocabulary (BERT WordPiece order, as data_prep writes them).
 SPECIAL_TOKENS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
@@ -55,6 +54,8 @@ from typing import Any, Iterable
 import numpy as np
 import pyarrow as pa
 
+from pipeline.io import hash_directory, sha256_file, write_atomic, xxh3_file
+
 FORMAT_VERSION = 3  # 2: per-shard xxh3_64 hash; 3: `content_hash` always written, so required
 READABLE_FORMAT_VERSIONS = (1, 2, 3)
 #: From this format on every build writes `content_hash`: a manifest of it without one was edited.
@@ -62,7 +63,6 @@ CONTENT_HASH_REQUIRED_FROM = 3
 MANIFEST_FILE = "manifest.json"
 TOKENIZER_SUBDIR = "tokenizer"
 SPECIAL_TOKEN_NAMES = ("pad", "cls", "sep", "mask", "unk")
-_HASH_CHUNK = 1 << 22
 
 
 def shard_name(index: int) -> str:
@@ -224,36 +224,6 @@ def manifest_hash(directory: str | os.PathLike) -> str:
     return content_hash(read_manifest(directory))
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of a file's bytes, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def xxh3_file(path: str | os.PathLike) -> str:
-    """Hex xxh3-64 of a file's bytes, hashed through a read-only memory map (no copy)."""
-    import xxhash
-
-    with open(path, "rb") as fh:
-        if os.fstat(fh.fileno()).st_size == 0:
-            return xxhash.xxh3_64(b"").hexdigest()
-        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            return xxhash.xxh3_64(mapped).hexdigest()
-
-
-def hash_directory(directory: str | os.PathLike) -> str:
-    """sha256 over the relative names and contents of every file below `directory` (sorted)."""
-    root = Path(directory)
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
-        digest.update(sha256_file(path).encode() + b"\0")
-    return digest.hexdigest()
-
-
 #: The first bytes of an Arrow IPC *file* (the framing of shards written before the stream format).
 ARROW_FILE_MAGIC = b"ARROW1"
 DATASETS_STATE_FILE = "state.json"
@@ -295,17 +265,6 @@ def write_datasets_files(directory: str | os.PathLike, manifest: "Manifest") -> 
                            "length", "citation": "", "homepage": "", "license": "", "features": None}
     write_atomic(directory / DATASETS_INFO_FILE, json.dumps(info, indent=2) + "\n")
     write_atomic(directory / DATASETS_STATE_FILE, json.dumps(state, indent=2) + "\n")
-
-
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write to `<path>.tmp`, fsync, then rename: a reader never sees a half-written file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data.encode() if isinstance(data, str) else data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
 
 
 def write_shard(path: str | os.PathLike, input_ids: np.ndarray, word_starts: np.ndarray, lengths: np.ndarray) -> ShardInfo:

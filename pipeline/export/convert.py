@@ -223,7 +223,7 @@ def _recorded_fingerprint_problem(meta: RunMeta, path: Path, given: bool) -> str
     since training (shards rebuilt in place with another tokenizer), whether it is `path` or the reference
     a `--tokenizer DIR` (`given`) would be compared with; "" when there is nothing to compare (a
     checkpoint from before the record) or a `--tokenizer DIR` is left to the comparison by content."""
-    from pipeline.data.shards import hash_directory
+    from pipeline.io import hash_directory
 
     recorded = str(meta.tokenizer_hash or "")
     if not recorded:

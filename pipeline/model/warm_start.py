@@ -38,7 +38,8 @@ from torch import Tensor, nn
 
 from pipeline.safe_load import UnsafeCheckpointError, load_pt
 from pipeline.config.checks import ConfigError
-from pipeline.data.shards import SPECIAL_TOKEN_NAMES, TOKENIZER_SUBDIR, Manifest, sha256_file
+from pipeline.data.shards import SPECIAL_TOKEN_NAMES, TOKENIZER_SUBDIR, Manifest
+from pipeline.io import sha256_file
 from pipeline.model.arch import AnyEncoderConfig, build_encoder_and_head
 from pipeline.model.encoder import EncoderConfig
 from pipeline.model.hf_names import (

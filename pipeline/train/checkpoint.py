@@ -78,6 +78,7 @@ from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, read_best, wri
 from pipeline.train.checkpoint_writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
 from pipeline.train.run_meta import META_FILE, RunMeta
 from pipeline.safe_load import unsafe_checkpoint_problem
+from pipeline.io import sha256_file, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +130,6 @@ class TrainState:
 # --------------------------------------------------------------------------------------------
 # Atomic small files and completeness
 # --------------------------------------------------------------------------------------------
-def _write_text_atomic(path: Path, text: str) -> None:
-    from pipeline.data.shards import write_atomic
-
-    write_atomic(path, text)
-
-
 def _fsync_tree(directory: Path) -> None:
     """Flush every file below `directory` (written by any rank) to stable storage."""
     for path in sorted(directory.rglob("*")):
@@ -145,8 +140,6 @@ def _fsync_tree(directory: Path) -> None:
 
 def _listing(tag_dir: Path) -> dict[str, dict]:
     """Relative path -> {bytes, sha256} of every file of a tag (the universal sub-directory excluded)."""
-    from pipeline.data.shards import sha256_file
-
     return {
         p.relative_to(tag_dir).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in sorted(tag_dir.rglob("*"))
@@ -160,8 +153,6 @@ def verify_checkpoint(tag_dir: Path, check_hashes: bool = False) -> dict:
     Always checks that every recorded file exists with its recorded size (cheap); with
     `check_hashes` also its sha256 (reads everything: done once, by rank 0, before resuming).
     """
-    from pipeline.data.shards import sha256_file
-
     marker = tag_dir / COMPLETE_FILE
     if not tag_dir.is_dir():
         raise CheckpointError(f"{tag_dir}: no such checkpoint directory")
@@ -323,7 +314,7 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
         pointer = read_latest(root) if is_main else None  # older if a kill fell between COMPLETE.json and `latest`
         move = is_main and (pointer is None or (step_of_tag(pointer.name) or 0) < state.step)
         pointer_file = root / LATEST_FILE
-        problem = write_or_describe(pointer_file, lambda: _write_text_atomic(pointer_file, tag)) if move else ""
+        problem = write_or_describe(pointer_file, lambda: write_atomic(pointer_file, tag)) if move else ""
         if is_main and best is not None and not problem and read_best(root) != best:
             problem = write_or_describe(root / BEST_FILE, lambda: write_best(root, best))
         _fail_together(problem, root, None, is_main)  # `latest` names the newest complete tag, as after a save
@@ -358,7 +349,7 @@ def write_conversion_readme(root: Path, arch: str) -> str:
     text = render_checkpoint_readme(root, arch)
     if path.is_file() and path.read_text() == text:
         return ""
-    return write_or_describe(path, lambda: _write_text_atomic(path, text))
+    return write_or_describe(path, lambda: write_atomic(path, text))
 
 
 def _write_run_files(tag_dir: Path, state: TrainState, meta: RunMeta) -> str:
@@ -377,8 +368,8 @@ def _complete(root: Path, tag_dir: Path, step: int, healthy: bool = True) -> Non
     """Flush the tag, write its completeness record, then move `latest` to it."""
     _fsync_tree(tag_dir)
     record = {"tag": tag_dir.name, "step": step, "healthy": healthy, "files": _listing(tag_dir)}
-    _write_text_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
-    _write_text_atomic(root / LATEST_FILE, tag_dir.name)
+    write_atomic(tag_dir / COMPLETE_FILE, json.dumps(record, indent=1, sort_keys=True))
+    write_atomic(root / LATEST_FILE, tag_dir.name)
 
 
 def _fail_together(problem: str, root: Path, tag_dir: Optional[Path], is_main: bool) -> None:
@@ -470,7 +461,7 @@ def set_aside(root: Path, tags: list[Path], resumed: Path) -> None:
             dest = target / f"{tag.name}.{n}"
         os.replace(tag, dest)
         log.warning("train.resume=%s: newer checkpoint %s moved to %s", resumed, tag.name, dest)
-    _write_text_atomic(root / LATEST_FILE, resumed.name)
+    write_atomic(root / LATEST_FILE, resumed.name)
 
 
 #: Hashes of configs whose differences from their checkpoint are the overrides `cpt-train --resume` was

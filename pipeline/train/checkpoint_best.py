@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from pipeline.io import write_atomic
+
 BEST_FILE = "best.json"
 MODES = ("min", "max")
 
@@ -78,6 +80,4 @@ def read_best(root: Path) -> Optional[BestRecord]:
 
 def write_best(root: Path, record: BestRecord) -> None:
     """Replace `root/best.json` atomically (a reader sees the old record or the new one)."""
-    from pipeline.data.shards import write_atomic
-
     write_atomic(root / BEST_FILE, json.dumps(asdict(record), indent=1, sort_keys=True))

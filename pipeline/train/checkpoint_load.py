@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.distributed import barrier, broadcast_object
+from pipeline.io import sha256_file
 from pipeline.safe_load import UnsafeCheckpointError, foreign_link, load_pt, safe_unpickling
 from pipeline.train.checkpoint import (
     COMPLETE_FILE,
@@ -46,8 +47,6 @@ log = logging.getLogger(__name__)
 
 
 def _universal_listing(target: Path) -> dict[str, dict]:
-    from pipeline.data.shards import sha256_file
-
     return {p.relative_to(target).as_posix(): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
             for p in sorted(target.rglob("*")) if p.is_file() and p.name != COMPLETE_FILE}
 

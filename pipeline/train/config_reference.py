@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from pipeline.config.reference import StaleReference, render_into, undocumented
-from pipeline.data.shards import write_atomic
+from pipeline.io import write_atomic
 from pipeline.train.run_config import RunConfig
 
 #: The page in a source checkout (the reference documents the checkout it is generated from).

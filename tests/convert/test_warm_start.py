@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipeline.train.run_config import load_config
-from pipeline.data.shards import sha256_file
+from pipeline.io import sha256_file
 from pipeline.export.convert import convert
 from pipeline.export.model_card import public
 from pipeline.train.metrics import read_jsonl

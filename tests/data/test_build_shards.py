@@ -23,7 +23,8 @@ from data_prep.readers import InputError, ReadOptions, Source, iter_documents
 from data_prep.verify import main as verify_main
 from data_prep.verify import verify_directory
 from pipeline.data.reader import ShardDataset
-from pipeline.data.shards import manifest_hash, read_manifest, sha256_file
+from pipeline.data.shards import manifest_hash, read_manifest
+from pipeline.io import sha256_file
 from tests.fixtures_data import TINY_SEQ_LEN, TINY_SHARD_MB, stdlib_documents, write_corpus
 
 REPO = Path(__file__).resolve().parents[2]

@@ -22,8 +22,8 @@ from pipeline.data.config import BatchPlan, DataConfig
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.data.mixture import MixtureDataset, SourceExhausted, open_run_data
 from pipeline.data.reader import PretrainBatches, ShardDataset
-from pipeline.data.shards import (FORMAT_VERSION, MANIFEST_FILE, Manifest, id_dtype_for, shard_name, write_atomic,
-                                  write_shard)
+from pipeline.data.shards import FORMAT_VERSION, MANIFEST_FILE, Manifest, id_dtype_for, shard_name, write_shard
+from pipeline.io import write_atomic
 from pipeline.data.sources import Interleave
 
 SPECIALS = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}

@@ -13,7 +13,8 @@ from data_prep.build_shards import main as build_main
 from data_prep.merge import main as merge_main
 from data_prep.verify import verify_directory
 from pipeline.data.reader import ShardDataset
-from pipeline.data.shards import FORMAT_VERSION, ShardError, read_manifest, xxh3_file
+from pipeline.data.shards import FORMAT_VERSION, ShardError, read_manifest
+from pipeline.io import xxh3_file
 from tests.train.runs import latest, losses, run_inprocess
 
 

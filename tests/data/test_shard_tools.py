@@ -16,10 +16,9 @@ from pipeline.data.shards import (
     MANIFEST_FILE,
     check_layout,
     read_manifest,
-    sha256_file,
     shard_schema,
-    xxh3_file,
 )
+from pipeline.io import sha256_file, xxh3_file
 
 
 def rows_of(directory: Path) -> tuple[np.ndarray, np.ndarray]:

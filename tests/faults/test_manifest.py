@@ -10,7 +10,8 @@ from pathlib import Path
 
 from data_prep.build_shards import build_shards
 from data_prep.verify import main as verify_main
-from pipeline.data.shards import MANIFEST_FILE, Manifest, content_hash, hash_directory, manifest_file_sha256, manifest_hash, read_manifest
+from pipeline.data.shards import MANIFEST_FILE, Manifest, content_hash, manifest_file_sha256, manifest_hash, read_manifest
+from pipeline.io import hash_directory
 from pipeline.train.cli import EXIT_CONFIG_ERROR
 from pipeline.train.run_meta import RunMeta
 from tests.faults.faults import copy_shards, error_line

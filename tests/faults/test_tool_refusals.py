@@ -195,7 +195,7 @@ def test_convert_refuses_shards_rebuilt_in_place_with_another_tokenizer(tiny_sha
     fingerprints and paths, and accepts the run's own tokenizer given with --tokenizer."""
     import json
 
-    from pipeline.data.shards import hash_directory
+    from pipeline.io import hash_directory
 
     shards = copy_shards(tiny_shards_dir, tmp_path / "shards")
     run = tmp_path / "run"

@@ -9,7 +9,8 @@ import pytest
 
 from pipeline.train.checkpoint import COMPLETE_FILE, LATEST_FILE, TRAIN_STATE_FILE, list_tags
 from pipeline.train.run_meta import RunMeta
-from pipeline.data.shards import Manifest, sha256_file
+from pipeline.data.shards import Manifest
+from pipeline.io import sha256_file
 from tests.train.runs import latest, losses, metric_rows, run_inprocess, tag_dir
 
 STEPS = ["train.total_steps=8", "train.checkpoint_every=2", "train.keep_last=2"]

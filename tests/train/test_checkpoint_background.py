@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pipeline.train.checkpoint as ckpt
-from pipeline.data.shards import sha256_file
+from pipeline.io import sha256_file
 from pipeline.train.run_meta import RunMeta
 
 
