@@ -22,7 +22,7 @@ What it reads (no process attached, nothing written; safe on a run that is writi
   by its line number).
 * `trackers.json` (`pipeline.train.trackers.read_ids`: the W&B and MLflow run ids) and the count of
   W&B offline run directories, for the line saying which tracker run to open (or `wandb sync`).
-* `checkpoints/` (`pipeline.train.checkpoint`: a tag counts once its `COMPLETE.json` lists every file
+* `checkpoints/` (`pipeline.train.checkpoint.tags`: a tag counts once its `COMPLETE.json` lists every file
   at its size) and the newest tag's `pipeline_meta.json` (total steps when the record has none).
 
 Trend: the mean loss over the last `TAIL_FRACTION` of the logged steps against the window before it
@@ -53,8 +53,8 @@ from typing import Any, Optional, Sequence
 
 from pipeline.monitor.signals import TAIL_FRACTION, final_signals, format_signal, tail_windows, trend
 from pipeline.train import exit_record
-from pipeline.train.checkpoint import CHECKPOINT_DIR, is_complete, list_tags
-from pipeline.train.checkpoint_best import BEST_FILE, read_best
+from pipeline.train.checkpoint.tags import CHECKPOINT_DIR, is_complete, list_tags
+from pipeline.train.checkpoint.best import BEST_FILE, read_best
 from pipeline.train.cli import EXIT_CONFIG_ERROR, EXIT_NONFINITE, EXIT_RANK_LOST, EXIT_SAVE_FAILED
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
@@ -242,7 +242,7 @@ def state_of(record: Optional[dict], step: int, total: Optional[int], checkpoint
 
 
 def best_checkpoint(run_dir: Path) -> dict[str, Any]:
-    """`train.keep_best`'s tag from `checkpoints/best.json` (`checkpoint_best.read_best`, the one reader of
+    """`train.keep_best`'s tag from `checkpoints/best.json` (`checkpoint.best.read_best`, the one reader of
     that file; fields it does not know are ignored): {"metric", "mode", "value", "step", "checkpoint",
     "convert_command"}, with "problem" when the record names a tag that is missing or incomplete; {} when
     there is no record (or it is unreadable: then "problem" says so)."""

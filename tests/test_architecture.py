@@ -93,7 +93,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("objectives", ("pipeline.objectives",)),  # each objective on top of an encoder
     ("monitor", ("pipeline.monitor",)),  # in-training health and learning signals
     ("pretrain", ("pipeline.pretrain",)),  # `PretrainModel` = encoder + objectives, its constructor
-    ("train", ("pipeline.train",)),  # `RunConfig` composing every section, the loop, checkpoints
+    ("train", ("pipeline.train",)),  # `RunConfig` composing every section, the loop, `checkpoint/`, `phases/`
     ("export", ("pipeline.export",)),  # checkpoints -> Hugging Face directories
     ("eval", ("pipeline.eval",)),  # fine-tuning converted checkpoints
     ("tools", ("pipeline.status", "pipeline.launch_requeue")),  # commands that read what runs write
@@ -170,6 +170,45 @@ def test_imports_run_down_the_layers():
     stale = [f"{a} -> {b}" for a, b in ALLOWED_UPWARD if (a, b) not in up]
     assert not stale, f"ALLOWED_UPWARD entries that no longer import upward (delete them): {stale}"
     assert len(ALLOWED_UPWARD) <= 2
+
+
+#: The rooms inside the `train` layer, bottom to top; a train module in none of them is one of its leaves
+#: (settings, optimizer, engine, metrics, trackers, validation, guard, `run_meta`, ...), below them all. A
+#: train module may import its own room, the rooms below it and the leaves, never a room above it.
+TRAIN_ROOMS: list[tuple[str, tuple[str, ...]]] = [
+    ("phases", ("pipeline.train.phases",)),  # planned from the sections the run config composes
+    ("run config", ("pipeline.train.run_config", "pipeline.train.config_reference")),  # composes the phases
+    ("checkpoint", ("pipeline.train.checkpoint",)),  # saves and resumes what the run config describes
+    ("run", ("pipeline.train.loop", "pipeline.train.cli", "pipeline.train.__main__")),  # drives all of it
+]
+
+
+def train_room_of(module: str) -> int:
+    """1 + index in `TRAIN_ROOMS` of a train module's room; 0 for a leaf of the train layer."""
+    for index, (_, prefixes) in enumerate(TRAIN_ROOMS):
+        if any(module == prefix or module.startswith(prefix + ".") for prefix in prefixes):
+            return index + 1
+    return 0
+
+
+def upward_train_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs of train modules whose imported module sits in a higher train room."""
+    train = [m for m in graph if layer_of(m) == layer_of_name("train")]
+    return sorted((a, b) for a in train for b in graph[a]
+                  if layer_of(b) == layer_of_name("train") and train_room_of(b) > train_room_of(a))
+
+
+def test_upward_train_imports_finds_a_planted_one():
+    graph = {"pipeline.train.phases.schedule": {"pipeline.train.optim", "pipeline.train.checkpoint.tags"},
+             "pipeline.train.checkpoint.tags": {"pipeline.train.run_config", "pipeline.train.phases.config"},
+             "pipeline.train.optim": set(), "pipeline.train.run_config": set(), "pipeline.train.phases.config": set()}
+    assert upward_train_imports(graph) == [("pipeline.train.phases.schedule", "pipeline.train.checkpoint.tags")]
+
+
+def test_train_rooms_run_downward():
+    up = [f"{a} -> {b}" for a, b in upward_train_imports(import_graph(_modules()))]
+    assert not up, ("imports of a higher room of the train layer (rooms bottom to top: leaves < "
+                    + " < ".join(name for name, _ in TRAIN_ROOMS) + "): " + "; ".join(up))
 
 
 @pytest.mark.parametrize("package", PACKAGES + ("tests", "scripts", "slurm"))

@@ -1,7 +1,7 @@
 """`cpt-status` as issue 58 asks: the best checkpoint (`train.keep_best`) named with its convert command beside
 the latest; `--json` one object per run, one per line; the architecture beside the run's name; a run that died
 before its first checkpoint not told to resume; no "(still improving)" for a move within noise; a validation
-column in the table of a directory of runs; `best.json` read through `checkpoint_best.read_best` (a field it does
+column in the table of a directory of runs; `best.json` read through `checkpoint.best.read_best` (a field it does
 not know is ignored; a record naming a missing tag is said)."""
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.status import main as status_main
-from pipeline.train.checkpoint_best import BEST_FILE
+from pipeline.train.checkpoint.best import BEST_FILE
 from pipeline.train.exit_record import RUN_STATE_FILE
 from tests.train.runs import run_inprocess
 

@@ -222,7 +222,7 @@ def pretrain_overrides(study: Study, key: RunKey) -> list[str]:
 
 def final_tags(study: Study, key: RunKey) -> dict[int, Path]:
     """The complete checkpoints of a run at its evaluation points."""
-    from pipeline.train.checkpoint import is_complete, list_tags
+    from pipeline.train.checkpoint.tags import is_complete, list_tags
 
     points = set(study.eval_steps(key.objective))
     return {step: tag for step, tag in list_tags(key.directory(study.work) / "checkpoints")

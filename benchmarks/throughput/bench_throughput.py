@@ -173,7 +173,7 @@ def add_hf_ratios(rows: list[dict]) -> list[str]:
 
 def run_case(case: BenchCase, shards_dir: Path, work_dir: Path, args: argparse.Namespace) -> dict:
     """Run one case through `pipeline.train`; returns its report row (with `error` on failure)."""
-    from pipeline.train.checkpoint import read_latest
+    from pipeline.train.checkpoint.tags import read_latest
     from pipeline.train.metrics import read_jsonl
     from pipeline.train.run_meta import RunMeta
 

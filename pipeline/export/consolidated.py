@@ -16,7 +16,7 @@ shape, objectives, tokenizer), which the weights alone do not carry. Names a wri
 they share storage (tied weights, safetensors' `save_model`) are filled from their tie partner.
 
 The README beside the checkpoints (`checkpoints/README.md`), which says how to convert them, is
-`pipeline.train.checkpoint_readme`'s (written by the checkpoint writer, which must not import export).
+`pipeline.train.checkpoint.readme`'s (written by the checkpoint writer, which must not import export).
 """
 from __future__ import annotations
 

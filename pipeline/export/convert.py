@@ -4,7 +4,7 @@ CHECKPOINT_DIR is a checkpoint tag directory (it holds `pipeline_meta.json`), a 
 directory with a `latest` pointer, or a run's output directory (`<run>/checkpoints/latest`).
 
 Steps, each failing with a message that names the file at fault and leaving OUT_DIR untouched:
-1. check the tag is complete and intact (`pipeline.train.checkpoint.verify_checkpoint`: every file
+1. check the tag is complete and intact (`pipeline.train.checkpoint.tags.verify_checkpoint`: every file
    at the size and sha256 recorded in `COMPLETE.json` when it was saved), read `pipeline_meta.json`
    (encoder shape, objectives, special tokens, tokenizer dir) and the tokenizer before any heavy work.
    The tokenizer must be the one the run trained with: its files' fingerprint is compared with the
@@ -86,7 +86,7 @@ from pipeline.model.modernbert import is_modernbert
 from pipeline.model.warm_start import tokenizer_difference
 from pipeline.tokenizer_checks import FINGERPRINT_KEY, TOKENIZER_CONFIG_FILES, TOKENIZER_FILES, no_tokenizer_message, \
     tokenizer_fingerprint
-from pipeline.train.checkpoint import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
+from pipeline.train.checkpoint.tags import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
 from pipeline.safe_load import UnsafeCheckpointError, load_pt, safe_unpickling
 
@@ -111,7 +111,7 @@ TOKENIZER_LOAD_KEYS = ("is_local", "local_files_only", "name_or_path", "cache_di
 def resolve_tag_dir(path: str | os.PathLike) -> Path:
     """The complete checkpoint tag directory that `path` designates (follows `latest` pointers).
 
-    Completeness is `pipeline.train.checkpoint.verify_checkpoint`'s with hashes: `COMPLETE.json`
+    Completeness is `pipeline.train.checkpoint.tags.verify_checkpoint`'s with hashes: `COMPLETE.json`
     present and every file every rank wrote at its recorded size and sha256, so a partial,
     truncated or garbled (even at the same size) save is refused here, before any weights are read.
     """

@@ -2,11 +2,11 @@
 
 Argument parsing, the process set-up of one run and the mapping of its errors to exit codes; the
 run itself is `pipeline.train.loop` (`start` builds it, `Run.loop` trains it, `Run.train_step` is
-one step) and its checkpoints are `pipeline.train.checkpointer.Checkpointer`'s. The same code
+one step) and its checkpoints are `pipeline.train.checkpoint.checkpointer.Checkpointer`'s. The same code
 runs with no launcher (one process), under `torchrun`, the `deepspeed` launcher, `srun` or
 `mpirun` (`pipeline.distributed.discover` reads the environment; `--mpi` asks mpi4py when the MPI
 implementation exports nothing we know). `--resume DIR [overrides]` continues a run from the
-configuration saved in its checkpoint (`pipeline.train.resume_run`: extending `train.total_steps`,
+configuration saved in its checkpoint (`pipeline.train.checkpoint.resume_run`: extending `train.total_steps`,
 with the learning-rate schedule re-stretched to the new total).
 
 Exit codes (docs/guarantees.md): 0 done; 2 bad config, data or unusable checkpoint (message on
@@ -34,13 +34,13 @@ import yaml
 from pipeline.config.checks import ConfigError
 from pipeline.train.run_config import RunConfig, check_run, describe_recipe, describe_run_config, load_config
 from pipeline.train import exit_record
-from pipeline.train.checkpoint import CheckpointError, CheckpointWriteError
-from pipeline.train.checkpoint_writes import check_output_dir
-from pipeline.train.checkpointer import Checkpointer
+from pipeline.train.checkpoint.tags import CheckpointError, CheckpointWriteError
+from pipeline.train.checkpoint.writes import check_output_dir
+from pipeline.train.checkpoint.checkpointer import Checkpointer
 from pipeline.train.guard import NonFiniteLossError
 from pipeline.train.loop import build_run_model, start, torch_process_state
 from pipeline.train.preemption import PreemptionHandler, preemption_scope
-from pipeline.train.run_lock import hold_run_dir, released_at_exit
+from pipeline.train.checkpoint.run_lock import hold_run_dir, released_at_exit
 
 log = logging.getLogger("pipeline.train")
 EXIT_CONFIG_ERROR = 2
@@ -55,7 +55,7 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     parser.add_argument("--resume", metavar="DIR",
                         help="continue a run from its saved configuration (DIR: its output directory, checkpoints/ "
                              "or a tag); overrides change it, e.g. train.total_steps=N extends it "
-                             "(pipeline.train.resume_run)")
+                             "(pipeline.train.checkpoint.resume_run)")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.total_steps=1000 data.shards_dir=DIR")
     parser.add_argument("--check", action="store_true", help="validate config, data and checkpoint, then exit")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
@@ -95,7 +95,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg: Optional[RunConfig] = None
     try:
         if args.resume:
-            from pipeline.train.resume_run import load_resumed_config
+            from pipeline.train.checkpoint.resume_run import load_resumed_config
 
             cfg, recipe = load_resumed_config(args.resume, args.overrides)
         else:

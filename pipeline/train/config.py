@@ -25,7 +25,7 @@ class TrainConfig:
     keep_best: str = ""
     """A logged metric (e.g. `val/mlm/loss`) whose best value's checkpoint is kept besides the
     `keep_last` newest: a new best saves that step's checkpoint, `checkpoints/best.json` names it, and
-    pruning never deletes it (`pipeline.train.checkpoint_best`). "" = off."""
+    pruning never deletes it (`pipeline.train.checkpoint.best`). "" = off."""
     keep_best_mode: str = "min"
     """`min` (a loss) or `max` (an accuracy, a correlation): which direction of `keep_best` is better."""
     resume: str = "auto"

@@ -1,15 +1,15 @@
 """The pretraining run: built (`start`, or `build_run` for callers without the loop), stepped
 (`Run.train_step`, THE step), looped (`Run.loop`). The entry point (arguments, process set-up, exit
-codes) is `pipeline.train.cli`; checkpoint decisions are `pipeline.train.checkpointer.Checkpointer`'s.
+codes) is `pipeline.train.cli`; checkpoint decisions are `pipeline.train.checkpoint.checkpointer.Checkpointer`'s.
 
 A step = `grad_accum` micro-batches, each `engine(batch) -> engine.backward -> engine.step`
 (DeepSpeed averages the gradients over micro-batches and ranks and updates at the boundary). The
 learning rate is set from the step number before every step, by the run's schedule
-(`pipeline.train.phases.Schedule.lr_at`: the run's one schedule over `train.total_steps`, or a
+(`pipeline.train.phases.schedule.Schedule.lr_at`: the run's one schedule over `train.total_steps`, or a
 phase's own segment), and every random number comes from a stream of `pipeline.seeding`, so a
 resumed run repeats the uninterrupted one bit for bit.
 
-Every run walks its phases (`pipeline.train.phases`; one implicit phase without `phases`): before a
+Every run walks its phases (`pipeline.train.phases.schedule`; one implicit phase without `phases`): before a
 step, `Schedule.at` says what changes (a new phase, a new batch split) and `Run.apply_phase`
 applies it, so the loop itself has no phase branches.
 """
@@ -35,13 +35,13 @@ from pipeline.pretrain.build import build_pretrain_model
 from pipeline.pretrain.pretrainer import PretrainModel
 from pipeline.objectives.base import SAMPLED_SOFTMAX, StepProgress
 from pipeline.objectives.registry import mlm_head_training
-from pipeline.train.checkpointer import Checkpointer, ResumeTarget, TrainState
+from pipeline.train.checkpoint.checkpointer import Checkpointer, ResumeTarget, TrainState
 from pipeline.train.engine import build_deepspeed_config, optimizer_offloaded, restore_tf32, set_tf32
 from pipeline.train.guard import NonFiniteGuard
 from pipeline.train.metrics import FlopCounter, MetricsWriter, ThroughputMeter, device_peak_flops, peak_memory_gb
 from pipeline.train.optim import build_optimizer, resolve_impl, set_lr, use_apex_layernorm
-from pipeline.train.phase_switch import apply_model_overrides, set_engine_batch
-from pipeline.train.phases import PhaseView
+from pipeline.train.phases.switch import apply_model_overrides, set_engine_batch
+from pipeline.train.phases.schedule import PhaseView
 from pipeline.train.preemption import REQUEUE_EXIT_CODE, PreemptionHandler
 from pipeline.train.profiler import StepProfiler
 from pipeline.train.run_meta import RunMeta, corpus_summary

@@ -10,7 +10,7 @@ rejected: it has no `apex.optimizers`).
 The schedule (`optim.schedule`: linear, cosine, wsd) is a pure function of the step (`lr_at`),
 applied to the optimizer before every step, so resuming needs no scheduler state and skipped
 steps cannot shift it; `first_lr_change` compares two schedules over the steps already trained
-(a WSD decay branched off a stable-phase checkpoint, `pipeline.train.schedule_branch`).
+(a WSD decay branched off a stable-phase checkpoint, `pipeline.train.checkpoint.schedule_branch`).
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 
 from pipeline.config.checks import ConfigError
 from pipeline.config.loader import apply_override, describe_config, from_dict, load_raw
-from pipeline.train.phase_config import check_phases
+from pipeline.train.phases.config import check_phases
 from pipeline.data.config import BatchPlan, DataConfig, plan_batches
 from pipeline.data.shards import Manifest
 from pipeline.data.sources import data_directories
@@ -41,7 +41,7 @@ from pipeline.objectives.registry import check_objectives, check_objectives_unde
 from pipeline.train.config import TrainConfig
 from pipeline.train.engine import DeepSpeedConfig, zero_stage_of
 from pipeline.train.optim import OptimConfig, warn_ineffective_decay
-from pipeline.train.phases import Schedule, plan_schedule
+from pipeline.train.phases.schedule import Schedule, plan_schedule
 
 __all__ = ["ConfigError", "RunConfig", "RunPlan", "load_config", "check_run", "describe_run_config"]
 
@@ -63,7 +63,7 @@ class RunConfig:
     phases: list = field(default_factory=list)
     """Training phases walked in order by one run (each `{name, steps | tokens | fraction, shards_dir, seq_len,
     micro_batch_size, global_batch_size, model: {global_rope_theta, ...}, optim: {schedule segment}}`; the steps
-    sum to `train.total_steps`): `pipeline.train.phase_config` (checks), `pipeline.train.phases` (planning). Empty: one
+    sum to `train.total_steps`): `pipeline.train.phases.config` (checks), `pipeline.train.phases.schedule` (planning). Empty: one
     implicit phase, the run's `data.*`."""
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,7 +119,7 @@ class RunPlan:
     zero_stage: int
     manifest: Manifest
     manifest_hash: str
-    schedule: Optional[Schedule] = None  # the run's phases (`pipeline.train.phases`); `check_run` always sets it
+    schedule: Optional[Schedule] = None  # the run's phases (`pipeline.train.phases.schedule`); `check_run` always sets it
     eval_manifest: Optional[Manifest] = None  # the held-out set's (`eval.shards_dir`); None: no validation
     data_samples: Optional[int] = None  # samples the data is planned over (a phase's; None: the run's, total x batch)
 

@@ -37,7 +37,7 @@ class RunMeta:
     corpus: dict[str, Any] = field(default_factory=dict)  # `corpus_summary` of the shards' manifest
     recipe: dict[str, Any] = field(default_factory=dict)  # preset and overrides (`describe_recipe`)
     mixture: dict[str, Any] = field(default_factory=dict)  # a mixture's read position (`MixtureDataset.record`)
-    best: dict[str, Any] = field(default_factory=dict)  # train.keep_best as of this tag (`checkpoint_best_resume`)
+    best: dict[str, Any] = field(default_factory=dict)  # train.keep_best as of this tag (`checkpoint.best_resume`)
     tokenizer_hash: str = ""  # the training shards' `tokenizer_hash` (`hash_directory` of `tokenizer_dir`)
     version: int = META_VERSION
 

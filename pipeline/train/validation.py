@@ -30,7 +30,7 @@ Values of two identities were measured on different sequences and are never comp
 `validation_summary` (what `cpt-status`, the model card and checkpoints report) takes the latest and
 best values over the evaluations of the latest set only and counts the others, and the best
 checkpoint (`train.keep_best`) starts a new lineage when a resume changes the set
-(`pipeline.train.checkpoint_best_resume`).
+(`pipeline.train.checkpoint.best_resume`).
 
 Fixed corruption. The held-out rows are visited in the order `epoch_permutation(eval.seed, 0, N)`;
 micro-batch b of rank r reads positions (b x world + r) x micro ... + micro, and the collator and the

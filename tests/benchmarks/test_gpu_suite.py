@@ -325,8 +325,8 @@ def test_local_runs_every_command_of_a_plan_from_a_plain_clone_and_says_why_it_c
 def test_a_throughput_row_writes_no_checkpoint_and_times_only_unlogged_steps(tmp_path, monkeypatch):
     """COCO-LM (its no-grad corrective-LM projection runs only on logged steps): every micro-batch of
     the row runs with record_metrics=False, nothing is saved, and the row reports its timed steps."""
-    import pipeline.train.checkpoint as checkpoint
-    import pipeline.train.checkpointer as checkpointer_module
+    import pipeline.train.checkpoint.tags as checkpoint
+    import pipeline.train.checkpoint.checkpointer as checkpointer_module
     from benchmarks.gpu_suite import train_rows
     from benchmarks.gpu_suite.runner import StageContext
     from pipeline.pretrain.pretrainer import PretrainModel

@@ -17,7 +17,7 @@ from pipeline.export.convert import convert, main as convert_main
 from pipeline.export.sentence_embedding import (SentencePooling, default_pooling, embed_states, pooling_problem,
                                                 read_sentence_config)
 from pipeline.pretrain.build import model_from_meta
-from pipeline.train.checkpoint import read_latest
+from pipeline.train.checkpoint.tags import read_latest
 from pipeline.train.run_meta import RunMeta
 from tests.train.runs import module_state, run_inprocess
 

@@ -43,8 +43,8 @@ def main(argv: list[str]) -> int:
     from pipeline.distributed import discover
     from pipeline.pretrain.build import build_pretrain_model
     from pipeline.objectives.mlm_nce import log_proposal_samplers
-    from pipeline.train.checkpoint import CHECKPOINT_DIR, plan_resume, read_latest
-    from pipeline.train.checkpoint_load import load_checkpoint
+    from pipeline.train.checkpoint.tags import CHECKPOINT_DIR, plan_resume, read_latest
+    from pipeline.train.checkpoint.load import load_checkpoint
     from pipeline.train.engine import build_deepspeed_config
     from pipeline.train.cli import main as train_main
     from pipeline.train.optim import build_optimizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from pipeline.train.checkpoint import verify_checkpoint
+from pipeline.train.checkpoint.tags import verify_checkpoint
 from tests.train.runs import latest, run_inprocess
 
 

@@ -3,7 +3,7 @@ worse one, never pruned, whatever happened to `checkpoints/best.json` (truncated
 is not there, edited) before a resume or during a run; and a validation set changed on resume starts a new
 best lineage (one line), its predecessor's best kept. The stream of metric values goes through the
 `Checkpointer` on a fake engine (tests/train/test_checkpoint_best.py), so which step is the best is known
-exactly; `pipeline.train.checkpoint_best_resume` reconciles the sources on resume."""
+exactly; `pipeline.train.checkpoint.best_resume` reconciles the sources on resume."""
 from __future__ import annotations
 
 import hashlib
@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.checkpoint import COMPLETE_FILE, list_tags
-from pipeline.train.checkpoint_best import BEST_FILE, read_best
-from pipeline.train.checkpointer import Checkpointer
-from pipeline.train.checkpoint import ResumeTarget, TrainState
+from pipeline.train.checkpoint.tags import COMPLETE_FILE, list_tags
+from pipeline.train.checkpoint.best import BEST_FILE, read_best
+from pipeline.train.checkpoint.checkpointer import Checkpointer
+from pipeline.train.checkpoint.tags import ResumeTarget, TrainState
 from pipeline.train.run_meta import META_FILE, RunMeta
 from pipeline.train.validation import EVAL_SET_KEY
 from tests.train.test_checkpoint_best import FakeModel, FakeRun, LoadingEngine, steps_on_disk, train_cfg

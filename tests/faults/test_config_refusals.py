@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline.train.checkpoint import list_tags
+from pipeline.train.checkpoint.tags import list_tags
 from pipeline.train.cli import EXIT_CONFIG_ERROR
 from tests.faults.faults import error_line, resumes_to_the_end
 from tests.train.runs import losses, run_inprocess, tag_dir

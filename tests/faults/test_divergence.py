@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.train.checkpoint import list_tags
+from pipeline.train.checkpoint.tags import list_tags
 from pipeline.train.cli import EXIT_NONFINITE
 from tests.faults.faults import error_line, resumes_to_the_end
 from tests.train.runs import latest, losses, run_inprocess, tag_dir

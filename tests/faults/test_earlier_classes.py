@@ -10,12 +10,12 @@ import time
 
 import pytest
 
-import pipeline.train.checkpointer as checkpointer
+import pipeline.train.checkpoint.checkpointer as checkpointer
 
 from pipeline.data.shards import read_manifest
 from pipeline.pretrain.pretrainer import PretrainModel
 from pipeline.train.cli import EXIT_CONFIG_ERROR, EXIT_NONFINITE
-from pipeline.train.checkpoint import verify_checkpoint
+from pipeline.train.checkpoint.tags import verify_checkpoint
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.faults.faults import copy_shards, error_line, resumes_to_the_end
 from tests.train.runs import (DEADLINE_S, latest, losses, output_of, run_inprocess, start_subprocess, tag_dir,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pipeline.export.convert import main as convert_main
-from pipeline.train.checkpoint import COMPLETE_FILE, MODEL_STATES_FILE, TRAIN_STATE_FILE, tag_for_step
+from pipeline.train.checkpoint.tags import COMPLETE_FILE, MODEL_STATES_FILE, TRAIN_STATE_FILE, tag_for_step
 from pipeline.train.cli import EXIT_CONFIG_ERROR
 from pipeline.safe_load import ALLOWED_GLOBAL_NAMES, load_pt, unsafe_checkpoint_problem
 from tests.faults.faults import error_line
@@ -121,7 +121,7 @@ def test_the_allow_list_covers_the_loss_scalers_deepspeed_saves_in_fp16_and_bf16
 def test_every_file_of_a_universal_conversion_passes(small_run, tmp_path):
     """The universal conversion (`ds_to_universal`, written when a resume changes the rank count) is
     scanned too once it exists: every file it writes is within the allow-list."""
-    from pipeline.train.checkpoint_load import ensure_universal
+    from pipeline.train.checkpoint.load import ensure_universal
 
     run = Path(shutil.copytree(small_run, tmp_path / "run"))
     ensure_universal(latest(run), is_main=True)
@@ -191,7 +191,7 @@ def test_nothing_is_unpickled_outside_the_restricted_loader_even_when_the_scan_m
     """The class, not the instance: with the up-front scan switched off (a file swapped after it, one it never
     saw), DeepSpeed's own loads (`weights_only=False`; `ds_to_universal`, the universal load) still read every
     file with the restricted unpickler: refused by name, exit 2, the planted code never runs."""
-    import pipeline.train.checkpoint as checkpoint
+    import pipeline.train.checkpoint.tags as checkpoint
 
     tag, marker, name = planted_run
     monkeypatch.setattr(checkpoint, "unsafe_checkpoint_problem", lambda tag_dir: None)
@@ -221,7 +221,7 @@ def test_the_restricted_loader_replaces_torch_load_inside_its_scope_only(tmp_pat
 def test_a_universal_conversion_of_another_tag_is_not_reused(small_run, tmp_path):
     """`universal/` is outside the completeness record: its own record names the tag it was made from and every
     file; a conversion copied from another tag (or edited) is converted again."""
-    from pipeline.train.checkpoint_load import ensure_universal, universal_mismatch
+    from pipeline.train.checkpoint.load import ensure_universal, universal_mismatch
 
     run = Path(shutil.copytree(small_run, tmp_path / "run"))
     newest, older = run / "checkpoints" / tag_for_step(4), run / "checkpoints" / tag_for_step(2)
@@ -255,7 +255,7 @@ def test_a_two_rank_checkpoint_resumed_on_one_rank_unpickles_only_through_the_re
     `ensure_universal` (DeepSpeed's `ds_to_universal`) and the universal load, both `weights_only=False` in
     DeepSpeed. With the up-front scan off, a planted pickle in the second rank's optimizer file is refused by
     name there, and runs nothing."""
-    import pipeline.train.checkpoint as checkpoint
+    import pipeline.train.checkpoint.tags as checkpoint
 
     run = Path(shutil.copytree(two_rank_run, tmp_path / "run"))
     tag = run / "checkpoints" / tag_for_step(2)

@@ -195,7 +195,7 @@ def test_a_phase_lr_segment_keeps_its_trained_rates(tiny_shards_dir):
     wsd segment whose decay starts after the checkpoint is lengthened (the stable rates unchanged)."""
     from types import SimpleNamespace
 
-    from pipeline.train.phase_resume import check_resume
+    from pipeline.train.phases.resume import check_resume
 
     def schedule_of(first: int, second: int, segment: dict):
         phases = [{"name": "a", "steps": first, "optim": segment}, {"name": "b", "steps": second}]

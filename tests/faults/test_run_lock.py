@@ -16,7 +16,7 @@ import threading
 
 import pytest
 
-from pipeline.train import run_lock
+from pipeline.train.checkpoint import run_lock
 from pipeline.train.cli import EXIT_CONFIG_ERROR
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
@@ -24,7 +24,7 @@ from tests.faults.faults import error_line, resumes_to_the_end
 from tests.train.runs import (REPO, _env, kill_after_a_checkpoint, latest, run_inprocess, start_subprocess,
                               wait_for_step)
 
-HOLDER = ("import sys; from pipeline.train.run_lock import hold_run_dir; hold_run_dir(sys.argv[1], 0); "
+HOLDER = ("import sys; from pipeline.train.checkpoint.run_lock import hold_run_dir; hold_run_dir(sys.argv[1], 0); "
           "print('held', flush=True); sys.stdin.read()")
 
 

@@ -15,7 +15,7 @@ import pytest
 from data_prep.build_shards import build_shards
 from pipeline.data.overlap import row_overlap, shared_source
 from pipeline.data.shards import read_manifest
-from pipeline.train.checkpoint_best import read_best
+from pipeline.train.checkpoint.best import read_best
 from pipeline.train.cli import EXIT_CONFIG_ERROR
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.validation import EVAL_SET_KEY, is_validation_record, validation_summary

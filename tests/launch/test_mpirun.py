@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.checkpoint import read_latest, verify_checkpoint
+from pipeline.train.checkpoint.tags import read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE
 from tests.gloo_ranks import LAUNCHER_VARIABLES
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from pipeline.train.checkpoint import read_latest, verify_checkpoint
+from pipeline.train.checkpoint.tags import read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE
 from tests.slurm.cluster import DEADLINE_S, JobResult, SlurmCluster
 

@@ -1,4 +1,4 @@
-"""`slurm/pretrain.sbatch` with training phases (`pipeline.train.phases`): a job preempted in a
+"""`slurm/pretrain.sbatch` with training phases (`pipeline.train.phases.schedule`): a job preempted in a
 two-phase run (L=64 -> L=128) is requeued, and its second run resumes into the right phase at the
 right sample; every step is logged once, with the losses of the same run uninterrupted."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.train.checkpoint import TRAIN_STATE_FILE
+from pipeline.train.checkpoint.tags import TRAIN_STATE_FILE
 from tests.slurm.cluster import SlurmCluster
 from tests.slurm.jobs import TOTAL_STEPS, job_log, metrics, pretrain_env, submit, wait_for
 from tests.train.runs import metric_rows, run_torchrun

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.train.checkpoint import read_latest
+from pipeline.train.checkpoint.tags import read_latest
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.slurm.cluster import DEADLINE_S, SlurmCluster
 from tests.slurm.jobs import (

@@ -76,9 +76,9 @@ def test_a_study_cancelled_mid_run_and_resubmitted_reports_what_an_uninterrupted
     ref, cut = tmp_path / "reference", tmp_path / "interrupted"
     victim = cut / "runs" / "mlm" / "lr_0.001" / "seed_1"
     pause_dir = tmp_path / "pause"
-    # The victim's rank holds when it first imports pipeline.train.checkpoint_readme: at its step-4 checkpoint
+    # The victim's rank holds when it first imports pipeline.train.checkpoint.readme: at its step-4 checkpoint
     # (`save_checkpoint` imports the README renderer at the first save).
-    hold = pause_env(pause_dir, f"ckpt@import:pipeline.train.checkpoint_readme@train.output_dir={victim}")
+    hold = pause_env(pause_dir, f"ckpt@import:pipeline.train.checkpoint.readme@train.output_dir={victim}")
     (pause_dir / "arm-ckpt").touch()
 
     planned = _cli(slurm_cluster, "plan", {**data, "CPT_STUDY_WORK": str(cut)}).stdout

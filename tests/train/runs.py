@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from pipeline.train.checkpoint import CHECKPOINT_DIR, read_latest, step_of_tag
+from pipeline.train.checkpoint.tags import CHECKPOINT_DIR, read_latest, step_of_tag
 from pipeline.train.metrics import read_jsonl
 from tests.gloo_ranks import LAUNCHER_VARIABLES, free_port
 
@@ -141,7 +141,7 @@ def kill_after_a_checkpoint(out: Path, step: int, proc: subprocess.Popen, timeou
     """`kill -9` a run once it logged `step`, at a moment when `latest` names a complete checkpoint and
     metrics.jsonl already holds steps after it (what the kill -9 tests resume from); returns that
     checkpoint's step. Seeing step N logged says neither: `latest` moves on the checkpoint finisher's
-    thread while the next steps run (`pipeline.train.checkpoint.CheckpointFinisher`), and a late kill
+    thread while the next steps run (`pipeline.train.checkpoint.tags.CheckpointFinisher`), and a late kill
     can fall right after a save, before the next step is logged. So the run is stopped (SIGSTOP),
     looked at, and killed, or let go on and looked at again."""
     wait_for_step(out, step, proc, timeout)

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from pipeline.train.checkpoint import COMPLETE_FILE, LATEST_FILE, TRAIN_STATE_FILE, list_tags
+from pipeline.train.checkpoint.tags import COMPLETE_FILE, LATEST_FILE, TRAIN_STATE_FILE, list_tags
 from pipeline.train.run_meta import RunMeta
 from pipeline.data.shards import Manifest
 from pipeline.io import sha256_file

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import pipeline.train.checkpoint as ckpt
+import pipeline.train.checkpoint.tags as ckpt
 from pipeline.io import sha256_file
 from pipeline.train.run_meta import RunMeta
 

@@ -1,4 +1,4 @@
-"""The best checkpoint (`train.keep_best`, `train.keep_best_mode`; `pipeline.train.checkpoint_best`),
+"""The best checkpoint (`train.keep_best`, `train.keep_best_mode`; `pipeline.train.checkpoint.best`),
 decided by the `Checkpointer`: a synthetic metric stream through `observe_metric` + `step_end` on a
 fake engine: a strictly better value saves its step, `best.json` names it once the tag is complete,
 `keep_last` pruning never deletes it, and the record survives resume (dropped only when it is not
@@ -15,7 +15,7 @@ import torch
 
 from pipeline.config.checks import ConfigError
 from pipeline.train.run_config import load_config
-from pipeline.train.checkpoint import (
+from pipeline.train.checkpoint.tags import (
     COMPLETE_FILE,
     TRAIN_STATE_FILE,
     ResumeTarget,
@@ -25,8 +25,8 @@ from pipeline.train.checkpoint import (
     read_latest,
     verify_checkpoint,
 )
-from pipeline.train.checkpoint_best import BEST_FILE, read_best
-from pipeline.train.checkpointer import Checkpointer
+from pipeline.train.checkpoint.best import BEST_FILE, read_best
+from pipeline.train.checkpoint.checkpointer import Checkpointer
 from pipeline.train.config import TrainConfig
 from pipeline.train.guard import NonFiniteGuard
 from pipeline.train.run_meta import RunMeta

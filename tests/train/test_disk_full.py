@@ -3,7 +3,7 @@ partial tag removed, the previous checkpoint still `latest`, and a resume after 
 exactly like an uninterrupted run.
 
 Two ways: ENOSPC injected into DeepSpeed's checkpoint writer, the layer below our
-`pipeline.train.checkpoint_writes` (fast, any machine, one rank); and a real full file system: a
+`pipeline.train.checkpoint.writes` (fast, any machine, one rank); and a real full file system: a
 small tmpfs mounted in the test's own temp directory (root only; unmounted afterwards), where
 torch reports the full disk without an errno, on two ranks that must agree."""
 from __future__ import annotations

@@ -82,7 +82,7 @@ def test_extending_a_run_keeps_weights_but_refuses_moved_token_budgets(sources, 
     hash), a token budget's share would move with the run's length: refused, naming why."""
     from pipeline.config.checks import ConfigError
     from pipeline.data.shards import read_manifest
-    from pipeline.train.resume_run import load_resumed_config
+    from pipeline.train.checkpoint.resume_run import load_resumed_config
 
     wiki, books = sources
     weighted, budgeted = tmp_path / "weighted", tmp_path / "budgeted"

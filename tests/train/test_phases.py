@@ -1,4 +1,4 @@
-"""Training phases (`phases:`, `pipeline.train.phases`): a two-phase run (L=64 -> L=128 on the tiny
+"""Training phases (`phases:`, `pipeline.train.phases.schedule`): a two-phase run (L=64 -> L=128 on the tiny
 shards) walks both phases in one run, names its phase in every checkpoint, resumes bitwise from a
 checkpoint at the phase boundary and from one inside phase 2, comes back from a requeue (SIGUSR1,
 exit 75) into the right phase, and bad phases are refused before compute, naming the field."""
@@ -15,8 +15,8 @@ import torch
 
 from pipeline.config.checks import ConfigError
 from pipeline.train.run_config import check_run, load_config
-from pipeline.train.checkpoint import TRAIN_STATE_FILE
-from pipeline.train.phases import phase_seed
+from pipeline.train.checkpoint.tags import TRAIN_STATE_FILE
+from pipeline.train.phases.schedule import phase_seed
 from pipeline.train.preemption import REQUEUE_EXIT_CODE
 from tests.fixtures_data import TINY_SHARD_MB
 from tests.gloo_ranks import free_port

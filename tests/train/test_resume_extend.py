@@ -1,6 +1,6 @@
 """`cpt-train --resume DIR train.total_steps=N`: a finished run extended from its saved config.
 
-The chosen schedule behaviour (pipeline/train/resume_run.py): from step T+1 on the learning rate is
+The chosen schedule behaviour (pipeline/train/checkpoint/resume_run.py): from step T+1 on the learning rate is
 `lr_at(s, optim, N)`, the schedule re-stretched to the new total, as Hugging Face Trainer's
 `resume_from_checkpoint` and Megatron's `--load --override-opt_param-scheduler` do; it does not stay
 near the finished schedule's end.

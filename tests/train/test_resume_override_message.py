@@ -31,7 +31,7 @@ def test_resume_overrides_are_reported_as_asked_for_not_as_an_allowance(tiny_sha
         assert main(["--resume", str(changed), *CHANGE]) == 0
     assert "despite changes" not in caplog.text and "allow_config_change=true" not in caplog.text
     # reported at INFO as what was asked for (the total alone may also read as a schedule branch,
-    # pipeline.train.schedule_branch), never as a warning
+    # pipeline.train.checkpoint.schedule_branch), never as a warning
     for run in (extended, changed):
         assert _resumed(caplog, run) and all(r.levelno == logging.INFO and "train.total_steps" in r.getMessage()
                                              for r in _resumed(caplog, run))

@@ -1,6 +1,6 @@
 """`optim.schedule` (issue 38): linear (today's, bit for bit), cosine and warmup-stable-decay with linear /
 cosine / 1-sqrt decays — values at known steps, the refusals, and the check that a decay branched off
-a stable-phase checkpoint changes no rate already trained (`pipeline.train.schedule_branch`)."""
+a stable-phase checkpoint changes no rate already trained (`pipeline.train.checkpoint.schedule_branch`)."""
 from __future__ import annotations
 
 import logging
@@ -12,7 +12,7 @@ import pytest
 from pipeline.config.checks import ConfigError
 from pipeline.train.run_config import load_config
 from pipeline.train.optim import OptimConfig, decay_window, first_lr_change, lr_at
-from pipeline.train.schedule_branch import schedule_branch
+from pipeline.train.checkpoint.schedule_branch import schedule_branch
 
 
 def rates(total: int, **fields) -> list[float]:
@@ -178,7 +178,7 @@ def test_a_wsd_branch_of_a_weight_only_mixture_is_a_schedule_change(tmp_path: Pa
     shapes data.sources"; weights set a per-block interleave whatever the run's length, so only token
     budgets (a share of total_steps x batch) make a new total more than an LR change."""
     from pipeline.train.run_config import load_config
-    from pipeline.train.schedule_branch import schedule_branch
+    from pipeline.train.checkpoint.schedule_branch import schedule_branch
 
     def config(total: int, sources: str) -> dict:
         return load_config("tiny-mlm", [f"train.total_steps={total}", "optim.schedule=wsd", "optim.decay_steps=4",

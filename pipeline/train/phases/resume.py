@@ -37,7 +37,8 @@ import logging
 from typing import Any, Optional
 
 from pipeline.config.checks import ConfigError
-from pipeline.train.phase_config import LENGTH_KEYS, phase_data, phase_label, phase_optim, phase_steps_without_data
+from pipeline.config.loader import from_dict
+from pipeline.train.phases.config import LENGTH_KEYS, phase_data, phase_label, phase_optim, phase_steps_without_data
 from pipeline.data.sources import interleave_change
 from pipeline.train.optim import first_lr_change
 
@@ -78,14 +79,12 @@ def check_resume(schedule: Any, meta: Any) -> None:
     `schedule` (the resumed run's planned phases; `schedule.root`: its config) that rewrites trained
     phases or re-places the positions its reader has read (the module doc); log what it reshapes
     after. A checkpoint beyond the run's end is `plan_resume`'s to refuse."""
-    from pipeline.config.loader import from_dict
-    from pipeline.train.run_config import RunConfig
-
     step, new_cfg = int(meta.step), schedule.root
     if step <= 0 or step > schedule.total_steps or not meta.config:
         return
     try:
-        old_cfg = from_dict(RunConfig, meta.config)
+        # read as the run's own config class (`RunConfig`, which imports the phases: not imported here)
+        old_cfg = from_dict(type(new_cfg), meta.config)
     except (ConfigError, TypeError, ValueError):
         return  # an older checkpoint's config: plan_resume's comparison speaks for it
     old = _old_phases(old_cfg, meta)

@@ -20,7 +20,7 @@ defaults to the longest phase's seq_len so the position table is built once for 
 
 This module checks a config's `phases` (stage 1: the config alone) and derives each phase's `data.*`
 and LR-schedule segment; planning the phases against their shards (steps, batch splits, tokenizer)
-is `pipeline.train.phases`, and changing the live run at a phase's first step is
+is `pipeline.train.phases.schedule`, and changing the live run at a phase's first step is
 `pipeline.train.loop.Run.apply_phase`.
 """
 from __future__ import annotations

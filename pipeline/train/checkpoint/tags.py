@@ -36,7 +36,7 @@ so a resumed step draws exactly the numbers the uninterrupted run drew.
 Resume with a different number of ranks (or ZeRO stage 1 <-> 2): DeepSpeed refuses to re-partition
 ZeRO optimizer states directly, so the checkpoint is converted once to DeepSpeed's *universal*
 format (`deepspeed.checkpoint.ds_to_universal`, one file per parameter and optimizer moment) into
-`<tag>/universal/` and loaded with `checkpoint.load_universal` (`pipeline.train.checkpoint_load`, which
+`<tag>/universal/` and loaded with `checkpoint.load_universal` (`pipeline.train.checkpoint.load`, which
 also loads every tag: verified, and unpickled only by the restricted unpickler, `pipeline.safe_load`). ZeRO-3 checkpoints must be resumed
 on the rank count that wrote them: DeepSpeed 0.19's universal loading restores their weights but
 not a trajectory-preserving optimizer state (measured: losses drift by 1e-4 within 2 steps).
@@ -46,15 +46,15 @@ Preemption (`pipeline.train.preemption`) checkpoints through `save_checkpoint` a
 
 A save that fails (disk full, quota, I/O error) raises `CheckpointWriteError` on every rank with
 the failing file ("no space left on device: PATH"), after removing the partial tag: `latest`
-still names the previous checkpoint (`pipeline.train.checkpoint_writes`).
+still names the previous checkpoint (`pipeline.train.checkpoint.writes`).
 
 `train.resume=<older tag of this run>` resumes from it in the same output directory: the newer
 tags are moved (not deleted) to `checkpoints/superseded/` once the older one has loaded, and
 `latest` points at it, so the run goes on from there without colliding with them.
 
-`best.json` (`train.keep_best`, `pipeline.train.checkpoint_best`) names the best tag by a logged
+`best.json` (`train.keep_best`, `pipeline.train.checkpoint.best`) names the best tag by a logged
 metric; pruning never deletes it. When to save, the health gate before a save, resume and the best
-tag are decided by `pipeline.train.checkpointer.Checkpointer`; this module does what it decides.
+tag are decided by `pipeline.train.checkpoint.checkpointer.Checkpointer`; this module does what it decides.
 """
 from __future__ import annotations
 
@@ -71,11 +71,11 @@ import torch
 
 from pipeline.config.checks import ConfigError
 from pipeline.train.run_config import config_differences, config_hash
-from pipeline.train.schedule_branch import schedule_branch
+from pipeline.train.checkpoint.schedule_branch import schedule_branch
 from pipeline.distributed import barrier, broadcast_object, first_problem
 from pipeline.model.arch import arch_of_fields
-from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, read_best, write_best
-from pipeline.train.checkpoint_writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
+from pipeline.train.checkpoint.best import BEST_FILE, BestRecord, read_best, write_best
+from pipeline.train.checkpoint.writes import CheckpointWriteError, object_bytes, recording_writes, write_or_describe
 from pipeline.train.run_meta import META_FILE, RunMeta
 from pipeline.safe_load import unsafe_checkpoint_problem
 from pipeline.io import sha256_file, write_atomic
@@ -118,7 +118,7 @@ class TrainState:
     loss_ema: float = 0.0  # running mean of the finite step losses (the divergence guard's reference)
     weight_norm: float = 0.0  # weights' L2 norm at the previous checkpoint (ditto; 0 = none yet)
     objective_state: dict[str, Any] = field(default_factory=dict)
-    phase: str = ""  # the phase (`phases[i].name`, `pipeline.train.phases`) of the last step; "" without phases
+    phase: str = ""  # the phase (`phases[i].name`, `pipeline.train.phases.schedule`) of the last step; "" without phases
     phase_start_samples: int = 0  # the run's consumed samples when that phase began (its reader's origin)
 
     @classmethod
@@ -232,7 +232,7 @@ class CheckpointFinisher:
     """Runs rank 0's completion stage of a save (hashes, `COMPLETE.json`, `latest`, pruning) on a
     background thread, one at a time, so hashing a large checkpoint stays off the training step.
 
-    The work reports a failed write as text, never as an exception (`checkpoint_writes`); `wait()`
+    The work reports a failed write as text, never as an exception (`writes`); `wait()`
     joins the running completion and returns that text once ("" when it succeeded). The failure is
     turned into the same `CheckpointWriteError` on every rank by `settle_pending_save`.
     """
@@ -295,7 +295,7 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
     and this returns as soon as every rank's files are written; without, before returning.
     `healthy` is recorded in `COMPLETE.json` (pruning keeps the newest healthy tag); `best`: the run's
     best as of this tag (this tag, or an earlier complete one), written to `best.json` once the tag is
-    complete when the file does not say it already (`pipeline.train.checkpoint_best`); pruning keeps
+    complete when the file does not say it already (`pipeline.train.checkpoint.best`); pruning keeps
     it and the tags `keep` names."""
     tag = tag_for_step(state.step)
     tag_dir = root / tag
@@ -341,9 +341,9 @@ def save_checkpoint(engine: Any, root: Path, state: TrainState, meta: RunMeta, k
 
 def write_conversion_readme(root: Path, arch: str) -> str:
     """`checkpoints/README.md`: how to convert these checkpoints of family `arch` (beside DeepSpeed's
-    zero_to_fp32.py, which alone yields no Hugging Face model; `pipeline.train.checkpoint_readme`); "" or
+    zero_to_fp32.py, which alone yields no Hugging Face model; `pipeline.train.checkpoint.readme`); "" or
     what went wrong."""
-    from pipeline.train.checkpoint_readme import README_FILE, render_checkpoint_readme
+    from pipeline.train.checkpoint.readme import README_FILE, render_checkpoint_readme
 
     path = root / README_FILE
     text = render_checkpoint_readme(root, arch)
@@ -465,7 +465,7 @@ def set_aside(root: Path, tags: list[Path], resumed: Path) -> None:
 
 
 #: Hashes of configs whose differences from their checkpoint are the overrides `cpt-train --resume` was
-#: given (`pipeline.train.resume_run` allows those without `train.allow_config_change=true`): `plan_resume`
+#: given (`pipeline.train.checkpoint.resume_run` allows those without `train.allow_config_change=true`): `plan_resume`
 #: reports them as the changes asked for, not as an allowance the user never set (issue 42).
 _RESUME_OVERRIDE_CONFIGS: set[str] = set()
 
@@ -497,7 +497,7 @@ def plan_resume(tag_dir: Path, config: dict, manifest_hash: str, world_size: int
         problems.append(f"data manifest: {meta.manifest_hash[:12]} ({meta.data_dir}) -> {manifest_hash[:12]}")
     if problems:
         text = "; ".join(problems)
-        # a decay branched off a stable-phase checkpoint: only later steps' rates change (pipeline.train.schedule_branch)
+        # a decay branched off a stable-phase checkpoint: only later steps' rates change (pipeline.train.checkpoint.schedule_branch)
         branch, why = (False, "") if data_changed else schedule_branch(meta.config, config, meta.step)
         if branch:
             _RESUME_OVERRIDE_CONFIGS.discard(config_hash(config))  # (a --resume override of the schedule)

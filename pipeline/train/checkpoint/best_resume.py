@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from pipeline.train.checkpoint import is_complete, saved_healthy, step_of_tag, tag_for_step
-from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, read_best, record_of
+from pipeline.train.checkpoint.tags import is_complete, saved_healthy, step_of_tag, tag_for_step
+from pipeline.train.checkpoint.best import BEST_FILE, BestRecord, read_best, record_of
 from pipeline.train.metrics import read_jsonl
 from pipeline.train.validation import EVAL_SET_KEY, PREFIX
 

@@ -1,5 +1,5 @@
 """The live side of a phase change (`pipeline.train.loop.Run.apply_phase`): what a `PhaseView`
-(`pipeline.train.phases.Schedule.at`) changes in the model and the DeepSpeed engine."""
+(`pipeline.train.phases.schedule.Schedule.at`) changes in the model and the DeepSpeed engine."""
 from __future__ import annotations
 
 import dataclasses

@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 from pipeline.config.checks import ConfigError
 from pipeline.config.loader import apply_override, from_dict
 from pipeline.train.run_config import RunConfig, config_differences, resume_relevant
-from pipeline.train.checkpoint import CHECKPOINT_DIR, LATEST_FILE, CheckpointError, note_resume_overrides, read_latest
+from pipeline.train.checkpoint.tags import CHECKPOINT_DIR, LATEST_FILE, CheckpointError, note_resume_overrides, read_latest
 from pipeline.train.optim import lr_at
 from pipeline.train.run_meta import META_FILE, RunMeta
 
@@ -97,7 +97,7 @@ def load_resumed_config(path: str | Path, overrides: Sequence[str] = ()) -> tupl
     saved_total = int(saved.get("train", {}).get("total_steps", cfg.train.total_steps))
     if cfg.train.total_steps != saved_total:
         log.info("--resume %s: train.total_steps %d -> %d from step %d; the LR schedule is re-stretched to the new "
-                 "total: step %d runs at lr %.3e (pipeline.train.resume_run)", tag_dir, saved_total,
+                 "total: step %d runs at lr %.3e (pipeline.train.checkpoint.resume_run)", tag_dir, saved_total,
                  cfg.train.total_steps, meta.step, meta.step + 1,
                  lr_at(meta.step + 1, cfg.optim, cfg.train.total_steps))
     return cfg, resumed_recipe(meta, saved, cfg.to_dict())
@@ -110,7 +110,7 @@ def check_same_data(cfg: RunConfig, meta: RunMeta, overrides: Sequence[str]) -> 
 
     if any(o.split("=", 1)[0].strip() == "data.shards_dir" for o in overrides):
         return
-    if cfg.phases:  # the checkpoint's data is its phase's: `plan_resume` compares it (pipeline.train.phases)
+    if cfg.phases:  # the checkpoint's data is its phase's: `plan_resume` compares it (pipeline.train.phases.schedule)
         return
     if cfg.data.sources:  # a mixture (pipeline.data.sources): its sources' manifests and shares
         check_same_mixture(cfg, meta, overrides)

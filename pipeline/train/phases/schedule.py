@@ -2,7 +2,7 @@
 
 Every run walks a `Schedule` of phases: a run without `phases` is a run with one implicit phase
 (named "", the run's own data, seed, batch and LR schedule), so the loop has one path. What a
-`phases` entry may say and its stage-1 checks are the config's (`pipeline.train.phase_config`); this
+`phases` entry may say and its stage-1 checks are the config's (`pipeline.train.phases.config`); this
 module plans the phases against their shards (steps, batch splits, one tokenizer, positions) and
 answers, before every step, what the run must change (`Schedule.at` -> a `PhaseView`, or None);
 `pipeline.train.loop.Run.apply_phase` applies it to the live run.
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pipeline.config.checks import ConfigError
-from pipeline.train.phase_config import check_step_sum, phase_data, phase_label, phase_optim, phase_steps_without_data
+from pipeline.train.phases.config import check_step_sum, phase_data, phase_label, phase_optim, phase_steps_without_data
 from pipeline.data.config import BatchPlan, BatchRamp, DataConfig, plan_batches, plan_ramp
 from pipeline.data.shards import Manifest, read_manifest
 from pipeline.data.sources import data_directories

@@ -1,6 +1,6 @@
 """`checkpoints/README.md`: how to turn a run's DeepSpeed checkpoints into a Hugging Face model.
 
-It lives here, beside the checkpoint writer (`pipeline.train.checkpoint.write_conversion_readme`),
+It lives here, beside the checkpoint writer (`pipeline.train.checkpoint.tags.write_conversion_readme`),
 not in `pipeline.export` where the converter is: the text needs only the model families' names
 (`pipeline.model.arch`, below both), and keeping it in the train package lets the writer complete a
 checkpoints directory on its own without importing the export package above it (issue 48: no

@@ -32,7 +32,7 @@ from typing import Any
 from pipeline.distributed import barrier, broadcast_object
 from pipeline.io import sha256_file
 from pipeline.safe_load import UnsafeCheckpointError, foreign_link, load_pt, safe_unpickling
-from pipeline.train.checkpoint import (
+from pipeline.train.checkpoint.tags import (
     COMPLETE_FILE,
     TRAIN_STATE_FILE,
     UNIVERSAL_TAG,

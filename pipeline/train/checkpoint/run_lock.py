@@ -53,7 +53,7 @@ from typing import Any, Iterator, Optional
 
 from pipeline.config.checks import ConfigError
 from pipeline.distributed import first_problem
-from pipeline.train.checkpoint_writes import CheckpointWriteError
+from pipeline.train.checkpoint.writes import CheckpointWriteError
 
 log = logging.getLogger(__name__)
 

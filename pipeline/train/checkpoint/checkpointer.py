@@ -1,6 +1,6 @@
 """`Checkpointer`: every checkpoint decision of a run, in one place (torchtitan's CheckpointManager shape).
 
-It owns, for one run directory (`<train.output_dir>/checkpoints/`, layout: `pipeline.train.checkpoint`):
+It owns, for one run directory (`<train.output_dir>/checkpoints/`, layout: `pipeline.train.checkpoint.tags`):
 
 * **resume**: which tag to continue from (`train.resume`), whether its config and data allow it
   (`plan_resume`, the checkpoint's own phase's data), the newer tags an explicit older tag sets
@@ -12,7 +12,7 @@ It owns, for one run directory (`<train.output_dir>/checkpoints/`, layout: `pipe
   the weights' norm within `train.max_weight_norm_ratio` of the previous checkpoint's;
 * the background completion (`CheckpointFinisher`: hashes, `COMPLETE.json`, `latest`, pruning to
   `train.keep_last`), settled before the next save and at the end of the run;
-* **the best tag** (`train.keep_best` / `train.keep_best_mode`, `pipeline.train.checkpoint_best`):
+* **the best tag** (`train.keep_best` / `train.keep_best_mode`, `pipeline.train.checkpoint.best`):
   `observe_metric(step, values)` is offered every logged metric set (the loop's, and validation's);
   a strictly better value makes that step's checkpoint due and, once it is complete, `best.json`
   names it; pruning never deletes it; the record survives resume.
@@ -30,7 +30,7 @@ from typing import Any, Optional
 import torch
 
 from pipeline.distributed import all_reduce_sum, broadcast_object
-from pipeline.train.checkpoint import (
+from pipeline.train.checkpoint.tags import (
     CHECKPOINT_DIR,
     MODEL_STATES_FILE,
     CheckpointError,
@@ -46,13 +46,13 @@ from pipeline.train.checkpoint import (
     step_of_tag,
     tag_for_step,
 )
-from pipeline.train.checkpoint_load import load_checkpoint
-from pipeline.train.checkpoint_best import BEST_FILE, BestRecord, better, read_best, write_best
-from pipeline.train.checkpoint_best_resume import eval_set_change, reconcile_best
+from pipeline.train.checkpoint.load import load_checkpoint
+from pipeline.train.checkpoint.best import BEST_FILE, BestRecord, better, read_best, write_best
+from pipeline.train.checkpoint.best_resume import eval_set_change, reconcile_best
 from pipeline.train.config import TrainConfig
 from pipeline.train.guard import weight_stats
 from pipeline.train.optim import check_optimizer_kept
-from pipeline.train.run_lock import check_still_held
+from pipeline.train.checkpoint.run_lock import check_still_held
 from pipeline.train.validation import EVAL_SET_KEY, PREFIX
 from pipeline.safe_load import UnsafeCheckpointError, load_pt
 
@@ -71,7 +71,7 @@ class Checkpointer:
         self.finisher = CheckpointFinisher()  # hashes saved tags off the training step (rank 0)
         self.best: Optional[BestRecord] = None  # the best tag saved (best.json), as of the last save
         self.pending_best: Optional[BestRecord] = None  # a better value seen, its tag not saved yet
-        self.keep: set[str] = set()  # tags kept from pruning besides the best (checkpoint_best_resume)
+        self.keep: set[str] = set()  # tags kept from pruning besides the best (`best_resume`)
 
     # ---- resume ---------------------------------------------------------------------------------
     def find_resume(self) -> Optional[Path]:
@@ -83,7 +83,7 @@ class Checkpointer:
         `world_size` ranks: its data is compared with that of the phase it was written in; an
         explicit older tag of this run sets the newer ones aside."""
         from pipeline.data.shards import manifest_file_sha256
-        from pipeline.train.phase_resume import check_resume
+        from pipeline.train.phases.resume import check_resume
         from pipeline.train.run_meta import RunMeta
 
         try:
@@ -131,7 +131,7 @@ class Checkpointer:
              eval_dir: str = "") -> TrainState:
         """Collective: the train state to start from (a fresh one without `target`), the engine and the
         objectives' state loaded from `target`, and the best record carried on, reconciled with the
-        checkpoint's own and `metrics.jsonl` (`pipeline.train.checkpoint_best_resume`). `eval_set` /
+        checkpoint's own and `metrics.jsonl` (`pipeline.train.checkpoint.best_resume`). `eval_set` /
         `eval_dir`: this run's validation set (`Validator.identity`, `eval.shards_dir`; "" without)."""
         if target is None:
             return TrainState()

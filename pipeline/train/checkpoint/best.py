@@ -14,7 +14,7 @@ complete tag: resume from it or convert it like any other (`cpt-convert RUN/chec
 "Better" is strict (`<` for min, `>` for max): a tie keeps the earlier tag. A non-finite value is
 never a best. Every checkpoint also records the best as of itself (`RunMeta.best`), so `best.json`
 is a pointer that can be rebuilt: on resume the record is reconciled with the checkpoint's and with
-`metrics.jsonl` (`pipeline.train.checkpoint_best_resume`); a changed `train.keep_best` metric or
+`metrics.jsonl` (`pipeline.train.checkpoint.best_resume`); a changed `train.keep_best` metric or
 direction starts afresh, and a changed validation set starts a new lineage (the earlier set's best
 tag stays on disk).
 """
@@ -70,7 +70,7 @@ def record_of(raw: object) -> Optional[BestRecord]:
 
 def read_best(root: Path) -> Optional[BestRecord]:
     """The record of `root/best.json`, or None when there is none or it is unreadable (a resume rebuilds
-    it, `pipeline.train.checkpoint_best_resume`; during a run pruning keeps the run's own record)."""
+    it, `pipeline.train.checkpoint.best_resume`; during a run pruning keeps the run's own record)."""
     try:
         raw = json.loads((root / BEST_FILE).read_text())
     except (OSError, ValueError):
