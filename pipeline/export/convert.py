@@ -74,6 +74,7 @@ from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objectiv
 from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY, POOLINGS, SentencePooling, chosen_pooling, \
     pooling_problem, write_sentence_config
 from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
+from pipeline.export.electra_adapter import is_electra_run, split_electra_for_hf
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.pretrain.build import model_from_meta
 from pipeline.model.encoder import fuse_qkv
@@ -256,13 +257,17 @@ def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], en
 
 
 def _write_hf_model(
-    directory: Path, state: dict[str, torch.Tensor], encoder: AnyEncoderConfig, meta: RunMeta, tokenizer
+    directory: Path, state: dict[str, torch.Tensor], encoder: AnyEncoderConfig, meta: RunMeta, tokenizer,
+    config=None,
 ) -> None:
+    """`config`: the `transformers` config to write (an objective's own class, e.g. ELECTRA's); None: the
+    family's masked-LM config of `encoder` (`model.arch`)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    hf_config = modernbert_hf_config if is_modernbert(encoder) else bert_config  # `model.arch`
-    hf_config(encoder, meta.special_tokens).save_pretrained(str(directory))
+    if config is None:
+        config = (modernbert_hf_config if is_modernbert(encoder) else bert_config)(encoder, meta.special_tokens)
+    config.save_pretrained(str(directory))
     save_file(contiguous_copies(state), str(directory / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(directory))
     clean_tokenizer_config(directory)
@@ -282,7 +287,7 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
     """Everything OUT_DIR holds, written into `directory` (`model`: the training model of the meta;
     `sentence`: the sentence-transformers pooling, default the run's own)."""
     encoder = encoder_config_from_dict(meta.encoder_config)
-    _write_hf_model(directory, export.main, encoder, meta, tokenizer)
+    _write_hf_model(directory, export.main, encoder, meta, tokenizer, export.hf_config)
     sentence = sentence or sentence_pooling(meta, encoder, tokenizer, None, None)
     write_sentence_config(directory, sentence, encoder.hidden_size)
     if export.objective_heads:
@@ -290,7 +295,7 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
     if with_generator:
         gen = export.generator
         assert gen is not None
-        _write_hf_model(directory / GENERATOR_SUBDIR, gen.state, gen.config, meta, tokenizer)
+        _write_hf_model(directory / GENERATOR_SUBDIR, gen.state, gen.config, meta, tokenizer, gen.hf_config)
         (directory / GENERATOR_SUBDIR / "README.md").write_text(render_model_card(meta, export, card, True))
     # The run's full record, with local paths reduced to their last component (exports are shared:
     # they must not reveal where the data or the run lived), and what the conversion changed.
@@ -444,9 +449,13 @@ def convert(
             state, source = consolidate_fp32_weights(tag_dir)
         state = fuse_qkv(state)  # checkpoints written before Q, K and V were fused hold them separately
         check_state_dict(model, state, str(tag_dir))
-    export = (split_modernbert_for_hf if is_modernbert(encoder) else split_for_hf)(model, state)
+    if is_electra_run(meta.objectives):  # the discriminator as ElectraForPreTraining (`electra_adapter`)
+        export = split_electra_for_hf(model, state)
+    else:
+        export = (split_modernbert_for_hf if is_modernbert(encoder) else split_for_hf)(model, state)
     if with_generator and export.generator is None:
-        raise ExportError(f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")
+        raise ExportError(f"--with-generator: {export.generator_note}" if export.generator_note else
+                          f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")
     if export.head_bias is not None and not export.head_bias.corrected:
         print(f"note: {export.head_bias.note}", file=sys.stderr)
     health: HealthReport = check_health(model, state, meta, shards_dir)
@@ -488,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--with-generator",
         action="store_true",
-        help=f"also write the COCO-LM generator as a second model in OUT_DIR/{GENERATOR_SUBDIR}/",
+        help=f"also write the generator (COCO-LM's, ELECTRA's) as a second model in OUT_DIR/{GENERATOR_SUBDIR}/",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer_dir from pipeline_meta.json)")
     p.add_argument("--shards", default=None, help="the run's shards, for the health check (default: data_dir from "

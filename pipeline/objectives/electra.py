@@ -117,7 +117,7 @@ class ReplacedTokenDetection(Objective):
         self.sample_temperature = float(sample_temperature)
         self.lambda_disc, self.lambda_gen = float(lambda_disc), float(lambda_gen)
         gen = generator_config(encoder_config, generator_width)
-        self.generator_hidden_size = gen.hidden_size
+        self.generator_config = gen  # its shape (conversion writes it as ElectraForMaskedLM's config)
         if gen.hidden_size != encoder_config.hidden_size:  # ELECTRA's `embeddings_project`
             self.embeddings_project = nn.Linear(encoder_config.hidden_size, gen.hidden_size)
         else:

@@ -54,6 +54,7 @@ def cache_entries() -> dict[str, int]:
     ({"mlm": 1.0, "taco": 1.0}, "auto", 30),
     ({"cocolm": 1.0}, "auto", 200),  # the run length: COCO-LM used to recompile 5 times in 20 steps
     ({"cocolm": 1.0}, "varlen", 30),
+    ({"electra": 1.0}, "varlen", 30),
     ({"mlm": 1.0, "capt": 1.0}, "varlen", 30),
     ({"infoword": 1.0}, "auto", 30),
     ({"mlm-nce": 1.0}, "auto", 30),
