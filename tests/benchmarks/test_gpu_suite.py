@@ -193,7 +193,7 @@ def test_dry_run_modernbert_pairs_every_objective_with_its_bert_row(rehearsal):
     rows = data["rows"]
     assert [(r["arch"], r["objective"], r["length"]) for r in rows] == [
         (a, o, length) for o, length in [("mlm", 128), ("mlm", 512), ("taco", 128), ("capt", 128), ("cocolm", 128),
-                                         ("infoword", 128)] for a in ("bert", "modernbert")]
+                                         ("infoword", 128), ("electra", 128)] for a in ("bert", "modernbert")]
     for bert, modern in zip(rows[::2], rows[1::2]):
         assert (bert["size"], modern["size"]) == ("capt-small", "small")  # the same 6 x 256 x 4 shape
         for key in ("preset", "engine", "grad_accum", "seq_len", "precision", "micro_batch", "optim"):
