@@ -140,6 +140,7 @@ def test_modernbert_electra_exports_its_body_and_refuses_the_generator(tiny_shar
     assert run_inprocess("tiny-electra", tiny_shards_dir, out, *SHORT, "model.arch=modernbert") == 0
     with pytest.raises(ExportError, match="--with-generator: the ELECTRA generator of a model.arch=modernbert run"):
         convert(out, tmp_path / "refused", with_generator=True)
+    assert not (tmp_path / "refused").exists()
     exported = convert(out, tmp_path / "hf")
     body = AutoModel.from_pretrained(str(exported)).eval()
     assert type(body) is ModernBertModel
