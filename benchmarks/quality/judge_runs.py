@@ -109,6 +109,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    REFERENCES[term])]
               for name, judged in judged_all.items() for term in curves if term in REFERENCES
               for run in judged[:1] if any(r is not None for _, _, r in run["curves"][term])}
+    from pipeline.monitor.health import COLLAPSE_COSINE
+
+    for name in judged_all:
+        if "health/token_cosine" in curves:
+            hlines[f"{name}: health/token_cosine"] = [(COLLAPSE_COSINE, "collapse threshold")]
     out = Path(args.out)
     write_report(args.name, rows, out, "Learning signals at the end of each run (last 20% of the logged steps)",
                  notes=["signals: pipeline.monitor.signals (a loss <= 0.85x its chance, an AUC / accuracy closing 15% "
