@@ -74,7 +74,8 @@ def test_no_compiled_function_recompiles_more_than_twice(objectives, attention, 
     assert compile_watch.eager_fallbacks == {} and "gave up" not in caplog.text
 
 
-@pytest.mark.parametrize("objectives, attention", [({"infoword": 1.0}, "auto"), ({"cocolm": 1.0}, "varlen")])
+@pytest.mark.parametrize("objectives, attention", [({"infoword": 1.0}, "auto"), ({"cocolm": 1.0}, "varlen"),
+                                                   ({"electra": 1.0}, "varlen")])
 def test_compiled_masked_and_varlen_passes_equal_eager(objectives, attention):
     torch._dynamo.reset()
     eager, compiled = make_model(objectives, False, attention), make_model(objectives, True, attention)
