@@ -41,6 +41,10 @@ from benchmarks.common.stats import format_ci, mean_ci
 
 POOLINGS = ("cls", "mean")
 RANDOM_INIT = "random init"
+#: The cosine histograms' bin edges (the plot's and the JSON's): 48 bins over [-0.2, 1].
+BINS = np.linspace(-0.2, 1.0, 49)
+#: Default verdicts: (a, b) = "is a more squeezed than b".
+COMPARISONS = ("electra:mlm", "cocolm:mlm", "cocolm:electra")
 MIN_WORDS, MAX_WORDS = 8, 60
 
 
@@ -114,8 +118,7 @@ def measure(models: dict[str, list[Path]], pairs: dict[str, tuple[list[str], lis
             records = []
             for source, encoder in listed:
                 cos = {kind: pair_cosines(encoder, *pairs[kind]) for kind in ("random", "similar")}
-                records.append({"source": source, **summary(cos["random"], cos["similar"]),
-                                "cosines": {k: [round(float(v), 5) for v in c] for k, c in cos.items()}})
+                records.append({"source": source, **summary(cos["random"], cos["similar"]), "cosines": cos})
                 print(f"{pooling:>4} {name:<12} {source}: random {records[-1]['random_mean']:.3f}, "
                       f"similar {records[-1]['similar_mean']:.3f}", file=sys.stderr, flush=True)
             out[pooling][name] = records
@@ -166,7 +169,7 @@ def plot(measured: dict, path: Path, title: str) -> None:
     names = list(measured[POOLINGS[0]])
     fig, axes = plt.subplots(len(POOLINGS), len(names), figsize=(3.2 * len(names), 2.8 * len(POOLINGS)),
                              squeeze=False)
-    bins = np.linspace(-0.2, 1.0, 49)
+    bins = BINS
     for row, pooling in enumerate(POOLINGS):
         for col, name in enumerate(names):
             ax = axes[row][col]
@@ -180,6 +183,20 @@ def plot(measured: dict, path: Path, title: str) -> None:
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
     _save_figure(fig, path)
+
+
+def with_histograms(measured: dict) -> dict:
+    """`measured` for the JSON: each record's cosines as counts over `BINS` (the plot's histogram; values
+    outside the edges fall in the end bins), not the pairs one by one."""
+    out: dict = {}
+    for pooling, by_model in measured.items():
+        out[pooling] = {}
+        for name, records in by_model.items():
+            out[pooling][name] = [{**{k: v for k, v in r.items() if k != "cosines"},
+                                   "histogram": {kind: np.histogram(np.clip(c, BINS[0], BINS[-1]), BINS)[0].tolist()
+                                                 for kind, c in r["cosines"].items()}}
+                                  for r in records]
+    return out
 
 
 def parse_models(values: Sequence[str]) -> dict[str, list[Path]]:
@@ -210,6 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="output directory (JSON, Markdown, PNG)")
     p.add_argument("--name", default="representation_cosines")
     p.add_argument("--notes", action="append", default=[], help="a line added to the report's notes (e.g. the runs)")
+    p.add_argument("--compare", action="append", default=None,
+                   help=f"A:B, a verdict on whether model A is more squeezed than B (default {', '.join(COMPARISONS)})")
     return p
 
 
@@ -224,8 +243,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     measured = measure(models, pairs, [int(s) for s in args.init_seeds.split(",")])
     out = Path(args.out)
-    verdicts = [line for pooling in POOLINGS for a, b in (("electra", "mlm"), ("cocolm", "mlm"), ("cocolm", "electra"))
-                if (line := compare(measured, pooling, a, b))]
+    pairs_to_compare = [tuple(c.split(":", 1)) for c in (args.compare or COMPARISONS)]
+    verdicts = [line for pooling in POOLINGS for a, b in pairs_to_compare if (line := compare(measured, pooling, a, b))]
     notes = [f"random pairs: {args.pairs} pairs of different sentences ({MIN_WORDS}-{MAX_WORDS} words) from "
              f"{Path(args.heldout_text).name}, seed {args.seed}; similar pairs: the {len(pairs['similar'][0])} pairs of "
              f"{Path(args.sts).name} with gold score >= {args.min_score:g}",
@@ -238,7 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = table_rows(measured)
     paths = write_report(args.name, rows, out, "Sentence-pair cosines: random held-out pairs vs STS-B's similar pairs "
                          "(COCO-LM Figure 1)", notes=notes,
-                         extra={"measured": measured, "models": {k: [str(p) for p in v] for k, v in models.items()}})
+                         extra={"measured": with_histograms(measured), "histogram_bins": BINS.round(4).tolist(),
+                                "models": {k: [str(p) for p in v] for k, v in models.items()}})
     plot(measured, out / f"{args.name}.png", "Cosine of random (blue) vs STS-B score >= 4 (red) sentence pairs")
     print("\n".join(verdicts))
     print(f"wrote {paths['json']}, {paths['md']}, {out / (args.name + '.png')}")

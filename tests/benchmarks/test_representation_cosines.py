@@ -90,7 +90,9 @@ def test_measures_converted_models_and_random_init(tiny_shards_dir, tmp_path):
         measured = report["measured"][pooling]
         assert list(measured) == [RANDOM_INIT, "mlm", "electra"] and len(measured[RANDOM_INIT]) == 2
         record = measured["electra"][0]
-        assert len(record["cosines"]["random"]) == 30 and len(record["cosines"]["similar"]) == 3  # scores >= 4
+        histogram = record["histogram"]  # counts over the report's bins, every pair in one
+        assert sum(histogram["random"]) == 30 and sum(histogram["similar"]) == 3  # scores >= 4
+        assert len(histogram["random"]) == len(report["histogram_bins"]) - 1
         assert -1.0 <= record["random_mean"] <= 1.0
     assert any(n.startswith("[cls] electra") for n in report["notes"])
     assert "the 3 pairs of sts.tsv with gold score >= 4" in report["notes"][0]
