@@ -254,3 +254,15 @@ def test_unigram_bias_init_reaches_the_generator_head():
     names = fill_unigram_tensors(model, counts, output_biases=True)
     assert "objectives.electra.generator_head.bias" in names
     assert torch.equal(model.objectives["electra"].generator_head.bias.detach(), unigram_bias(counts))
+
+
+def test_flops_count_the_narrow_generator_head_at_its_shape():
+    """The generator head's transform maps H_G = 16 to H = 64: its FLOPs are 2 N H_G H, not 2 N H_G^2
+    (`pipeline.train.metrics.FlopCounter` reads both widths from the call)."""
+    from pipeline.train.metrics import FlopCounter
+
+    transform = _model().objectives["electra"].generator_head.transform
+    counter = FlopCounter(transform)
+    with torch.no_grad():
+        transform(torch.randn(5, 16))
+    assert counter.pop() == 2.0 * 5 * 16 * 64
