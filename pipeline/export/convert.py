@@ -19,7 +19,9 @@ Steps, each failing with a message that names the file at fault and leaving OUT_
    cast to its precision (`consolidated.weights_difference`), else refused by name (exit 2), so a
    card never names one step while the weights are another's;
 3. check the weights against the model the meta describes, sort them into the HF main model,
-   the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`); an MLM
+   the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`; an ELECTRA
+   run: the discriminator as `ElectraForPreTraining`, its generator as `ElectraForMaskedLM`,
+   `pipeline.export.electra_adapter`); an MLM
    head trained only with sampled negatives (`mlm-nce`, `infoword`) gets its bias corrected by the
    checkpoint's log q (`hf_adapter.head_bias_correction`), stated in the card and in the export's
    `pipeline_meta.json` (`conversion.mlm_head_bias`);
