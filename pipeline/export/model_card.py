@@ -241,12 +241,15 @@ _FAMILY_ROWS = {
 }
 
 
-def modernbert_usage_section() -> list[str]:
-    """Fine-tuning notes of a `model.arch=modernbert` export (no segment embeddings, no pooler)."""
+def modernbert_usage_section(with_head: bool = True) -> list[str]:
+    """Fine-tuning notes of a `model.arch=modernbert` export (no segment embeddings, no pooler); `with_head`
+    False: a body without the MLM head (an ELECTRA discriminator's), whose `head.*` is new too."""
+    loaded = ("its `model.*` and `head.*` (the MLM head's transform, [CLS] pooling by default) load from these "
+              "weights, only `classifier` is new" if with_head else
+              "its `model.*` loads from these weights, `head.*` and `classifier` are new")
     return [
         "", "## Fine-tuning", "",
-        "`AutoModelForSequenceClassification` builds `ModernBertForSequenceClassification`: its `model.*` and `head.*` "
-        "(the MLM head's transform, [CLS] pooling by default) load from these weights, only `classifier` is new. "
+        f"`AutoModelForSequenceClassification` builds `ModernBertForSequenceClassification`: {loaded}. "
         "There are no segment embeddings: pass no `token_type_ids` (the tokenizer of this directory returns none "
         "only if told: `return_token_type_ids=False`). Local layers see +-"
         "`local_attention / 2` tokens; [CLS] sees the whole row only through the global layers.",
@@ -364,7 +367,7 @@ def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, gener
               if meta.last_metrics else "(none recorded)"]
     if not generator_card:
         lines += validation_section(meta.validation)
-        usage = (modernbert_usage_section() if is_modernbert(enc) else
+        usage = (modernbert_usage_section(export.hf_class != "ModernBertModel") if is_modernbert(enc) else
                  electra_usage_section(meta) if export.hf_class == "ElectraForPreTraining" else usage_section(meta))
         lines += head_section(export) + health_section(inputs.health) + usage
     exported_as = (export.generator.hf_class if generator_card and export.generator is not None else export.hf_class)
