@@ -7,7 +7,9 @@ Held-out text: the documents `data_prep.build_shards --holdout-fraction` held ou
 The masked-LM numbers have one home, the validation during training (`pipeline.train.validation`):
 
 * trained: the run's last `val/` record in its `metrics.jsonl` — `val/mlm_head/accuracy` and
-  `val/mlm_head/loss` on the held-out masked positions, `val/health/unigram_accuracy` (the plateau: always
+  `val/mlm_head/loss` on the held-out masked positions (ELECTRA, whose main model is a discriminator with
+  no masked LM: its generator's, `val/electra/gen_accuracy` and `val/electra/gen_loss`, the masked LM the
+  run trains and the demo's fill-mask uses), `val/health/unigram_accuracy` (the plateau: always
   answering the training corpus's most frequent token) and `val/health/token_cosine` (the mean cosine
   between the last hidden states of two different tokens; above 0.9 = collapsed);
 * random init: the same `Validator`, same held-out rows and masks (`eval.seed`), applied to the run's own
@@ -107,7 +109,7 @@ def evaluate(model, batches: list[dict], structure: Sequence[int], vocab_size: i
 
 def measure(hf_dir: Path, heldout: Path, seed: int = 0, rows: int = HELDOUT_ROWS) -> dict:
     """TACO and leak checks (`evaluate`) of the converted model vs the same architecture at random init."""
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import AutoConfig, AutoModel, BertConfig, BertForMaskedLM
 
     from pipeline.data.batch import STRUCTURE_TOKENS
     from pipeline.data.corruption import CorruptionCollator
@@ -122,9 +124,13 @@ def measure(hf_dir: Path, heldout: Path, seed: int = 0, rows: int = HELDOUT_ROWS
     order = np.random.default_rng(seed + 1).permutation(order)
     batches = [collator.collate(*dataset.take(order[s:s + 32]), order[s:s + 32]) for s in range(0, n, 32)]
     structure = [dataset.special_tokens[name] for name in STRUCTURE_TOKENS if name in dataset.special_tokens]
-    trained = BertForMaskedLM.from_pretrained(str(hf_dir)).eval()
+    config = AutoConfig.from_pretrained(str(hf_dir))
+    # a BERT export as before; any other class (ELECTRA's discriminator) through its body, whose hidden
+    # states are all TACO's loss reads
+    trained = (BertForMaskedLM if config.model_type == "bert" else AutoModel).from_pretrained(str(hf_dir)).eval()
     torch.manual_seed(seed)
-    random_init = BertForMaskedLM(BertConfig.from_pretrained(str(hf_dir))).eval()
+    random_init = (BertForMaskedLM(BertConfig.from_pretrained(str(hf_dir))) if config.model_type == "bert"
+                   else AutoModel.from_config(config)).eval()
     taco = taco_options(hf_dir)
     result = {"heldout_sequences": n, "taco_options": taco,
               "trained": evaluate(trained, batches, structure, dataset.vocab_size, taco),
@@ -136,15 +142,21 @@ def measure(hf_dir: Path, heldout: Path, seed: int = 0, rows: int = HELDOUT_ROWS
 #: outcome key <- `val/` metric (`pipeline.train.validation`): the masked-LM yardstick, plateau, collapse check
 VALIDATION_KEYS = {"mlm_acc": "val/mlm_head/accuracy", "mlm_loss": "val/mlm_head/loss",
                    "unigram_acc": "val/health/unigram_accuracy", "token_cosine": "val/health/token_cosine"}
+#: the masked LM of a run whose main model has none (ELECTRA's discriminator): its generator's, same positions
+GENERATOR_KEYS = {"mlm_acc": "val/electra/gen_accuracy", "mlm_loss": "val/electra/gen_loss"}
 
 
 def validation_numbers(record: dict, where: str) -> dict:
-    """The outcome's masked-LM numbers from one validation record (`VALIDATION_KEYS`)."""
-    missing = [k for k in VALIDATION_KEYS.values() if not isinstance(record.get(k), (int, float))]
+    """The outcome's masked-LM numbers from one validation record (`VALIDATION_KEYS`; an ELECTRA run's
+    generator for the masked LM, `GENERATOR_KEYS`)."""
+    keys = dict(VALIDATION_KEYS)
+    if not isinstance(record.get(keys["mlm_acc"]), (int, float)) and isinstance(record.get(GENERATOR_KEYS["mlm_acc"]), (int, float)):
+        keys.update(GENERATOR_KEYS)
+    missing = [k for k in keys.values() if not isinstance(record.get(k), (int, float))]
     if missing:
         raise ValueError(f"{where}: the validation record logs no {', '.join(missing)} (an objective without the "
                          "shared MLM head, or a run without eval.shards_dir)")
-    return {key: float(record[name]) for key, name in VALIDATION_KEYS.items()}
+    return {key: float(record[name]) for key, name in keys.items()}
 
 
 def last_validation(metrics_path: Path) -> dict:

@@ -294,15 +294,19 @@ def run_demo(args: argparse.Namespace, stages: Optional[Stages] = None) -> dict:
     steps = [r for r in records if not is_validation_record(r)]
     last, val = (steps[-1] if steps else {}), next((r for r in reversed(records) if is_validation_record(r)), {})
     stages.end((f"final loss {last.get('loss', float('nan')):.3f}, MLM accuracy "
-                f"{last.get('mlm/accuracy', float('nan')):.3f}" if last else "") +
+                f"{last.get('mlm/accuracy', last.get('electra/gen_accuracy', float('nan'))):.3f}" if last else "") +
                (f"; held-out (val/) loss {val.get('val/loss', float('nan')):.3f}" if val else ""))
 
-    stages.begin("convert", "conversion to Hugging Face", command_line("pipeline.export.convert", run_dir, hf_dir))
-    convert(run_dir, hf_dir, overwrite=True)
+    # ELECTRA's main model is a discriminator; its masked LM is the generator, written beside it
+    generator = args.objective == "electra"
+    stages.begin("convert", "conversion to Hugging Face", command_line("pipeline.export.convert", run_dir, hf_dir,
+                                                                       *(["--with-generator"] if generator else [])))
+    convert(run_dir, hf_dir, overwrite=True, with_generator=generator)
     stages.end(str(hf_dir))
 
-    stages.begin("fill_mask", "fill-mask with transformers.pipeline('fill-mask') on the converted model")
-    predictions = fill_mask(hf_dir, args.prompt or DEFAULT_PROMPTS)
+    stages.begin("fill_mask", "fill-mask with transformers.pipeline('fill-mask') on the converted model"
+                 + (" (ELECTRA: its generator)" if generator else ""))
+    predictions = fill_mask(hf_dir / "generator" if generator else hf_dir, args.prompt or DEFAULT_PROMPTS)
     stages.end()
     for item in predictions:
         print(f"   {item['prompt']}")
@@ -335,7 +339,7 @@ def run_demo(args: argparse.Namespace, stages: Optional[Stages] = None) -> dict:
         "seq_len": args.seq_len,
         "corpus": stages.record["corpus"],
         "final_metrics": {k: v for k, v in last.items() if k in ("step", "loss", "mlm/loss", "mlm/accuracy",
-                                                                 "tokens_seen", "tokens_per_s")},
+                                                                 "electra/gen_accuracy", "tokens_seen", "tokens_per_s")},
         "final_validation": val,
         "training": stages.record["training"],
         "fill_mask": predictions,

@@ -26,10 +26,7 @@ from typing import Any
 from benchmarks.common.runs import add_arch_ratios, fresh_memory, quiet_overrides, summarize, timed_steps
 
 PRESETS = {"mlm": "mlm-capt-large", "taco": "taco-base", "capt": "capt-large", "cocolm": "cocolm-large",
-           "infoword": "infoword-large",
-           # ELECTRA (objective `electra`, another branch): its preset goes here, e.g. "electra": "electra-large",
-           # together with "electra" in `plan.OBJECTIVES` (see the marked place there).
-           }
+           "infoword": "infoword-large", "electra": "electra-large"}
 SIZES = {"bert": "large", "modernbert": "large-24"}
 #: What a ModernBERT row shares with its BERT partner besides the objective and the shape.
 PAIR_MATCH = ("seq_len", "engine", "precision", "micro_batch", "grad_accum", "shards")

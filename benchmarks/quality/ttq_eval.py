@@ -22,6 +22,9 @@
     - `token_cosine`: mean pairwise cosine of the last hidden states of the content tokens of
       `cos_rows` unmasked rows spread over the shards, in eval mode (`pipeline.monitor.health`;
       collapsed above `COLLAPSE_COSINE`).
+  An ELECTRA export (`ElectraForPreTraining`, the discriminator, which has no masked LM) is read through
+  its `generator/` (`ElectraForMaskedLM`, written beside it by `convert_once`) for every masked-LM number,
+  the run's masked LM, and through the discriminator for `token_cosine` (`masked_lm_dir`).
 * `finetune_sst2`: `pipeline.eval.finetune` on SST-2 (fine-tuning subset, several seeds), scoring
   dev and the selection split, plus `test.tsv` only when asked (the final evaluation), optionally
   with the randomly initialised floor (`--random-init`: same shape, seeds, data, hyperparameters).
@@ -70,7 +73,7 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # the class config.json names (either family): BertForMaskedLM on a ModernBERT export would build
     # a BERT, load none of its tensors and evaluate random weights with only a warning
-    model = AutoModelForMaskedLM.from_pretrained(str(model_dir)).eval().to(device)
+    model = AutoModelForMaskedLM.from_pretrained(str(masked_lm_dir(model_dir))).eval().to(device)
     mask_id = dataset.special_tokens["mask"]
     total_loss, correct, plateau, count = 0.0, 0, 0, 0
     selected_correct, selected_count, kept_correct, kept_count = 0, 0, 0, 0
@@ -106,8 +109,9 @@ def heldout_metrics(model_dir: Path, shards_dir: Path, top_token: int, max_seque
         rows = np.unique(np.linspace(0, len(dataset) - 1, num=min(cos_rows, len(dataset))).round().astype(np.int64))
         clean = CorruptionCollator(("original",), dataset.special_tokens, dataset.vocab_size, seed).collate(
             *dataset.take(rows), rows)
-        hidden = model.base_model(input_ids=clean["input_ids"].to(device),
-                                  attention_mask=clean["attention_mask"].to(device)).last_hidden_state.cpu()
+        body = model.base_model if masked_lm_dir(model_dir) == model_dir else _main_body(model_dir, device)
+        hidden = body(input_ids=clean["input_ids"].to(device),
+                      attention_mask=clean["attention_mask"].to(device)).last_hidden_state.cpu()
         content = clean["attention_mask"].bool() & ~clean["special_mask"].bool()
         cosine = mean_token_cosine(hidden, content)
     return {"mlm_loss": total_loss / count, "mlm_acc": correct / count, "unigram_acc": plateau / count,
@@ -180,9 +184,32 @@ def top_token_of(shards_dir: Path) -> int:
 
 def convert_once(tag_dir: Path, hf_dir: Path) -> Path:
     """The Hugging Face conversion of a checkpoint tag, made once (the directory appears complete
-    or not at all: `pipeline.export.convert` renames a finished temporary directory)."""
+    or not at all: `pipeline.export.convert` renames a finished temporary directory); an ELECTRA run's
+    with its generator (its masked LM, `masked_lm_dir`)."""
     from pipeline.export.convert import convert
+    from pipeline.export.electra_adapter import is_electra_run
+    from pipeline.train.run_meta import RunMeta
 
     if (hf_dir / "config.json").is_file():
         return hf_dir
-    return convert(tag_dir, hf_dir, overwrite=True)
+    return convert(tag_dir, hf_dir, overwrite=True, with_generator=is_electra_run(RunMeta.read(tag_dir).objectives))
+
+
+def masked_lm_dir(model_dir: Path) -> Path:
+    """Where a converted directory's masked LM is: the directory itself, or an ELECTRA export's `generator/`."""
+    from pipeline.export.electra_adapter import DISCRIMINATOR_CLASS
+
+    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    if DISCRIMINATOR_CLASS not in architectures:
+        return Path(model_dir)
+    generator = Path(model_dir) / "generator"
+    if not (generator / "config.json").is_file():
+        raise ValueError(f"{model_dir}: an ELECTRA discriminator without its generator/ (convert with --with-generator): "
+                         "no masked LM to evaluate")
+    return generator
+
+
+def _main_body(model_dir: Path, device: str):
+    from transformers import AutoModel
+
+    return AutoModel.from_pretrained(str(model_dir)).eval().to(device)

@@ -23,7 +23,9 @@ Steps, each failing with a message that names the file at fault and leaving OUT_
    cast to its precision (`consolidated.weights_difference`), else refused by name (exit 2), so a
    card never names one step while the weights are another's;
 3. check the weights against the model the meta describes, sort them into the HF main model,
-   the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`); an MLM
+   the COCO-LM generator and `objective_heads.safetensors` (`pipeline.export.hf_adapter`; an ELECTRA
+   run: the discriminator as `ElectraForPreTraining`, its generator as `ElectraForMaskedLM`,
+   `pipeline.export.electra_adapter`); an MLM
    head trained only with sampled negatives (`mlm-nce`, `infoword`) gets its bias corrected by the
    checkpoint's log q (`hf_adapter.head_bias_correction`), stated in the card and in the export's
    `pipeline_meta.json` (`conversion.mlm_head_bias`);
@@ -63,7 +65,6 @@ from typing import Iterator, Optional, Sequence
 import torch
 from safetensors import SafetensorError
 
-from pipeline.data.shards import SPECIAL_TOKEN_NAMES
 from pipeline.export.hf_adapter import (
     HFExport,
     bert_config,
@@ -78,14 +79,14 @@ from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objectiv
 from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY, POOLINGS, TRANSFORMER_DIR, SentencePooling, \
     chosen_pooling, pooling_problem, write_sentence_config
 from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
+from pipeline.export.electra_adapter import is_electra_run, split_electra_for_hf
+from pipeline.export.export_tokenizer import clean_tokenizer_config, load_tokenizer
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.pretrain.build import model_from_meta
 from pipeline.model.encoder import fuse_qkv
 from pipeline.model.hf_names import ExportError
 from pipeline.model.modernbert import is_modernbert
-from pipeline.model.warm_start import tokenizer_difference
-from pipeline.tokenizer_checks import FINGERPRINT_KEY, TOKENIZER_CONFIG_FILES, TOKENIZER_FILES, no_tokenizer_message, \
-    tokenizer_fingerprint
+from pipeline.tokenizer_checks import FINGERPRINT_KEY, tokenizer_fingerprint
 from pipeline.train.checkpoint.tags import CHECKPOINT_DIR, COMPLETE_FILE, CheckpointError, read_latest, verify_checkpoint
 from pipeline.train.run_meta import META_FILE, RunMeta
 from pipeline.safe_load import UnsafeCheckpointError, load_pt, safe_unpickling
@@ -102,10 +103,6 @@ class ExportWriteError(OSError):
 #: added (`tokenizer_fingerprint`, read by `tokenizer_checks.converted_tokenizer_problem`;
 #: `sentence_embedding`, the sentence-transformers pooling and why).
 CONVERSION_KEY = "conversion"
-#: Keys `save_pretrained` copies from the *loading* call into tokenizer_config.json; they describe
-#: how the converter happened to load the tokenizer (and may hold local paths), not the tokenizer.
-TOKENIZER_LOAD_KEYS = ("is_local", "local_files_only", "name_or_path", "cache_dir", "_commit_hash", "token",
-                       "revision", "force_download", "trust_remote_code")
 
 
 def resolve_tag_dir(path: str | os.PathLike) -> Path:
@@ -206,119 +203,21 @@ def check_weights_of_tag(tag_dir: Path, weights: Path, state: dict[str, torch.Te
             "or convert without --weights")
 
 
-def _run_tokenizer_reference(meta: RunMeta, given: Path) -> Optional[Path]:
-    """The run's own tokenizer (`tokenizer_dir` of the meta) to compare a `--tokenizer` with; None when
-    it is gone (then only the special-token ids can be checked) or is `given` itself (a directory changed
-    since training was refused before: `_recorded_fingerprint_problem`)."""
-    recorded = Path(meta.tokenizer_dir or "")
-    if not str(meta.tokenizer_dir or "") or not recorded.is_dir():
-        return None
-    return None if recorded.resolve() == given.resolve() else recorded
-
-
-def _recorded_fingerprint_problem(meta: RunMeta, path: Path, given: bool) -> str | bool:
-    """The tokenizer at `path` against the fingerprint training recorded (`RunMeta.tokenizer_hash`, the
-    shards' `tokenizer_hash`: `hash_directory` of their tokenizer/): True when `path` holds those very
-    files; else the refusal naming both fingerprints and paths when the run's own `tokenizer_dir` changed
-    since training (shards rebuilt in place with another tokenizer), whether it is `path` or the reference
-    a `--tokenizer DIR` (`given`) would be compared with; "" when there is nothing to compare (a
-    checkpoint from before the record) or a `--tokenizer DIR` is left to the comparison by content."""
-    from pipeline.io import hash_directory
-
-    recorded = str(meta.tokenizer_hash or "")
-    if not recorded:
-        return ""
-    run_dir = Path(meta.tokenizer_dir or "")
-    own = not given or (run_dir.is_dir() and run_dir.resolve() == path.resolve())
-    names = {p.name for p in path.rglob("*") if p.is_file()}
-    if own or names <= set(TOKENIZER_FILES + TOKENIZER_CONFIG_FILES):  # (a given model directory: not hashed whole)
-        current = hash_directory(path)
-        if current == recorded:
-            return True
-        if own:
-            return (f"tokenizer_dir={path} is not the tokenizer this checkpoint was trained with: fingerprint "
-                    f"{current[:16]} now, {recorded[:16]} recorded at training (pipeline_meta.json tokenizer_hash, of "
-                    f"{meta.tokenizer_dir}): the shards' tokenizer was rebuilt or replaced since; pass the run's "
-                    "tokenizer with --tokenizer DIR")
-    if run_dir.is_dir() and (now := hash_directory(run_dir)) != recorded:
-        return (f"--tokenizer {path} cannot be confirmed as the run's tokenizer: the checkpoint recorded {recorded[:16]} "
-                f"at training, and the run's tokenizer_dir={run_dir} has changed since ({now[:16]}), so there is "
-                "nothing to compare it with; pass the tokenizer files the run trained with")
-    return ""
-
-
-def load_tokenizer(meta: RunMeta, tokenizer_dir: Optional[str | os.PathLike], encoder: AnyEncoderConfig):
-    """The run's tokenizer, checked against the special-token ids the model was trained with; a
-    `--tokenizer DIR` also against the run's own tokenizer, as training checks `model.init_from`'s."""
-    from transformers import AutoTokenizer
-
-    path = Path(tokenizer_dir or meta.tokenizer_dir or "")
-    if not str(path) or not path.is_dir():
-        raise CheckpointError(
-            f"pipeline_meta.json field tokenizer_dir={meta.tokenizer_dir!r} is not a directory; pass --tokenizer DIR"
-        )
-    flag = "--tokenizer " if tokenizer_dir else "pipeline_meta.json tokenizer_dir="
-    missing = no_tokenizer_message(path)
-    if missing:
-        raise CheckpointError(f"{flag}{missing}; pass the run's tokenizer (the shards' tokenizer/ directory)")
-    same_files = _recorded_fingerprint_problem(meta, path, bool(tokenizer_dir))
-    if isinstance(same_files, str) and same_files:
-        raise CheckpointError(same_files)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
-    except Exception as err:
-        raise CheckpointError(f"{path}: not loadable with AutoTokenizer: {err}") from err
-    reference = _run_tokenizer_reference(meta, path) if tokenizer_dir and same_files is not True else None
-    if reference is not None:
-        try:
-            difference = tokenizer_difference(tokenizer, AutoTokenizer.from_pretrained(str(reference),
-                                                                                       local_files_only=True))
-        except Exception as err:  # transformers raises many types for an unusable directory
-            raise CheckpointError(f"tokenizer_dir={reference} (the run's tokenizer, to compare --tokenizer {path} "
-                                  f"with): not loadable with AutoTokenizer: {err}") from err
-        if difference:
-            raise CheckpointError(f"--tokenizer {path} is not the tokenizer the run trained with (tokenizer_dir="
-                                  f"{reference}: {difference}); pass that one, or omit --tokenizer")
-    elif tokenizer_dir and same_files is not True:
-        print(f"note: the run's tokenizer (tokenizer_dir={meta.tokenizer_dir}) is not there to compare --tokenizer "
-              f"{path} with; only its special-token ids are checked", file=sys.stderr)
-    for name in SPECIAL_TOKEN_NAMES:
-        if name not in meta.special_tokens:
-            continue
-        wanted = int(meta.special_tokens[name])
-        current = getattr(tokenizer, f"{name}_token_id", None)
-        if current is None:  # the tokenizer does not declare it: declare it from the meta's id
-            setattr(tokenizer, f"{name}_token", tokenizer.convert_ids_to_tokens(wanted))
-        elif current != wanted:
-            raise CheckpointError(
-                f"{path}: {name} token id {current} differs from special_tokens.{name}={wanted} in pipeline_meta.json"
-            )
-    if len(tokenizer) > encoder.vocab_size:
-        raise CheckpointError(f"{path}: {len(tokenizer)} tokens but the model's vocab_size is {encoder.vocab_size}")
-    tokenizer.model_max_length = encoder.max_position
-    return tokenizer
-
-
 def _write_hf_model(
-    directory: Path, state: dict[str, torch.Tensor], encoder: AnyEncoderConfig, meta: RunMeta, tokenizer
+    directory: Path, state: dict[str, torch.Tensor], encoder: AnyEncoderConfig, meta: RunMeta, tokenizer,
+    config=None,
 ) -> None:
+    """`config`: the `transformers` config to write (an objective's own class, e.g. ELECTRA's); None: the
+    family's masked-LM config of `encoder` (`model.arch`)."""
     from safetensors.torch import save_file
 
     directory.mkdir(parents=True, exist_ok=True)
-    hf_config = modernbert_hf_config if is_modernbert(encoder) else bert_config  # `model.arch`
-    hf_config(encoder, meta.special_tokens).save_pretrained(str(directory))
+    if config is None:
+        config = (modernbert_hf_config if is_modernbert(encoder) else bert_config)(encoder, meta.special_tokens)
+    config.save_pretrained(str(directory))
     save_file(contiguous_copies(state), str(directory / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(str(directory))
     clean_tokenizer_config(directory)
-
-
-def clean_tokenizer_config(directory: Path) -> None:
-    """Drop `TOKENIZER_LOAD_KEYS` from `directory/tokenizer_config.json`."""
-    path = directory / "tokenizer_config.json"
-    if path.is_file():
-        config = json.loads(path.read_text())
-        path.write_text(json.dumps({k: v for k, v in config.items() if k not in TOKENIZER_LOAD_KEYS}, indent=2,
-                                   ensure_ascii=False) + "\n")
 
 
 def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, tag_dir: Path, model,
@@ -326,7 +225,7 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
     """Everything OUT_DIR holds, written into `directory` (`model`: the training model of the meta;
     `sentence`: the sentence-transformers pooling, default the run's own)."""
     encoder = encoder_config_from_dict(meta.encoder_config)
-    _write_hf_model(directory, export.main, encoder, meta, tokenizer)
+    _write_hf_model(directory, export.main, encoder, meta, tokenizer, export.hf_config)
     sentence = sentence or sentence_pooling(meta, encoder, tokenizer, None, None)
     write_sentence_config(directory, sentence, encoder.hidden_size, tokenizer)
     clean_tokenizer_config(directory / TRANSFORMER_DIR)
@@ -335,7 +234,7 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
     if with_generator:
         gen = export.generator
         assert gen is not None
-        _write_hf_model(directory / GENERATOR_SUBDIR, gen.state, gen.config, meta, tokenizer)
+        _write_hf_model(directory / GENERATOR_SUBDIR, gen.state, gen.config, meta, tokenizer, gen.hf_config)
         (directory / GENERATOR_SUBDIR / "README.md").write_text(render_model_card(meta, export, card, True))
     # The run's full record, with local paths reduced to their last component (exports are shared:
     # they must not reveal where the data or the run lived), and what the conversion changed.
@@ -489,9 +388,13 @@ def convert(
             state, source = consolidate_fp32_weights(tag_dir)
         state = fuse_qkv(state)  # checkpoints written before Q, K and V were fused hold them separately
         check_state_dict(model, state, str(tag_dir))
-    export = (split_modernbert_for_hf if is_modernbert(encoder) else split_for_hf)(model, state)
+    if is_electra_run(meta.objectives):  # the discriminator as ElectraForPreTraining (`electra_adapter`)
+        export = split_electra_for_hf(model, state)
+    else:
+        export = (split_modernbert_for_hf if is_modernbert(encoder) else split_for_hf)(model, state)
     if with_generator and export.generator is None:
-        raise ExportError(f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")
+        raise ExportError(f"--with-generator: {export.generator_note}" if export.generator_note else
+                          f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")
     if export.head_bias is not None and not export.head_bias.corrected:
         print(f"note: {export.head_bias.note}", file=sys.stderr)
     health: HealthReport = check_health(model, state, meta, shards_dir)
@@ -533,7 +436,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--with-generator",
         action="store_true",
-        help=f"also write the COCO-LM generator as a second model in OUT_DIR/{GENERATOR_SUBDIR}/",
+        help=f"also write the generator (COCO-LM's, ELECTRA's) as a second model in OUT_DIR/{GENERATOR_SUBDIR}/",
     )
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: tokenizer_dir from pipeline_meta.json)")
     p.add_argument("--shards", default=None, help="the run's shards, for the health check (default: data_dir from "

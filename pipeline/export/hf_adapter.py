@@ -46,11 +46,14 @@ from pipeline.objectives.registry import mlm_head_training
 
 @dataclass
 class GeneratorExport:
-    """A generator found inside an objective, as a stand-alone `BertForMaskedLM`."""
+    """A generator found inside an objective, as a stand-alone masked LM (`BertForMaskedLM` /
+    `ModernBertForMaskedLM`, or the class an objective's own adapter names: ELECTRA's `ElectraForMaskedLM`)."""
 
     objective: str
-    config: EncoderConfig
+    config: Any  # its shape (`EncoderConfig` / `ModernBertConfig`)
     state: dict[str, Tensor]
+    hf_config: Any = None  # the `transformers` config to write; None: the family's masked-LM config of `config`
+    hf_class: str = ""  # the Hugging Face class it loads as; "": the family's masked LM
 
 
 #: The masked LM a corrected head computes (card and `pipeline_meta.json`).
@@ -91,6 +94,9 @@ class HFExport:
     objective_heads: dict[str, Tensor]
     dropped_buffers: list[str] = field(default_factory=list)
     head_bias: Optional[HeadBiasCorrection] = None  # None: no objective trained the head with sampled negatives
+    hf_config: Any = None  # the main model's `transformers` config; None: the family's masked-LM config
+    hf_class: str = ""  # the Hugging Face class the main model loads as; "": the family's masked LM
+    generator_note: str = ""  # why there is no generator to export, when an objective has one that cannot be
 
 
 def check_state_dict(model: nn.Module, state: dict[str, Tensor], source: str) -> None:

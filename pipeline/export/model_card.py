@@ -29,6 +29,8 @@ _OBJECTIVE_TITLES = {
     "taco": "TACO token-alignment contrastive loss + MLM",
     "capt": "CAPT sequence contrast between a text and its corruption + MLM",
     "cocolm": "COCO-LM corrective LM + sequence contrastive learning (generator-corrupted input)",
+    "electra": "ELECTRA replaced-token detection: the main model is the discriminator of a small MLM generator's "
+               "replacements",
     "infoword": "InfoWord DIM n-gram contrast + NCE-MLM",
     "mlm-nce": "masked-token prediction against sampled negatives (NCE) instead of the full softmax",
 }
@@ -41,6 +43,15 @@ model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels
 with torch.no_grad():  # segment B starts where segment A is (trained), not at its untrained value
     types = model.bert.embeddings.token_type_embeddings.weight
     types[1:] = types[0]'''
+#: What each objective's generator card says it is (`--with-generator`).
+_GENERATOR_TITLES = {"cocolm": "COCO-LM auxiliary generator", "electra": "ELECTRA generator"}
+_GENERATOR_LEADS = {
+    "cocolm": "The MLM generator that produced COCO-LM's corrupted inputs; it shares the main model's embeddings "
+              "(copied here). Loads with `AutoModelForMaskedLM`.",
+    "electra": "The MLM generator that produced the discriminator's replaced tokens (`ElectraForMaskedLM`, narrower "
+               "than the discriminator behind ELECTRA's `embeddings_project`); it shares the discriminator's token "
+               "and position embeddings (copied here). Loads with `AutoModelForMaskedLM` and the fill-mask pipeline.",
+}
 
 
 @dataclass
@@ -101,15 +112,17 @@ def _license(meta: RunMeta, inputs: CardInputs) -> tuple[str, str]:
     return "unknown", "not set at conversion: pass `--license`; the corpus's and any base model's terms apply"
 
 
-def front_matter(meta: RunMeta, inputs: CardInputs, generator_card: bool) -> str:
-    front: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": "fill-mask",
+def front_matter(meta: RunMeta, inputs: CardInputs, generator_card: bool, export: Optional[HFExport] = None) -> str:
+    # an ELECTRA discriminator predicts "replaced" per token, not tokens: no fill-mask widget for it
+    tag = "feature-extraction" if export is not None and export.hf_class and not generator_card else "fill-mask"
+    front: dict[str, Any] = {"library_name": "transformers", "pipeline_tag": tag,
                              "license": _license(meta, inputs)[0],
                              "tags": [meta.encoder_config.get("arch", "bert"), "contrastive-pretraining", *meta.objectives]}
     base = inputs.base_model or meta.base_model.get("name")
     if base:
         front["base_model"] = base
     if generator_card:
-        front["tags"].append("cocolm-generator")
+        front["tags"].append(f"{export.generator.objective if export and export.generator else 'cocolm'}-generator")
     return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n"
 
 
@@ -228,12 +241,15 @@ _FAMILY_ROWS = {
 }
 
 
-def modernbert_usage_section() -> list[str]:
-    """Fine-tuning notes of a `model.arch=modernbert` export (no segment embeddings, no pooler)."""
+def modernbert_usage_section(with_head: bool = True) -> list[str]:
+    """Fine-tuning notes of a `model.arch=modernbert` export (no segment embeddings, no pooler); `with_head`
+    False: a body without the MLM head (an ELECTRA discriminator's), whose `head.*` is new too."""
+    loaded = ("its `model.*` and `head.*` (the MLM head's transform, [CLS] pooling by default) load from these "
+              "weights, only `classifier` is new" if with_head else
+              "its `model.*` loads from these weights, `head.*` and `classifier` are new")
     return [
         "", "## Fine-tuning", "",
-        "`AutoModelForSequenceClassification` builds `ModernBertForSequenceClassification`: its `model.*` and `head.*` "
-        "(the MLM head's transform, [CLS] pooling by default) load from these weights, only `classifier` is new. "
+        f"`AutoModelForSequenceClassification` builds `ModernBertForSequenceClassification`: {loaded}. "
         "There are no segment embeddings: pass no `token_type_ids` (the tokenizer of this directory returns none "
         "only if told: `return_token_type_ids=False`). Local layers see +-"
         "`local_attention / 2` tokens; [CLS] sees the whole row only through the global layers.",
@@ -267,6 +283,21 @@ def usage_section(meta: RunMeta) -> list[str]:
     ]
 
 
+def electra_usage_section(meta: RunMeta) -> list[str]:
+    """Fine-tuning notes of an ELECTRA discriminator export (`ElectraForPreTraining`)."""
+    return [
+        "", "## Fine-tuning: untrained parts", "",
+        "`AutoModelForSequenceClassification` builds `ElectraForSequenceClassification`: its `electra.*` loads from "
+        "these weights, its `classifier` (dense -> GELU -> projection on [CLS]) is new, as ELECTRA's fine-tuning "
+        "expects; `discriminator_predictions` (the replaced-token head) is not used there. Pretraining gives every "
+        "token segment id 0, so the segment-B row of `electra.embeddings.token_type_embeddings` never received a "
+        "gradient: for sentence pairs pass all-zero `token_type_ids`, or start segment B from segment A:",
+        "", "```python", SEGMENT_B_SNIPPET.replace("model.bert.", "model.electra."), "```",
+        "", "`ElectraForPreTraining` gives the discriminator's per-token logit of \"replaced\" (sigmoid > 0.5: "
+        "replaced), what it was trained on.",
+    ]
+
+
 def head_section(export: HFExport) -> list[str]:
     """What the exported MLM head computes, when NCE objectives trained it (`HeadBiasCorrection`)."""
     head = export.head_bias
@@ -281,8 +312,14 @@ def head_section(export: HFExport) -> list[str]:
 
 
 def files_section(export: HFExport) -> list[str]:
+    model = {"ElectraForPreTraining": "`ElectraForPreTraining` (the discriminator: encoder + `discriminator_predictions`"
+                                      "; the MLM head `cls.predictions`, which ELECTRA does not train, is not "
+                                      "exported)",
+             "ModernBertModel": "`ModernBertModel` (the discriminator's body; its replaced-token head is in "
+                                "`objective_heads.safetensors`, the untrained MLM head is not exported)"}.get(
+        export.hf_class, "`BertForMaskedLM` (encoder + tied MLM head)")
     lines = ["", "## Files", "",
-             "- `config.json`, `model.safetensors`: `BertForMaskedLM` (encoder + tied MLM head).",
+             f"- `config.json`, `model.safetensors`: {model}.",
              "- tokenizer files: the run's own tokenizer (`AutoTokenizer`).",
              f"- `{META_FILE}`: the run's full record (config, data identity, counters, last metrics)."]
     if export.objective_heads:
@@ -292,7 +329,8 @@ def files_section(export: HFExport) -> list[str]:
             + "); its metadata records each head's class, shapes and options, and "
             "`pipeline.export.objective_heads.load_objective_heads(DIR)` rebuilds them as modules.")
     if export.generator is not None:
-        lines.append(f"- generator (objective `{export.generator.objective}`): written to `generator/` with "
+        loads_as = f" as `{export.generator.hf_class}`" if export.generator.hf_class else ""
+        lines.append(f"- generator (objective `{export.generator.objective}`): written to `generator/`{loads_as} with "
                      "`--with-generator`; otherwise omitted.")
     if export.dropped_buffers:
         lines.append("- not exported (training state, not weights): "
@@ -306,19 +344,22 @@ def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, gener
     if generator_card:
         assert export.generator is not None
         enc = export.generator.config
-    title = ("COCO-LM auxiliary generator" if generator_card
+    generator_of = export.generator.objective if export.generator is not None else "cocolm"
+    title = (_GENERATOR_TITLES.get(generator_of, f"{generator_of} generator") if generator_card
              else FAMILY_TITLES[arch_of(enc)] + " encoder pretrained with " + " + ".join(meta.objectives))
-    lines = [front_matter(meta, inputs, generator_card), f"# {title}", ""]
+    lines = [front_matter(meta, inputs, generator_card, export), f"# {title}", ""]
     problems = inputs.health.problems() if inputs.health and not generator_card else []
     if problems:
         lines += ["> **Warning: this checkpoint looks collapsed** and will likely fine-tune worse than a randomly "
                   "initialised model:"] + [f"> - {p}" for p in problems] + [""]
+    loads = {"ElectraForPreTraining": "`AutoModel` (`ElectraModel`), `ElectraForPreTraining` (every tensor: the "
+                                      "discriminator and its replaced-token head)",
+             "ModernBertModel": "`AutoModel` (`ModernBertModel`: the discriminator's body)"}.get(
+        export.hf_class, "`AutoModel`, `AutoModelForMaskedLM` (every tensor)")
     lines.append(
-        "The MLM generator that produced COCO-LM's corrupted inputs; it shares the main model's embeddings "
-        "(copied here). Loads with `AutoModelForMaskedLM`." if generator_card else
-        "Converted from a DeepSpeed checkpoint by `python -m pipeline.export.convert`. Loads with `AutoModel`, "
-        "`AutoModelForMaskedLM` (every tensor), `AutoModelForSequenceClassification` and `AutoTokenizer`; "
-        "no `trust_remote_code`.")
+        _GENERATOR_LEADS.get(generator_of, "The objective's generator.") if generator_card else
+        f"Converted from a DeepSpeed checkpoint by `python -m pipeline.export.convert`. Loads with {loads}, "
+        "`AutoModelForSequenceClassification` and `AutoTokenizer`; no `trust_remote_code`.")
     license_id, license_source = _license(meta, inputs)
     lines += ["", f"License: `{license_id}` ({license_source}).", "", "## Training", "",
               _table(training_rows(meta, inputs)), "", f"## Final metrics (step {meta.step})", "",
@@ -326,10 +367,13 @@ def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, gener
               if meta.last_metrics else "(none recorded)"]
     if not generator_card:
         lines += validation_section(meta.validation)
-        usage = modernbert_usage_section() if is_modernbert(enc) else usage_section(meta)
+        usage = (modernbert_usage_section(export.hf_class != "ModernBertModel") if is_modernbert(enc) else
+                 electra_usage_section(meta) if export.hf_class == "ElectraForPreTraining" else usage_section(meta))
         lines += head_section(export) + health_section(inputs.health) + usage
+    exported_as = (export.generator.hf_class if generator_card and export.generator is not None else export.hf_class)
     lines += ["", "## Architecture", "", _table([
-        ("family", _FAMILY_ROWS[arch_of(enc)]),
+        ("family", _FAMILY_ROWS[arch_of(enc)].replace(f"`{HF_MASKED_LM[arch_of(enc)]}`", f"`{exported_as}`")
+         if exported_as else _FAMILY_ROWS[arch_of(enc)]),
         ("layers / hidden / heads / FFN", f"{enc.num_layers} / {enc.hidden_size} / {enc.num_heads} / {enc.ffn_size}"),
         ("vocabulary", enc.vocab_size),
         ("max positions", enc.max_position),

@@ -28,6 +28,7 @@ __all__ = [
     "sampled_softmax_cross_entropy",
     "corrective_lm_loss",
     "copy_loss",
+    "replaced_token_detection_loss",
     "token_contrastive_loss",
     "sequence_contrastive_loss",
     "adaptive_temperature",
@@ -230,6 +231,18 @@ def corrective_lm_loss(
     return _mean_or_zero(-log_p, targets.shape[0])
 
 
+def _masked_binary_cross_entropy(logits: Tensor, targets: Tensor, keep: Optional[Tensor]) -> Tensor:
+    """mean_{n : keep_n} BCE(sigmoid(logits_n), targets_n), from logits (`binary_cross_entropy_with_logits`,
+    stable); keep [N] bool or 1/0, all rows when None — a mask rather than a gather, so the count never has
+    to be known on the host. The one home of the per-token binary losses (COCO-LM's copy head, ELECTRA's
+    discriminator)."""
+    losses = F.binary_cross_entropy_with_logits(logits.float(), targets.float(), reduction="none")
+    if keep is None:
+        return _mean_or_zero(losses, logits.shape[0])
+    weight = keep.float()
+    return _mean_or_zero(losses * weight, weight.sum())
+
+
 @_fp32_math
 def copy_loss(copy_logits: Tensor, is_original: Tensor, keep: Optional[Tensor] = None) -> Tensor:
     """COCO-LM copy mechanism loss (Meng et al. 2021, Sec. 3.1):
@@ -237,15 +250,24 @@ def copy_loss(copy_logits: Tensor, is_original: Tensor, keep: Optional[Tensor] =
         L_copy = mean_{n : keep_n} BCE( sigmoid(w . h_n), 1[x^MLM_n == x^orig_n] )
 
     copy_logits [N] = w . h_n, is_original [N] bool; keep [N] (bool or 1/0) marks the positions
-    that take part (COCO-LM: the non-pad tokens), all of them when None — a mask rather than a
-    gather, so the count never has to be known on the host. Computed from logits
-    (`binary_cross_entropy_with_logits`) for stability.
+    that take part (COCO-LM: the non-pad tokens), all of them when None.
     """
-    losses = F.binary_cross_entropy_with_logits(copy_logits.float(), is_original.float(), reduction="none")
-    if keep is None:
-        return _mean_or_zero(losses, copy_logits.shape[0])
-    weight = keep.float()
-    return _mean_or_zero(losses * weight, weight.sum())
+    return _masked_binary_cross_entropy(copy_logits, is_original, keep)
+
+
+@_fp32_math
+def replaced_token_detection_loss(logits: Tensor, is_replaced: Tensor, keep: Optional[Tensor] = None) -> Tensor:
+    """ELECTRA's discriminator loss (Clark et al. 2020, Sec. 2):
+
+        L_Disc = mean_{n : keep_n} BCE( sigmoid(D(x^corrupt)_n), 1[x^corrupt_n != x_n] )
+               = mean_{n : keep_n} -( y_n log sigmoid(D_n) + (1 - y_n) log(1 - sigmoid(D_n)) ),  y_n = replaced
+
+    logits [N] = D_n = w^T GELU(W h_n + b) + c (`discriminator_predictions`), is_replaced [N] bool; keep
+    [N] the positions that take part (ELECTRA: every non-pad token), all when None. The paper writes a
+    sum over positions; its public code (`run_pretraining.py`) and `transformers.ElectraForPreTraining`
+    average over the non-pad tokens, as here. A sampled token equal to the original is not replaced.
+    """
+    return _masked_binary_cross_entropy(logits, is_replaced, keep)
 
 
 @_fp32_math

@@ -63,11 +63,13 @@ class EncoderConfig:
         return asdict(self)
 
 
-#: Size presets (layers / hidden / heads / FFN). Paper recipes: TACO Table 5, CAPT Table 4, BERT.
+#: Size presets (layers / hidden / heads / FFN). Paper recipes: TACO Table 5, CAPT Table 4, ELECTRA Table 6
+#: (ELECTRA-Small: its embeddings are 128 wide there, here the hidden size), BERT.
 SIZE_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(num_layers=2, hidden_size=64, num_heads=2, ffn_size=128),
     "taco-small": dict(num_layers=4, hidden_size=512, num_heads=8, ffn_size=2048),
     "capt-small": dict(num_layers=6, hidden_size=256, num_heads=4, ffn_size=1024),
+    "electra-small": dict(num_layers=12, hidden_size=256, num_heads=4, ffn_size=1024),
     "base": dict(num_layers=12, hidden_size=768, num_heads=12, ffn_size=3072),
     "large": dict(num_layers=24, hidden_size=1024, num_heads=16, ffn_size=4096),
 }

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from typing import Optional
+
 from torch import Tensor, nn
 
 from pipeline.model.encoder import EncoderConfig
@@ -35,11 +37,13 @@ class TiedVocabProjection(nn.Module):
 
 
 class PredictionHeadTransform(nn.Module):
-    """dense -> GELU -> LayerNorm (`cls.predictions.transform`)."""
+    """dense -> GELU -> LayerNorm (`cls.predictions.transform`). `in_size`: the width of the states it
+    reads when it is not the hidden size (a narrower generator's head, ELECTRA's `generator_predictions`:
+    dense H_G -> H); the output is always H, the tied embeddings' width."""
 
-    def __init__(self, cfg: EncoderConfig) -> None:
+    def __init__(self, cfg: EncoderConfig, in_size: Optional[int] = None) -> None:
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.dense = nn.Linear(in_size or cfg.hidden_size, cfg.hidden_size)
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -111,10 +111,11 @@ def unigram_accuracy(train_token_counts: Tensor, targets: Tensor) -> float:
 # ---- during training -------------------------------------------------------------------------
 
 #: Encoder inputs whose cached output `step_health` reads, in order of preference: the masked view
-#: first (what MLM, TACO, CAPT and BERT-NCE all encode, so their numbers compare), then the others.
+#: first (what MLM, TACO, CAPT and BERT-NCE all encode, so their numbers compare), then the others; last,
+#: ELECTRA's generator-corrupted input (`StepContext.encode_private`), the only one its main model reads.
 HEALTH_INPUTS: tuple[tuple[str, str], ...] = (
     ("masked_ids", "attention_mask"), ("input_ids", "attention_mask"), ("span_masked_ids", "attention_mask"),
-    ("shuffled_ids", "attention_mask"), ("crop_ids", "crop_attention_mask"),
+    ("shuffled_ids", "attention_mask"), ("crop_ids", "crop_attention_mask"), ("corrupted_ids", "attention_mask"),
 )
 #: Label keys of the masked views, in order of preference (the unigram plateau is measured on them).
 LABEL_KEYS = ("mlm_labels", "span_labels")

@@ -78,7 +78,7 @@ COSINE_KEY = "health/token_cosine"
 #: Last name segments of the token-prediction accuracies judged against the unigram plateau.
 PLATEAU_TERMS = ("accuracy", "gen_accuracy")
 #: Full-vocabulary masked-LM losses judged against the unigram entropy.
-ENTROPY_TERMS = ("mlm/loss", "cocolm/clm_softmax_ce", "cocolm/gen_loss", "mlm_head/loss")
+ENTROPY_TERMS = ("mlm/loss", "cocolm/clm_softmax_ce", "cocolm/gen_loss", "electra/gen_loss", "mlm_head/loss")
 #: How the name of a term with a declared chance says its direction: last segment suffix -> lower is better.
 LOWER_SUFFIXES = ("loss", "entropy")
 HIGHER_SUFFIXES = ("accuracy", "auc")

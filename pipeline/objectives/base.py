@@ -52,12 +52,25 @@ class StepContext:
     generator: torch.Generator
     kernels: str = "auto"
     _cache: dict[tuple[str, str], EncoderOutput] = field(default_factory=dict)
+    #: inputs an objective built itself and encoded through `encode_private` (ELECTRA's X^corrupt), by name
+    private_inputs: dict[str, Tensor] = field(default_factory=dict)
 
     def encode(self, ids_key: str, mask_key: str = "attention_mask") -> EncoderOutput:
         """Encoder output for `batch[ids_key]`, computed once per step and shared."""
         key = (ids_key, mask_key)
         if key not in self._cache:
             self._cache[key] = self.encoder(self.batch[ids_key], self.batch[mask_key], seqlens=self.seqlens(mask_key))
+        return self._cache[key]
+
+    def encode_private(self, name: str, ids: Tensor, mask_key: str = "attention_mask") -> EncoderOutput:
+        """Encoder output of `ids`, an input the objective built itself with the batch's `mask_key` mask
+        (ELECTRA's X^corrupt), cached like `encode` under (`name`, `mask_key`) with `ids` kept in
+        `private_inputs[name]`, so the step's health metrics (`pipeline.monitor.health.step_health`) can
+        read it as they read the batch's views."""
+        key = (name, mask_key)
+        if key not in self._cache:
+            self.private_inputs[name] = ids
+            self._cache[key] = self.encoder(ids, self.batch[mask_key], seqlens=self.seqlens(mask_key))
         return self._cache[key]
 
     def seqlens(self, mask_key: str = "attention_mask") -> Optional[Tensor]:

@@ -8,10 +8,11 @@
    bias) projects with the tied word embeddings through `ctx.head.predictions.decoder`.
    Trained with MLM on the 15%-masked input X^mask: L_gen.
 2. X^MLM: X^mask with every selected position replaced by a sample from the generator's softmax,
-   computed without gradient and without dropout: `gumbel_max_sample` walks the vocabulary in
-   chunks of `SAMPLE_CHUNK` columns (fp32 logits of one chunk at a time, never [N, V]) and keeps
-   argmax_v (z_v + G_v), G_v ~ Gumbel(0, 1) drawn from `ctx.generator` — an exact sample of
-   softmax(z) (the Gumbel-max trick), reproducible from the micro-batch's stream.
+   computed without gradient and without dropout. The generator, its sampling and the replaced-token
+   labels are ELECTRA's too and live in `pipeline.objectives.replaced_tokens`: `gumbel_max_sample`
+   walks the vocabulary in chunks of `SAMPLE_CHUNK` columns (fp32 logits of one chunk at a time,
+   never [N, V]) and keeps argmax_v (z_v + G_v), G_v ~ Gumbel(0, 1) drawn from `ctx.generator` — an
+   exact sample of softmax(z) (the Gumbel-max trick), reproducible from the micro-batch's stream.
    `sample_temperature` T samples softmax(z / T) instead (ELECTRA's `temperature`; default 1, the
    paper); the small-scale recipe `tiny-cocolm` uses T = 2 (below).
    `sample_mode="eval"` (the public code's default) runs an extra no-grad pass with the
@@ -70,94 +71,25 @@ is met on every seed: benchmarks/results/learning_signals_8x/).
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-from typing import Iterator, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.data.batch import batch_selected, masked_view_keys
+from pipeline.data.batch import masked_view_keys
 from pipeline.model.arch import layer_stack
 from pipeline.model.encoder import EncoderConfig
-from pipeline.model.heads import PredictionHeadTransform
 from pipeline.objectives.base import FULL_SOFTMAX, Objective, StepContext, register, scalar_metric
-from pipeline.kernels.functional import COPY_PROB_MAX, binary_auc, fp32_logits
+from pipeline.objectives.replaced_tokens import SAMPLE_CHUNK, GeneratorHead, corrupt, replaced_token_labels, rtd_metrics
+# the sampler's names as they were imported from here before they moved to their shared home
+from pipeline.objectives.replaced_tokens import gumbel_max_sample, sampling_logits  # noqa: F401
+from pipeline.kernels.functional import COPY_PROB_MAX
 
+#: The generator sampling modes COCO-LM runs (`replaced_tokens.SAMPLE_MODES`): its public code's eval pass,
+#: or the one-pass `zero_dropout`; ELECTRA's `train` (sampling through dropout) is not one of its recipes.
 SAMPLE_MODES = ("eval", "zero_dropout")
-#: Vocabulary columns per chunk of the generator's sampling pass (fixed: the draws depend on it).
-SAMPLE_CHUNK = 8192
-
-
-@torch.no_grad()
-def sampling_logits(hidden: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """fp32 logits [N, chunk] for sampling. bf16/fp16 inputs on CUDA: one GEMM in the training dtype
-    with fp32 accumulation and fp32 output (`torch.mm(..., out_dtype=float32)`, what the fused loss
-    kernels compute), not an fp32 copy of the weight chunk and an fp32 GEMM (~15x slower without
-    TF32); elsewhere `fp32_logits`."""
-    if hidden.is_cuda and hidden.dtype in (torch.bfloat16, torch.float16) and weight.dtype == hidden.dtype:
-        z = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
-        return z if bias is None else z + bias.float()
-    return fp32_logits(hidden, weight, bias)
-
-
-def gumbel_max_sample(hidden: Tensor, weight: Tensor, bias: Optional[Tensor], generator: torch.Generator,
-                      chunk: Optional[int] = None, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
-    """One token per row from softmax((W h + b) / T), and the rows' argmax, in vocabulary chunks.
-
-        sample_n = argmax_v (z_nv / T + G_nv),  G = -log(-log U),  U ~ Uniform(0, 1) from `generator`
-
-    is distributed exactly as softmax(z_n / T) (the Gumbel-max trick: Gumbel 1954; Maddison, Tarlow and
-    Minka 2014, "A* Sampling", Sec. 2); the maximum over the whole
-    vocabulary is the maximum of the chunk maxima, so only [N, chunk] fp32 logits (and noise)
-    exist at a time. hidden [N, H], weight [V, H], bias [V]; `temperature` T > 0 (ELECTRA's
-    `temperature`, 1 = the generator's own softmax). Returns (samples [N], argmax_v z_nv [N]); ties
-    keep the first column, like `torch.argmax`. The logits are fp32 (`sampling_logits`).
-    """
-    rows, vocab = hidden.shape[0], weight.shape[0]
-    chunk = chunk or SAMPLE_CHUNK
-    device = hidden.device
-    tiny = torch.finfo(torch.float32).tiny
-    best_noisy = torch.full((rows,), float("-inf"), device=device)
-    best_plain = torch.full((rows,), float("-inf"), device=device)
-    sample = torch.zeros(rows, dtype=torch.long, device=device)
-    top = torch.zeros(rows, dtype=torch.long, device=device)
-    for start in range(0, vocab, chunk):
-        stop = min(vocab, start + chunk)
-        z = sampling_logits(hidden, weight[start:stop], None if bias is None else bias[start:stop])
-        value, index = z.max(dim=1)
-        better = value > best_plain
-        best_plain, top = torch.where(better, value, best_plain), torch.where(better, index + start, top)
-        u = torch.rand(z.shape, generator=generator, device=device).clamp_(min=tiny)
-        scaled = z if temperature == 1.0 else z / temperature  # T = 1: bitwise the paper recipe's draws
-        value, index = (scaled - torch.log(-torch.log(u))).max(dim=1)
-        better = value > best_noisy
-        best_noisy, sample = torch.where(better, value, best_noisy), torch.where(better, index + start, sample)
-    return sample, top
-
-
-@torch.no_grad()
-def rtd_metrics(copy_logits: Tensor, is_original: Tensor, keep: Tensor) -> dict[str, Tensor]:
-    """The copy head read as replaced-token detection (RTD, ELECTRA's task), beside its chance levels.
-
-        rtd_auc      = AUC of -w.h_i for "x^MLM_i != x^orig_i" over the kept (non-pad) tokens;  chance 0.5
-        rtd_accuracy = share of kept tokens with 1[w.h_i > 0] == 1[x^MLM_i == x^orig_i]
-        rtd_accuracy_chance = share of kept tokens left original: the accuracy of answering "original" always
-
-    A copy head stuck at a constant answer scores rtd_accuracy == rtd_accuracy_chance and rtd_auc 0.5
-    (the time-to-quality study's COCO-LM: 0.864 of 0.864). All device tensors, no host read.
-    """
-    kept = keep.float()
-    count = kept.sum().clamp(min=1)
-    original = is_original & keep.bool()
-    return {
-        "rtd_auc": binary_auc(-copy_logits, ~is_original, keep),
-        "rtd_auc_chance": scalar_metric(0.5, copy_logits.device),
-        "rtd_accuracy": (((copy_logits > 0) == is_original).float() * kept).sum() / count,
-        "rtd_accuracy_chance": original.float().sum() / count,
-    }
 
 
 @torch.no_grad()
@@ -173,40 +105,6 @@ def copy_penalty(copy_prob: Tensor, is_original: Tensor) -> Tensor:
     (1.97 nats at p = 0.86). copy_prob [N] and is_original [N] at the masked positions."""
     p = copy_prob.float().clamp(0.0, COPY_PROB_MAX)
     return (-torch.log1p(-p) * (~is_original).float()).sum() / max(int(p.shape[0]), 1)
-
-
-@contextlib.contextmanager
-def eval_mode(*modules: nn.Module) -> Iterator[None]:
-    """Temporarily put modules in eval mode (dropout off), restoring each one's previous mode."""
-    previous = [m.training for m in modules]
-    try:
-        for m in modules:
-            m.eval()
-        yield
-    finally:
-        for m, was_training in zip(modules, previous):
-            m.train(was_training)
-
-
-class GeneratorHead(nn.Module):
-    """The generator's MLM head: its own transform and output bias, the tied word embeddings.
-
-    The projection is delegated to the main model's `TiedVocabProjection` (which owns the tied
-    weight, ZeRO-3 safe) with a function that swaps in this head's bias.
-    """
-
-    def __init__(self, cfg: EncoderConfig) -> None:
-        super().__init__()
-        self.transform = PredictionHeadTransform(cfg)
-        self.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
-
-    def forward(self, hidden: Tensor, projection: nn.Module, fn, *args):
-        own_bias = self.bias
-
-        def with_own_bias(h, weight, _main_bias, *rest):
-            return fn(h, weight, own_bias, *rest)
-
-        return projection(self.transform(hidden), with_own_bias, *args)
 
 
 class SCLHead(nn.Module):
@@ -260,43 +158,17 @@ class CorrectingContrasting(Objective):
         self.lambda_copy, self.lambda_gen, self.lambda_scl, self.tau = lambda_copy, lambda_gen, lambda_scl, tau
         self.generator = layer_stack(encoder_config, num_layers=layers)  # the main model's family (`model.arch`)
         self.generator_head = GeneratorHead(encoder_config)
+        self.sample_chunk = SAMPLE_CHUNK  # vocabulary columns per sampling chunk (the draws depend on it)
         self.copy_head = nn.Linear(encoder_config.hidden_size, 1)
         self.scl_head = SCLHead(encoder_config)
 
     # -- generator ---------------------------------------------------------------------------
-    def _generator_states(self, ctx: StepContext, ids: Tensor, flat: Tensor) -> Tensor:
-        """Generator hidden states [N, H] at the selected positions (flat indices)."""
-        e = ctx.encoder.embeddings(ids)
-        h = self.generator(e, ctx.batch["attention_mask"], ctx.seqlens())
-        return h.reshape(-1, h.shape[-1])[flat]
-
     def generate(self, ctx: StepContext) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
-        """Generator MLM loss and X^MLM. Returns (gen_loss, replaced_ids [B, L], flat, metrics)."""
-        masked_ids = ctx.batch[self.ids_key]
-        targets, flat = batch_selected(ctx.batch, self.labels_key)
-        decoder = ctx.head.predictions.decoder
-        embeddings = ctx.encoder.embeddings
-        if self.sample_mode == "zero_dropout":
-            with eval_mode(self.generator, embeddings):
-                h_sel = self._generator_states(ctx, masked_ids, flat)
-            h_sample = h_sel.detach()
-        else:
-            h_sel = self._generator_states(ctx, masked_ids, flat)
-            with torch.no_grad(), eval_mode(self.generator, embeddings):
-                h_sample = self._generator_states(ctx, masked_ids, flat)
-        gen_loss = self.generator_head(h_sel, decoder, ctx.op("linear_cross_entropy"), targets)
-        with torch.no_grad():
-            sample = functools.partial(gumbel_max_sample, temperature=self.sample_temperature)
-            sampled, top = self.generator_head(h_sample, decoder, sample, ctx.generator)
-        replaced = masked_ids.clone().reshape(-1)
-        replaced[flat] = sampled
-        count = max(int(flat.numel()), 1)  # a shape: known on the host
-        metrics = {
-            "gen_loss": gen_loss.detach(),
-            "gen_accuracy": (top == targets).float().sum() / count,
-            "replaced_fraction": (sampled != targets).float().sum() / count,
-        }
-        return gen_loss, replaced.view_as(masked_ids), flat, metrics
+        """Generator MLM loss and X^MLM (`replaced_tokens.corrupt`). Returns (gen_loss, replaced_ids [B, L],
+        flat, metrics)."""
+        step = corrupt(ctx, self.generator, self.generator_head, self.ids_key, self.labels_key, self.sample_mode,
+                       self.sample_temperature, self.sample_chunk)
+        return step.gen_loss, step.corrupted_ids, step.flat, step.metrics
 
     # -- main model ----------------------------------------------------------------------------
     def forward(self, ctx: StepContext) -> tuple[Tensor, dict[str, Tensor]]:
@@ -308,7 +180,7 @@ class CorrectingContrasting(Objective):
         flat_h = h.reshape(-1, h.shape[-1])
         copy_all = self.copy_head(flat_h).squeeze(-1)  # [B*L]; a Linear(H, 1) is cheap even on padding
         non_pad = attention_mask.reshape(-1).bool()  # a mask, not a gather: no host sync
-        is_original = replaced_ids.reshape(-1) == original.reshape(-1)
+        is_original = replaced_token_labels(replaced_ids, original)
         copy_loss = ctx.op("copy_loss")(copy_all, is_original, non_pad)
 
         copy_prob = torch.sigmoid(copy_all[flat].float())  # stop-gradient is applied inside the loss

@@ -11,7 +11,7 @@ from typing import Any, Iterable, Mapping
 
 from pipeline.config.checks import ConfigError, accepted_keywords, check_keywords, did_you_mean, option_error
 from pipeline.model.encoder import EncoderConfig
-from pipeline.objectives import capt, cocolm, infoword, mlm, mlm_nce, taco  # noqa: F401  (they register)
+from pipeline.objectives import capt, cocolm, electra, infoword, mlm, mlm_nce, taco  # noqa: F401  (they register)
 from pipeline.objectives.base import OBJECTIVES, Objective
 
 

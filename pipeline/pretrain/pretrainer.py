@@ -115,8 +115,8 @@ class PretrainModel(nn.Module):
             metrics[f"{name}/loss"] = loss.detach().float()
             metrics.update({f"{name}/{k}": v.detach().float() for k, v in parts.items()})
         if ctx.progress.record_metrics:  # health reads fp32 copies of hidden states: logged steps only
-            metrics.update(step_health(ctx.cached_outputs(), batch, self.structure_ids, self.health_top_token,
-                                       self.health_log_unigram))
+            metrics.update(step_health(ctx.cached_outputs(), {**batch, **ctx.private_inputs}, self.structure_ids,
+                                       self.health_top_token, self.health_log_unigram))
         metrics["loss"] = total.detach()
         return total, metrics
 

@@ -102,8 +102,8 @@ class FlopCounter:
         elif isinstance(module, ModernBertLayerStack):  # model.arch=modernbert: GeGLU, windowed local layers
             self.flops += factor * module.last_flops
         elif isinstance(module, (PredictionHeadTransform, ModernBertHeadTransform)):
-            rows, hidden = x.reshape(-1, x.shape[-1]).shape
-            self.flops += factor * 2.0 * rows * hidden * hidden
+            rows, width = x.reshape(-1, x.shape[-1]).shape  # dense h -> h, or H_G -> H (a narrower generator)
+            self.flops += factor * 2.0 * rows * width * _output.shape[-1]
         else:  # TiedVocabProjection(hidden, fn, *args): a full softmax, or K sampled negatives
             rows, hidden = x.reshape(-1, x.shape[-1]).shape
             columns = module.bias.shape[0]

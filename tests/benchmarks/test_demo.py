@@ -115,3 +115,30 @@ def test_a_user_corpus_too_small_to_hold_out_is_trained_on_whole(tmp_path: Path,
     args.corpus = []  # the installation's documentation that small: an error naming --corpus
     with pytest.raises(ValueError, match="too small.*--corpus PATH"):
         build_demo_shards(corpus, tiny_tokenizer_dir, tmp_path / "shards2", args, num_proc=1)
+
+
+@pytest.mark.timeout(240)
+def test_demo_with_electra_fills_masks_with_its_generator(tmp_path: Path, monkeypatch, capsys) -> None:
+    """`--objective electra`: the export is the discriminator (`ElectraForPreTraining`) with the generator beside
+    it; fill-mask and the outcome's masked-LM numbers are the generator's (the discriminator has no masked LM)."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    corpus = tmp_path / "texts"
+    corpus.mkdir()
+    for doc in range(40):
+        (corpus / f"{doc:02d}.txt").write_text("\n\n".join(
+            f"The river number {doc * 100 + i} flows past the old mill and the quiet village near the hills."
+            for i in range(70)))
+    out = tmp_path / "demo"
+    code = main(["--objective", "electra", "--corpus", str(corpus), "--out", str(out), "--steps", "2",
+                 "--vocab-size", "200", "--seq-len", "32", "--prompt", "The river flows past the [MASK] mill."])
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    summary = json.loads((out / SUMMARY_FILE).read_text())
+    assert summary["status"] == "done" and "python -m pipeline.train --config tiny-electra" in printed
+    config = json.loads((out / "hf" / "electra" / "config.json").read_text())
+    assert config["architectures"] == ["ElectraForPreTraining"]
+    assert json.loads((out / "hf" / "electra" / "generator" / "config.json").read_text())["architectures"] == [
+        "ElectraForMaskedLM"]
+    assert len(summary["fill_mask"][0]["predictions"]) == 5
+    assert summary["outcome"]["trained"]["mlm_acc"] == summary["final_validation"]["val/electra/gen_accuracy"]

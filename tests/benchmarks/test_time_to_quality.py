@@ -261,3 +261,20 @@ def _check_heldout_against_direct(model_dir: Path, shards: Path, top: int, metri
             input_ids=swapped, attention_mask=batch["attention_mask"]).logits[at]
     assert metrics["replaced_acc"] == pytest.approx(float((logits.argmax(-1) == labels[at]).float().mean()))
     assert metrics["replaced_loss"] == pytest.approx(float(torch.nn.functional.cross_entropy(logits, labels[at])), rel=1e-5)
+
+
+def test_cocolm_gets_a_row_against_electra_the_baseline_of_its_papers_claim() -> None:
+    """COCO-LM's claim is stated against ELECTRA ("ELECTRA's MNLI accuracy with 50% of its GPU hours"): with
+    both in a study the targets hold COCO-LM's time to ELECTRA's final quality, paired per seed, beside its
+    time to MLM's; without ELECTRA there is no such row."""
+    mlm = _curves([[0.10, 0.20, 0.30], [0.12, 0.22, 0.31], [0.11, 0.21, 0.29]])
+    electra = _curves([[0.05, 0.15, 0.25], [0.06, 0.16, 0.24], [0.05, 0.15, 0.26]])
+    cocolm = _curves([[0.20, 0.25, 0.33], [0.19, 0.24, 0.32], [0.21, 0.26, 0.31]])
+    health = baseline_health(mlm, floor_dev=[0.69, 0.7, 0.71], margin=0.05)
+    rows = {(r["objective"], r["against"], r["metric"]): r
+            for r in target_rows({"mlm": mlm, "electra": electra, "cocolm": cocolm}, health)}
+    row = rows[("cocolm", "electra", "heldout_mlm_acc")]
+    assert row["reached"] == "3/3" and row["hours_ratio"] == "0.667 [0.667, 0.667]"  # step 200 of ELECTRA's 300
+    assert rows[("cocolm", "mlm", "heldout_mlm_acc")]["reached"] == "3/3"
+    assert ("electra", "electra", "heldout_mlm_acc") not in rows and ("mlm", "electra", "heldout_mlm_acc") not in rows
+    assert not any(r["against"] == "electra" for r in target_rows({"mlm": mlm, "cocolm": cocolm}, health))

@@ -58,3 +58,50 @@ def test_heldout_metrics_are_the_training_models_own(arch, tiny_shards_dir, tmp_
     assert metrics["mlm_loss"] == pytest.approx(loss / count, rel=1e-5)
     assert metrics["mlm_acc"] == correct / count
     assert metrics["token_cosine"] == pytest.approx(cosine, abs=1e-5)
+
+
+def test_an_electra_export_is_read_through_its_generator_and_its_discriminator(tiny_shards_dir, tmp_path):
+    """ELECTRA's export is the discriminator (no masked LM): the study converts it with its generator
+    (`convert_once`) and reads every masked-LM number through `generator/` (the training generator's own
+    logits) and the token cosine through the discriminator; without `generator/` it refuses by name."""
+    from benchmarks.quality.ttq_eval import convert_once
+
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-electra", tiny_shards_dir, out, "optim.warmup_steps=0", "train.total_steps=2",
+                         "train.checkpoint_every=2") == 0
+    exported = convert_once(tag_dir(out, 2), tmp_path / "hf")
+    assert (exported / "generator" / "config.json").is_file()
+    top = top_token_of(tiny_shards_dir)
+    metrics = heldout_metrics(exported, tiny_shards_dir, top_token=top, max_sequences=SEQUENCES, cos_rows=COS_ROWS,
+                              batch_size=BATCH)
+    tag = tag_dir(out, 2)
+    ours = model_from_meta(RunMeta.read(tag))
+    ours.load_state_dict(module_state(tag), strict=False)
+    ours.eval()
+    electra = ours.objectives["electra"]
+    dataset = ShardDataset(tiny_shards_dir)
+    collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, 0)
+    loss, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, SEQUENCES, BATCH):
+            rows = np.arange(start, start + BATCH)
+            batch = collator.collate(*dataset.take(rows), rows)
+            selected = (batch["mlm_labels"] != -100) & (batch["masked_ids"] == dataset.special_tokens["mask"])
+            h = electra.generator(electra.embeddings_project(ours.bert.embeddings(batch["masked_ids"])),
+                                  batch["attention_mask"])
+            head = electra.generator_head
+            logits = torch.nn.functional.linear(head.transform(h), ours.bert.embeddings.word_embeddings.weight,
+                                                head.bias)[selected]
+            loss += float(torch.nn.functional.cross_entropy(logits, batch["mlm_labels"][selected], reduction="sum"))
+            count += int(selected.sum())
+        rows = np.unique(np.linspace(0, len(dataset) - 1, num=COS_ROWS).round().astype(np.int64))
+        clean = CorruptionCollator(("original",), dataset.special_tokens, dataset.vocab_size, 0).collate(
+            *dataset.take(rows), rows)
+        cosine = mean_token_cosine(ours.bert(clean["input_ids"], clean["attention_mask"]).last_hidden,
+                                   clean["attention_mask"].bool() & ~clean["special_mask"].bool())
+    assert metrics["masked_tokens"] == count > 0
+    assert metrics["mlm_loss"] == pytest.approx(loss / count, rel=1e-5)
+    assert metrics["token_cosine"] == pytest.approx(cosine, abs=1e-5)
+    without = convert(out, tmp_path / "hf_no_generator")
+    with pytest.raises(ValueError, match="an ELECTRA discriminator without its generator"):
+        heldout_metrics(without, tiny_shards_dir, top_token=top, max_sequences=SEQUENCES)

@@ -23,8 +23,8 @@ from tests.train.runs import metric_rows, run_inprocess
 
 SPECIAL = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4}
 VOCAB, LENGTH, LAYERS = 71, 32, 3
-OBJECTIVES = ("mlm", "mlm-nce", "taco", "capt", "cocolm", "infoword")
-OPTIONS = {"cocolm": {"generator_layers": 2}, "capt": {"queue_size": 0}, "infoword": {"num_negatives": 8},
+OBJECTIVES = ("mlm", "mlm-nce", "taco", "capt", "cocolm", "electra", "infoword")
+OPTIONS = {"cocolm": {"generator_layers": 2}, "electra": {"generator_width": 0.5}, "capt": {"queue_size": 0}, "infoword": {"num_negatives": 8},
            "taco": {"num_negatives": 8}}
 
 

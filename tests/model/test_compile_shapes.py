@@ -54,6 +54,7 @@ def cache_entries() -> dict[str, int]:
     ({"mlm": 1.0, "taco": 1.0}, "auto", 30),
     ({"cocolm": 1.0}, "auto", 200),  # the run length: COCO-LM used to recompile 5 times in 20 steps
     ({"cocolm": 1.0}, "varlen", 30),
+    ({"electra": 1.0}, "varlen", 30),
     ({"mlm": 1.0, "capt": 1.0}, "varlen", 30),
     ({"infoword": 1.0}, "auto", 30),
     ({"mlm-nce": 1.0}, "auto", 30),
@@ -73,7 +74,8 @@ def test_no_compiled_function_recompiles_more_than_twice(objectives, attention, 
     assert compile_watch.eager_fallbacks == {} and "gave up" not in caplog.text
 
 
-@pytest.mark.parametrize("objectives, attention", [({"infoword": 1.0}, "auto"), ({"cocolm": 1.0}, "varlen")])
+@pytest.mark.parametrize("objectives, attention", [({"infoword": 1.0}, "auto"), ({"cocolm": 1.0}, "varlen"),
+                                                   ({"electra": 1.0}, "varlen")])
 def test_compiled_masked_and_varlen_passes_equal_eager(objectives, attention):
     torch._dynamo.reset()
     eager, compiled = make_model(objectives, False, attention), make_model(objectives, True, attention)

@@ -15,7 +15,8 @@ ARCH = "model.arch=modernbert"
 SHORT = ["train.total_steps=3", "train.checkpoint_every=3"]
 
 
-@pytest.mark.parametrize("preset", ["tiny-mlm", "tiny-mlm-nce", "tiny-taco", "tiny-capt", "tiny-cocolm", "tiny-infoword"])
+@pytest.mark.parametrize("preset", ["tiny-mlm", "tiny-mlm-nce", "tiny-taco", "tiny-capt", "tiny-cocolm", "tiny-electra",
+                                    "tiny-infoword"])
 def test_every_objective_trains_a_modernbert(preset, tiny_shards_dir, tmp_path):
     assert run_inprocess(preset, tiny_shards_dir, tmp_path, ARCH, *SHORT) == 0
     rows = read_jsonl(tmp_path / "metrics.jsonl")
@@ -30,6 +31,9 @@ def test_every_objective_trains_a_modernbert(preset, tiny_shards_dir, tmp_path):
     if preset == "tiny-cocolm":  # the generator is of the same family (GeGLU, final norm)
         assert "objectives.cocolm.generator.layers.0.mlp.Wi.weight" in state
         assert "objectives.cocolm.generator.final_norm.weight" in state
+    if preset == "tiny-electra":  # a narrower generator of the same family, fed through ELECTRA's projection
+        assert state["objectives.electra.generator.layers.0.mlp.Wi.weight"].shape[1] == 16  # a quarter of 64
+        assert state["objectives.electra.embeddings_project.weight"].shape == (16, 64)
 
 
 def test_taco_and_capt_combined_with_a_queue(tiny_shards_dir, tmp_path):
@@ -42,7 +46,8 @@ def test_taco_and_capt_combined_with_a_queue(tiny_shards_dir, tmp_path):
     assert last["capt/negatives"] > 3  # the queue holds the earlier steps' entries: more than in-batch
 
 
-@pytest.mark.parametrize("preset", ["tiny-mlm", "tiny-mlm-nce", "tiny-taco", "tiny-capt", "tiny-cocolm", "tiny-infoword"])
+@pytest.mark.parametrize("preset", ["tiny-mlm", "tiny-mlm-nce", "tiny-taco", "tiny-capt", "tiny-cocolm", "tiny-electra",
+                                    "tiny-infoword"])
 def test_modernbert_resume_is_bitwise_exact(preset, tiny_shards_dir, tmp_path):
     """Checkpoint at step 2 of 4, resume in a fresh directory: steps 3-4 (every logged metric, CAPT's
     queue, COCO-LM's sampling, TACO's and NCE's negative draws, InfoWord's span masks and n-gram picks

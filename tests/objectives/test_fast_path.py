@@ -49,7 +49,7 @@ def collated(model, batch_size=4, length=24, seed=0, short_last_row=False):
     return collator.collate(ids, rng.random((batch_size, length)) < 0.7, np.arange(batch_size))
 
 
-@pytest.mark.parametrize("name", ["mlm", "cocolm"])
+@pytest.mark.parametrize("name", ["mlm", "cocolm", "electra"])
 def test_no_host_reads_of_device_data_in_the_step(name):
     model = tiny_model({name: 1.0})
     batch = collated(model)
@@ -65,7 +65,7 @@ def test_no_host_reads_of_device_data_in_the_step(name):
     assert "aten.nonzero" in reads.seen
 
 
-@pytest.mark.parametrize("name", ["mlm", "taco", "capt", "cocolm", "infoword"])
+@pytest.mark.parametrize("name", ["mlm", "taco", "capt", "cocolm", "electra", "infoword"])
 def test_unpadded_attention_gives_every_objective_the_reference_loss_and_gradients(name):
     """A padded batch through every objective: `model.attention=varlen` (layers on the real tokens
     only, the CPU stand-in for the flash varlen kernel) against the masked reference."""
@@ -185,7 +185,7 @@ def test_copy_loss_mask_equals_the_gathered_mean():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["mlm", "cocolm"])
+@pytest.mark.parametrize("name", ["mlm", "cocolm", "electra"])
 def test_no_device_sync_in_the_step_on_cuda(name):
     """What the CPU test above infers, observed: CUDA's sync debug mode raises on any synchronising
     call during a forward + backward with the fused kernels (after one warm-up step)."""

@@ -97,6 +97,7 @@ CASES = {
     "taco original": ({"taco": 1.0}, {"taco": {"view": "original"}}),
     "capt": ({"mlm": 1.0, "capt": 1.0}, {}),
     "cocolm": ({"cocolm": 1.0}, {}),
+    "electra": ({"electra": 1.0}, {}),
     "infoword": ({"infoword": 1.0}, {}),
     "infoword all": ({"infoword": 1.0}, {"infoword": {"ngrams_per_sentence": "all", "num_negatives": "all"}}),
     # tiny-infoword's small-scale DIM (issue 29): mean-pooled, centred views

@@ -25,9 +25,9 @@ half, so it scores rows the run trained on, with masks of its own seed; reading 
 sentence's `[MASK]` still needs the context. `test_the_mask_guard_fails_a_run_that_only_copies`
 checks that it fails a run that learned only by copying while its training signals all say learned.
 
-COCO-LM, InfoWord and CAPT are guarded in files of their own (`test_cocolm_learns.py`,
-`test_infoword_learns.py`, `test_capt_learns.py`): each also reproduces the failure its issue-29 fix
-addressed and needs a recipe or a judgement this common one does not give (CAPT's token states are
+COCO-LM, InfoWord, CAPT and ELECTRA are guarded in files of their own (`test_cocolm_learns.py`,
+`test_infoword_learns.py`, `test_capt_learns.py`, `test_electra_learns.py`): each also reproduces the failure
+its small-scale fix addressed and needs a recipe or a judgement this common one does not give (CAPT's token states are
 judged over the second half only, COCO-LM's copy head by its AUC). Adding an objective: add one
 `Guard` row to `GUARDS` with its tiny preset and the terms that must be learned (the names it logs),
 plus `overrides` only when the objective needs something the common recipe does not give it (say
@@ -71,7 +71,7 @@ GUARDS = {
     "mlm": Guard("tiny-mlm", ("mlm/accuracy", "mlm/loss")),
     "mlm-nce": Guard("tiny-mlm-nce", ("mlm-nce/loss", "mlm-nce/accuracy"), context=True),
     "taco": Guard("tiny-taco", ("taco/loss", "mlm/accuracy", "mlm/loss"), context=True),
-    # COCO-LM, InfoWord and CAPT: their own guard files (module docstring)
+    # COCO-LM, InfoWord, CAPT and ELECTRA: their own guard files (module docstring)
 }
 
 

@@ -17,7 +17,7 @@ from pipeline.kernels.functional import sequence_contrastive_loss
 from pipeline.objectives.infoword import build_ngram_inputs
 from tests.objectives.conftest import VOCAB, make_batch, tiny_model
 
-ALL = ["mlm", "mlm-nce", "taco", "capt", "cocolm", "infoword"]
+ALL = ["mlm", "mlm-nce", "taco", "capt", "cocolm", "electra", "infoword"]
 #: options making each objective quick and deterministic to train on one repeated batch (no CAPT
 #: queue here: queued copies of the very same batch would be negatives equal to the positives)
 FAST = {"capt": {"tau": 0.1, "queue_size": 0}, "mlm-nce": {"num_negatives": 16}, "infoword": {"num_negatives": 16}}
@@ -55,6 +55,7 @@ EXPECTED_LEARNERS = {
     "taco": ("bert.",),
     "capt": ("bert.", "objectives.capt."),
     "cocolm": ("bert.", "cls.", "objectives.cocolm."),
+    "electra": ("bert.", "objectives.electra."),  # not cls.: the generator has its own head, the tied weight is bert.*
     "infoword": ("bert.", "cls."),
 }
 
@@ -112,6 +113,7 @@ TAU_005 = {
     "taco": {"tau": 0.05},
     "capt": {"tau": 0.05},
     "cocolm": {"tau": 0.05},
+    "electra": {},
     "infoword": {"tau": 0.05, "score": "cosine"},
 }
 

@@ -18,6 +18,8 @@ RECIPES = [
     {"cocolm": 1.0},
     {"infoword": 1.0},
     {"cocolm": 1.0, "taco": 1.0},
+    {"electra": 1.0},
+    {"electra": 1.0, "taco": 1.0},
 ]
 
 

@@ -31,6 +31,9 @@ PAPER = {  # OBJECTIVES.md: size, objectives, batch, lr, betas, eps, warm-up, st
     "cocolm-large": ("large", {"cocolm"}, 2048, 2e-4, (0.9, 0.98), 1e-6, 10_000, 125_000, 512),
     "infoword-base": ("base", {"infoword"}, 1024, 4e-4, (0.9, 0.98), 1e-6, 18_000, 400_000, 512),
     "infoword-large": ("large", {"infoword"}, 1024, 1e-4, (0.9, 0.98), 1e-6, 18_000, 400_000, 512),
+    "electra-small": ("electra-small", {"electra"}, 128, 5e-4, (0.9, 0.999), 1e-6, 10_000, 1_000_000, 128),
+    "electra-base": ("base", {"electra"}, 256, 2e-4, (0.9, 0.999), 1e-6, 10_000, 766_000, 512),
+    "electra-large": ("large", {"electra"}, 2048, 2e-4, (0.9, 0.999), 1e-6, 10_000, 400_000, 512),
 }
 
 
@@ -54,6 +57,12 @@ def test_paper_specific_options():
     assert capt["queue_size"] == 8192 and capt["tau"] is None  # adaptive temperature
     assert load_config("taco-small").deepspeed.precision == "fp16"
     assert load_config("cocolm-base").objective_options["cocolm"]["lambda_copy"] == 50.0
+    for preset, width, rate in (("electra-small", 0.25, 0.15), ("electra-base", 0.33333, 0.15),
+                                ("electra-large", 0.25, 0.25)):  # ELECTRA Table 6: generator size, mask percent
+        cfg = load_config(preset)
+        electra = cfg.objective_options["electra"]
+        assert (electra["generator_width"], electra["lambda_disc"], electra["sample_temperature"]) == (width, 50.0, 1.0)
+        assert cfg.data.corruption == {"mask_rate": rate, "mask_fraction": 0.85, "random_fraction": 0.0}
 
 
 def test_every_preset_loads():

@@ -27,7 +27,8 @@ SCALE_OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("preset, options", [(p, []) for p in ("tiny-mlm", "tiny-taco", "tiny-capt", "tiny-cocolm", "tiny-infoword")]
+@pytest.mark.parametrize("preset, options", [(p, []) for p in ("tiny-mlm", "tiny-taco", "tiny-capt", "tiny-cocolm",
+                                                                    "tiny-electra", "tiny-infoword")]
                          + [(p, o) for p, o in SCALE_OPTIONS.items()])
 def test_resume_is_bitwise_exact(preset, options, tiny_shards_dir, tmp_path):
     check_resume(preset, tiny_shards_dir, tmp_path, *options)
