@@ -48,7 +48,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from pipeline.study.jobs import submit_study
             from pipeline.study.plan import format_plan, plan
 
-            print("\n".join(format_plan(plan(study)).splitlines()[-3:-1]), flush=True)  # what the whole study costs
+            costs = [line for line in format_plan(plan(study)).splitlines()
+                     if line.startswith(("jobs:", "estimated GPU-hours:"))]
+            print("\n".join(costs), flush=True)  # what the whole study costs
             check_work_dir(study, record=False)  # refused before anything is queued, recorded once it is
             jobs = submit_study(study)
             check_work_dir(study)

@@ -130,6 +130,9 @@ def test_submit_and_status_without_slurm_on_path_say_so_in_one_line(tmp_path: Pa
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
     assert "SLURM's commands are not on PATH" in out.stderr
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["jobs.jsonl"]  # nothing made or queued
+    if command == "submit":  # what the whole study costs comes first: the plan's two totals, nothing else
+        lines = out.stdout.strip().splitlines()
+        assert [line.split(":")[0] for line in lines] == ["jobs", "estimated GPU-hours"], out.stdout
 
 
 def test_plan_says_where_its_seq_len_comes_from_and_what_it_assumed(tmp_path: Path) -> None:
