@@ -3,7 +3,10 @@
 * `write_atomic`: write `<path>.tmp`, fsync it, rename it over `path` (`os.replace`, atomic on POSIX
   within a file system): a reader sees the old file or the new one, never half of one, and a crash
   leaves at most a stray `.tmp` beside the old file. The shard manifest, `latest`, `COMPLETE.json`,
-  `best.json` and the configuration reference are written this way.
+  `best.json` and the configuration reference are written this way. `shared=True` is for a path that
+  several processes may write at once (the study's parallel SLURM tasks each recording the same cached
+  file, `pipeline.study`): each write has its own temporary, `.<name>.tmp-<host>-<pid>-<n>`, so no writer
+  renames, or truncates, another's half-written one; the last rename wins and every version is whole.
 * `sha256_file`, `xxh3_file`, `hash_directory`: a file's (or a directory tree's) identity by its
   contents. sha256 is what records and `cpt-verify` compare; xxh3-64 (`xxhash`) is the fast one
   training checks a shard with on first open (`pipeline.data.shards`, measured in docs/data.md).
@@ -15,17 +18,27 @@ into another's module for a file helper.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import mmap
 import os
+import socket
 from pathlib import Path
 
 _HASH_CHUNK = 1 << 22
+_WRITES = itertools.count()  # numbers this process's shared writes: two of them never share a temporary
 
 
-def write_atomic(path: str | os.PathLike, data: bytes | str) -> None:
-    """Write to `<path>.tmp`, fsync, then rename: a reader never sees a half-written file."""
+def write_atomic(path: str | os.PathLike, data: bytes | str, *, shared: bool = False, parents: bool = False) -> None:
+    """Write to `<path>.tmp`, fsync, then rename: a reader never sees a half-written file. `shared`: a
+    temporary of this write's own (module docstring), for a path other processes may be writing too;
+    `parents`: make the missing parent folders first."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    if parents:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if shared:
+        tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{next(_WRITES)}")
+    else:
+        tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         fh.write(data.encode() if isinstance(data, str) else data)
         fh.flush()

@@ -84,9 +84,10 @@ def test_no_import_cycles():
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # leaves every layer may use: errors and shared config checks + the YAML loader, the random streams,
     # collectives, machine probes, tokenizer probes, the restricted unpickler, atomic writes and file
-    # hashes, the DeepSpeed engine files
+    # hashes, intervals over seeds, report files (JSON / Markdown / PNG), the DeepSpeed engine files
     ("foundation", ("pipeline.config", "pipeline.seeding", "pipeline.distributed", "pipeline.capabilities",
-                    "pipeline.tokenizer_checks", "pipeline.safe_load", "pipeline.io", "ds_configs")),
+                    "pipeline.tokenizer_checks", "pipeline.safe_load", "pipeline.io", "pipeline.stats",
+                    "pipeline.report_files", "ds_configs")),
     ("data", ("pipeline.data",)),  # shards, reader, corruption views, the batch contract
     ("kernels", ("pipeline.kernels",)),  # the loss ops: torch reference (`functional`) + Triton kernels, `get_op`
     ("model", ("pipeline.model",)),  # encoders, heads, `ModelConfig`, HF name maps, warm starts
@@ -97,6 +98,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("export", ("pipeline.export",)),  # checkpoints -> Hugging Face directories
     ("eval", ("pipeline.eval",)),  # fine-tuning converted checkpoints
     ("tools", ("pipeline.status", "pipeline.launch_requeue")),  # commands that read what runs write
+    ("study", ("pipeline.study",)),  # `cpt-study`: drives train, export and eval over many runs, reports them
     ("data_prep", ("data_prep",)),
     ("demo", ("demo",)),
     ("benchmarks", ("benchmarks",)),
@@ -228,6 +230,9 @@ def test_files_are_small(package):
     (r"^def (fp32_logits|_logits_fp32)\b", "pipeline/kernels/functional.py"),
     (r"^def build_pretrain_model\b|(return|=)\s*PretrainModel\(", "pipeline/pretrain/build.py"),
     (r"^def (sha256_file|xxh3_file|hash_directory)\b", "pipeline/io.py"),
+    (r"^def (t_quantile|mean_ci|difference_ci|format_ci)\b", "pipeline/stats.py"),
+    (r"^def (write_report|write_json|markdown_table|save_figure|hardware_info)\b", "pipeline/report_files.py"),
+    (r"^def last_error_line\b", "pipeline/train/exit_record.py"),
 ])
 def test_one_home(pattern, home):
     """Each of these concepts is defined in exactly one module (they used to be repeated)."""

@@ -1,6 +1,6 @@
 """Running `pipeline.train` for a benchmark: the one set of quiet run controls, the one way to time a
-training step, and the small helpers the benchmark scripts share (flag lists, a failed run's error
-line, the MFU formula, ModernBERT-vs-BERT ratios).
+training step, and the small helpers the benchmark scripts share (flag lists, the MFU formula,
+ModernBERT-vs-BERT ratios; a failed run's error line is `pipeline.train.exit_record.last_error_line`).
 
 Timing a step (`timed_steps`): the run is built exactly as `pipeline.train.loop.train` builds it
 (`build_run`: the preset's DeepSpeed engine file, its objective options and optimizer settings, the
@@ -127,15 +127,6 @@ def parse_list(text: str, kind: type = str) -> list:
         return [kind(t) for t in items]
     except ValueError as err:
         raise ValueError(f"{text!r}: {err}") from err
-
-
-def last_error_line(log_text: str) -> str:
-    """The most telling line of a failed run's log (an `error:` line, else the last exception line)."""
-    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if ln.startswith("error:") or "Error" in ln.split(":")[0]:
-            return ln[:300]
-    return lines[-1][:300] if lines else "no output"
 
 
 def family_sizes(arch: str) -> dict[str, dict[str, int]]:

@@ -5,6 +5,6 @@ performance evidence.
 against it, `--prepare` builds what travels, `--stage NAME` runs one command's rows, `--local`
 every command on a GPU of your own, `--dry-run` rehearses them on the CPU, `--collect DIR` files the
 results and regenerates the README's performance table. Modules: `plan` (the rows in value order,
-the commands, the lease arithmetic), `runner` (the one runner; files through `common/report.py`, the one writer), `train_rows` and
-`kernel_rows` (what a row measures), `targets`, `prepare`, `collect`.
+the commands, the lease arithmetic), `runner` (the one runner; files through `pipeline/report_files.py`, the
+one writer), `train_rows` and `kernel_rows` (what a row measures), `targets`, `prepare`, `collect`.
 """

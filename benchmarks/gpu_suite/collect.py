@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-from benchmarks.common.report import atomic_write, markdown_table
+from pipeline.io import write_atomic
+from pipeline.report_files import markdown_table
 from benchmarks.gpu_suite.plan import ALL_STAGES, REPO
 from benchmarks.gpu_suite.runner import device_slug, verdict
 
@@ -108,7 +109,7 @@ def collect(folders: Iterable[Path], root: Path = REPO, allow_dry_run: bool = Fa
             src = path.parent / name
             if not src.is_file():
                 raise CollectError(f"{path}: lists {name}, which did not come back")
-            atomic_write(dest / name, src.read_bytes())
+            write_atomic(dest / name, src.read_bytes(), shared=True, parents=True)
         index_path = dest / "collected.json"
         index = json.loads(index_path.read_text()) if index_path.is_file() else {}
         index[payload["stage"]] = {"from": str(path.parent), "commit": payload["source"].get("commit"),
@@ -116,7 +117,7 @@ def collect(folders: Iterable[Path], root: Path = REPO, allow_dry_run: bool = Fa
                                    "versions": payload["versions"], "device": payload["device"],
                                    "created": payload["created"], "wall_s": payload.get("wall_s"),
                                    "complete": payload["complete"], "rows": len(payload["rows"])}
-        atomic_write(index_path, json.dumps(index, indent=2, sort_keys=True).encode())
+        write_atomic(index_path, json.dumps(index, indent=2, sort_keys=True), shared=True, parents=True)
         written.append(dest)
     for dest in dict.fromkeys(written):
         subprocess.run(["git", "add", str(dest)], cwd=root, check=True)
@@ -328,7 +329,7 @@ def replace_block(path: Path, start: str, end: str, block: str) -> bool:
     _, tail = rest.split(end, 1)
     new = f"{head}{start}\n{block}\n{end}{tail}"
     if new != text:
-        atomic_write(path, new.encode())
+        write_atomic(path, new, shared=True, parents=True)
     return new != text
 
 
@@ -348,7 +349,8 @@ def regenerate_run_pages(root: Path, payloads: list[tuple[str, dict[str, Any]]])
     for folder, run in sorted(folders.items()):
         page = root / folder / RUN_PAGE
         if not page.is_file():
-            atomic_write(page, f"# GPU results: {Path(folder).name}\n\n{PAGE_START}\n{PAGE_END}\n".encode())
+            write_atomic(page, f"# GPU results: {Path(folder).name}\n\n{PAGE_START}\n{PAGE_END}\n", shared=True,
+                         parents=True)
         if replace_block(page, PAGE_START, PAGE_END, render_run_page(folder, run)):
             changed.append(page)
     return changed

@@ -1,5 +1,5 @@
-"""The one runner: a command's rows in plan order, each result on disk (through `common/report.py`, the one
-writer) as soon as it exists.
+"""The one runner: a command's rows in plan order, each result on disk (through `pipeline/report_files.py`, the
+one writer) as soon as it exists.
 
 `run_stage` checks the requirements (`kernel_rows.require_environment`; missing ones stop the command
 before any compute, exit 1), then runs the stage's rows in order in this process. Before each row it
@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from benchmarks.common.breakdown import breakdown_line
-from benchmarks.common.report import atomic_write, markdown_table
+from pipeline.io import write_atomic
+from pipeline.report_files import markdown_table
 from benchmarks.gpu_suite import kernel_rows, train_rows
 from benchmarks.gpu_suite.plan import Row, Stage, source_info
 from benchmarks.gpu_suite.targets import judge, judge_pairs
@@ -102,7 +103,7 @@ class StageContext:
 
 
 class Writer:
-    """A command's stage files: the payload so far; `write` rewrites both through `common.report.atomic_write`."""
+    """A command's stage files: the payload so far; `write` rewrites both through `pipeline.io.write_atomic`."""
 
     def __init__(self, ctx: StageContext, command: str) -> None:
         self.ctx, self.path = ctx, ctx.out / f"{ctx.stage.name}.json"
@@ -120,8 +121,8 @@ class Writer:
         p["wall_s"] = round(self.ctx.elapsed(), 1)
         gpu = not self.ctx.dry_run
         p["targets"] = judge_pairs(p["rows"], gpu) if self.ctx.paired else judge(p["rows"], gpu=gpu)
-        atomic_write(self.path, json.dumps(p, indent=2, default=str).encode())
-        atomic_write(self.ctx.out / f"{self.ctx.stage.name}.md", render_markdown(p).encode())
+        write_atomic(self.path, json.dumps(p, indent=2, default=str), shared=True, parents=True)
+        write_atomic(self.ctx.out / f"{self.ctx.stage.name}.md", render_markdown(p), shared=True, parents=True)
 
 
 def run_stage(stage: Stage, out: Path, dry_run: bool, deadline_s: Optional[float], command: str,

@@ -17,7 +17,7 @@ the same `TARGETS` (`gpu_suite/targets.py` reads its kernel thresholds from here
 BERT-large shapes (issue 5): batch x length 128 x 512, 15% of tokens predicted (9,830 rows),
 vocabulary 30,522, hidden 1,024, K = 50 negatives (TACO: every token of the batch is an anchor),
 sequence contrast over B = 128 pairs with a queue of 8,192 fp32 rows (CAPT's queue is fp32).
-Output: `<out>/<name>.json`, `.md`, `.png` via `benchmarks.common.report.write_report`.
+Output: `<out>/<name>.json`, `.md`, `.png` via `pipeline.report_files.write_report`.
 """
 from __future__ import annotations
 
@@ -334,7 +334,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         notes.append(line)
         print(line)
 
-    from benchmarks.common.report import write_report
+    from pipeline.report_files import write_report
 
     name = args.name or f"kernels{'_small' if args.small else ''}_{device}"
     paths = write_report(name, rows, args.out, title=f"Fused loss kernels vs torch ({shape_name} shapes, {dtype}, {device})",

@@ -7,7 +7,7 @@ For every `--run NAME=RUN_DIR[,RUN_DIR...]` (one directory per seed, as `pipelin
   against its chance level, the unigram plateau or entropy, the collapse threshold), and whether each
   term with a declared chance (and the AUC) is still improving (`still_improving`: the last window
   against the one before);
-* held-out numbers of the final checkpoint (`benchmarks.quality.ttq_eval.heldout_metrics` on the converted
+* held-out numbers of the final checkpoint (`pipeline.study.evaluate.heldout_metrics` on the converted
   directory, `convert_once`: for ELECTRA through its generator, the token cosine through the
   discriminator) on `--heldout` shards;
 * curves every `--curve-every` steps of the terms named by `--curve` (with their references), plotted per
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.common.report import panel_chart, write_report
+from pipeline.report_files import panel_chart, write_report
 
 DEFAULT_CURVES = ("electra/rtd_auc", "electra/gen_accuracy", "electra/gen_loss", "health/token_cosine")
 #: Reference drawn beside a curve (the level it must leave).
@@ -35,9 +35,9 @@ REFERENCES = {"electra/gen_accuracy": "health/unigram_accuracy", "electra/gen_lo
 def judge_run(run_dir: Path, heldout: Optional[Path], top_token: Optional[int], sequences: int, curves: Sequence[str],
               every: int) -> dict:
     """One run's final signals, trends, held-out numbers and curves (module docstring)."""
-    from benchmarks.quality.ttq_eval import convert_once, heldout_metrics
+    from pipeline.study.evaluate import convert_once, heldout_metrics
     from pipeline.monitor.signals import final_signals, still_improving
-    from pipeline.train.checkpoint import list_tags
+    from pipeline.train.checkpoint.tags import list_tags
     from pipeline.train.metrics import read_jsonl
     from pipeline.train.validation import is_validation_record
 
@@ -89,7 +89,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--name", default="judged_runs")
     p.add_argument("--notes", action="append", default=[])
     args = p.parse_args(argv)
-    from benchmarks.quality.ttq_eval import top_token_of
+    from pipeline.study.evaluate import top_token_of
 
     top = top_token_of(Path(args.top_token_shards or args.heldout)) if args.heldout else None
     curves = tuple(args.curve or DEFAULT_CURVES)

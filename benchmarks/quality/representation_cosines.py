@@ -19,7 +19,7 @@ initialisation, one per seed):
   similar"; the paper's "maximum similarity");
 * per model and seed: the mean cosine of each set, its 5 / 50 / 95% quantiles, the gap (similar - random)
   and the share of random pairs whose cosine exceeds the median similar pair's (COCO-LM: "bigger than many
-  semantically similar pairs"); over seeds: mean [95% t-interval] (`benchmarks.common.stats`).
+  semantically similar pairs"); over seeds: mean [95% t-interval] (`pipeline.stats`).
 
 "More squeezed than" is read as: a higher mean random-pair cosine (less uniform) with a gap no larger
 (no better aligned); the verdict lines state both comparisons and whether the seed intervals separate.
@@ -36,8 +36,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from benchmarks.common.report import _save_figure, write_report
-from benchmarks.common.stats import format_ci, mean_ci
+from pipeline.report_files import save_figure, write_report
+from pipeline.stats import format_ci, mean_ci
 
 POOLINGS = ("cls", "mean")
 RANDOM_INIT = "random init"
@@ -182,7 +182,7 @@ def plot(measured: dict, path: Path, title: str) -> None:
             ax.set_xlabel("cosine")
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    _save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def with_histograms(measured: dict) -> dict:

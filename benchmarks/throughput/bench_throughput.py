@@ -35,9 +35,10 @@ from typing import Iterable, Optional, Sequence
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common.report import bar_chart, write_report  # noqa: E402
-from benchmarks.common.runs import (MFU_FORMULA, add_arch_ratios, family_sizes, last_error_line,  # noqa: E402
-                                   parse_list, quiet_overrides)
+from pipeline.report_files import bar_chart, write_report  # noqa: E402
+from pipeline.train.exit_record import last_error_line  # noqa: E402
+from benchmarks.common.runs import (MFU_FORMULA, add_arch_ratios, family_sizes, parse_list,  # noqa: E402
+                                   quiet_overrides)
 
 OPTIONS_MODES = ("tiny", "paper")
 HF_ROW = "hf-bert"

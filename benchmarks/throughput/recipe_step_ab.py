@@ -84,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:  # `--worker TREE -- <training arguments>`
         return worker(Path(argv[1]), argv[3:])
-    from benchmarks.common.report import write_report
+    from pipeline.report_files import write_report
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--before", type=Path, required=True, help="extracted older tree")

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common.report import line_chart, write_report  # noqa: E402
+from pipeline.report_files import line_chart, write_report  # noqa: E402
 
 #: Row fields that identify one measured configuration across node counts (with the family, `config_key`).
 CONFIG_KEYS = ("objective", "preset", "seq_len", "zero", "precision", "micro_batch")

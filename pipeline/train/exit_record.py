@@ -88,6 +88,17 @@ def read_checked(output_dir: Path) -> tuple[Optional[dict[str, Any]], str]:
     return raw, ""
 
 
+def last_error_line(log_text: str) -> str:
+    """The most telling line of a failed run's log, for a parent that ran it as a child process (the study's
+    local executor, the throughput benchmark): the last `error:` line the entry point printed, else the last
+    exception line (`...Error: ...`), else the last line; at most 300 characters."""
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("error:") or "Error" in ln.split(":")[0]:
+            return ln[:300]
+    return lines[-1][:300] if lines else "no output"
+
+
 class ErrorLineTap(io.TextIOBase):
     """A stream that forwards everything to `stream` and remembers the last line starting with
     `error: ` (how the entry point reports every failure exit, `pipeline.train.loop.main`)."""

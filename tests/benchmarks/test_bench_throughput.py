@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.common.runs import MFU_FORMULA, add_arch_ratios, bert_partner_size, last_error_line
+from benchmarks.common.runs import MFU_FORMULA, add_arch_ratios, bert_partner_size
+from pipeline.train.exit_record import last_error_line
 from benchmarks.throughput.bench_throughput import (
     BenchCase,
     add_hf_ratios,

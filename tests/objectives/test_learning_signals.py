@@ -18,7 +18,7 @@ plateau over all selected positions while learning nothing at `[MASK]` (issue 29
 head's bias started at log p scored 0.97x chance and 0.139 accuracy over all selected positions at the
 study's size, and 1.03x / the plateau at `[MASK]`). A row with `context=True` therefore also converts
 the final checkpoint and scores it at `[MASK]` positions only, through the exported head as a user
-loads it (`benchmarks.quality.ttq_eval.heldout_metrics`, the held-out evaluation of the study and of
+loads it (`pipeline.study.evaluate.heldout_metrics`, the held-out evaluation of the study and of
 the retired issue 29 harness; for BERT-NCE the conversion adds log q to the bias): its
 accuracy there must clear the unigram plateau by `PLATEAU_MARGIN`. The tiny shards have no held-out
 half, so it scores rows the run trained on, with masks of its own seed; reading a memorised
@@ -88,7 +88,7 @@ def judge(out, must_learn) -> list[str]:
 def mask_problems(out, shards) -> list[str]:
     """What says the run in `out` did not learn from context: its final checkpoint, converted, scored at the
     `[MASK]`ed positions of `shards` (up to `MASK_EVAL_SEQUENCES` rows) below the unigram plateau + margin."""
-    from benchmarks.quality.ttq_eval import heldout_metrics, top_token_of
+    from pipeline.study.evaluate import heldout_metrics, top_token_of
     from pipeline.export.convert import convert
 
     hf = convert(out / "checkpoints", out / "hf")

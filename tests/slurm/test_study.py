@@ -23,7 +23,7 @@ TIMES = ("hours", "seconds", "created", "command", "hardware", "wall")
 
 
 def _cli(cluster: SlurmCluster, command: str, env: dict[str, str], *extra: str) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.study.cli", command, str(STUDY), *extra],
+    out = subprocess.run([sys.executable, "-m", "pipeline.study.cli", command, str(STUDY), *extra],
                          env=dict(cluster.env, PYTHON=sys.executable, **env), cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=DEADLINE_S)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -1,6 +1,6 @@
 """The study read back from its result files alone: the selection (`driver` job) and the report (`collect`).
 
-Whichever executor ran the units, the report is `benchmarks.quality.ttq_report.write_study_report`, once
+Whichever executor ran the units, the report is `pipeline.study.report.write_study_report`, once
 per downstream task (`<out>/<task>/`; `<out>/` alone without tasks or with `per_task_dirs=False`): tables,
 plots, intervals and health checks.
 Its x-axis is the runs' measured device-hours (`train.json`: world size x the logged step times).
@@ -11,8 +11,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.study.spec import Study, StudyError, Task
-from benchmarks.study.units import RunKey, final_files, point_files, select_lrs, sts_file, with_floor
+from pipeline.study.spec import Study, StudyError, Task
+from pipeline.study.units import RunKey, final_files, point_files, select_lrs, sts_file, with_floor
 
 
 class Missing(StudyError):
@@ -27,7 +27,7 @@ def _read(path: Path, missing: list[Path]) -> Optional[dict]:
 
 
 def _merge(parts: list[Optional[dict]]) -> Optional[dict]:
-    from benchmarks.quality.ttq_eval import merge_finetune_summaries
+    from pipeline.study.evaluate import merge_finetune_summaries
 
     return merge_finetune_summaries(parts) if parts and all(p is not None for p in parts) else None
 
@@ -124,7 +124,7 @@ def cost_rows(study: Study) -> list[dict]:
 def collect(study: Study, out: Path, per_task_dirs: bool = True, notes: list[str] | None = None,
             extra: dict | None = None) -> list[dict]:
     """Every report of the study under `out`; returns each one's verdict and paths."""
-    from benchmarks.quality.ttq_report import write_study_report
+    from pipeline.study.report import write_study_report
 
     results = []
     costs = cost_rows(study)

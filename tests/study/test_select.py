@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.study.spec import StudyError, load_study
-from benchmarks.study.units import RunKey, pretrain_overrides, select_lrs
+from pipeline.study.spec import StudyError, load_study
+from pipeline.study.units import RunKey, pretrain_overrides, select_lrs
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -82,7 +82,7 @@ def test_runs_of_a_select_study_record_their_last_validation(tiny_corpus_file, t
     """Two real tiny runs validate on the selection half; train.json keeps the last val/ record (the training
     steps are counted once each, the val/ records apart), and the selection picks the lower held-out loss."""
     from data_prep.build_shards import build_shards
-    from benchmarks.study.local import train_run
+    from pipeline.study.local import train_run
 
     shards = tmp_path / "shards"
     build_shards([tiny_corpus_file], tiny_tokenizer_dir, shards, seq_len=64, shard_size_mb=0.02, num_proc=1,

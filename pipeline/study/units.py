@@ -4,8 +4,8 @@ The study walks sweep -> selection -> seeds -> final over these units: a pretrai
 (objective, lr, seed) (`pretrain_overrides`, recorded by `train_record`), one evaluation per
 checkpoint (`eval_point`: conversion, held-out metrics, zero-shot STS with `sts:`, fine-tuning on each task), the learning-rate
 selection (`select_lrs`, on a selection split only) and the test splits once (`final_test`). Who
-runs them is the executor's business: `benchmarks.study.local` (in this process; the CPU study and
-`cpt-study run`) or `benchmarks.study.jobs` (SLURM jobs; `cpt-study submit`).
+runs them is the executor's business: `pipeline.study.local` (in this process; the CPU study and
+`cpt-study run`) or `pipeline.study.jobs` (SLURM jobs; `cpt-study submit`).
 
 Order of work (each unit leaves a JSON file; a re-run skips every unit whose file exists, and an
 interrupted training run resumes from its last checkpoint through `pipeline.train`'s own exact resume):
@@ -44,11 +44,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.quality.ttq_data import StudyData, prepare_sst2
-from benchmarks.quality.ttq_eval import cached, convert_once, finetune_sst2, heldout_metrics, merge_finetune_summaries
-from benchmarks.common.report import write_json
-from benchmarks.quality.ttq_eval import top_token_of
-from benchmarks.study.spec import Study, StudyError, Task
+from pipeline.report_files import write_json
+from pipeline.study.data import StudyData, prepare_sst2
+from pipeline.study.evaluate import (cached, convert_once, finetune_sst2, heldout_metrics, merge_finetune_summaries,
+                                     top_token_of)
+from pipeline.study.spec import Study, StudyError, Task
 
 #: pipeline.train exit code of the non-finite loss guard (a run that diverged: recorded, not fatal).
 EXIT_NONFINITE = 3

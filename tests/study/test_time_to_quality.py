@@ -1,6 +1,6 @@
 """The time-to-quality study's pieces: the work directory's settings check, held-out splits, selection on the
 selection split only, the baseline health check and its refusal, resume, and the held-out metrics against
-direct computations (the whole study through `cpt-study run`: tests/benchmarks/test_study_local.py)."""
+direct computations (the whole study through `cpt-study run`: tests/study/test_local.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import yaml
 
-from benchmarks.quality.quality_targets import EvalPoint
-from benchmarks.quality.ttq_data import main as split_main
-from benchmarks.quality.ttq_data import prepare_sst2, split_halves
-from benchmarks.quality.ttq_eval import cached, heldout_metrics, merge_finetune_summaries, top_token_of
-from benchmarks.quality.ttq_report import baseline_health, target_rows
-from benchmarks.study.local import evaluate_run
-from benchmarks.study.spec import StudyError, Task, check_work_dir, load_study
-from benchmarks.study.units import RunKey, cumulative_hours, downstream_at, select_lrs
+from pipeline.study.targets import EvalPoint
+from pipeline.study.data import main as split_main
+from pipeline.study.data import prepare_sst2, split_halves
+from pipeline.study.evaluate import cached, heldout_metrics, merge_finetune_summaries, top_token_of
+from pipeline.study.report import baseline_health, target_rows
+from pipeline.study.local import evaluate_run
+from pipeline.study.spec import StudyError, Task, check_work_dir, load_study
+from pipeline.study.units import RunKey, cumulative_hours, downstream_at, select_lrs
 
 
 def test_cumulative_hours_sum_step_times_times_world_size() -> None:
@@ -149,7 +149,7 @@ def test_a_work_dir_refuses_other_settings_but_grows_with_objectives_and_seeds(t
 
 
 def test_runs_table_names_the_signals_at_chance() -> None:
-    from benchmarks.quality.ttq_report import signals_at_chance
+    from pipeline.study.report import signals_at_chance
 
     signals = [{"term": "taco/loss", "value": 0.4, "reference": 2.2, "learned": True},
                {"term": "mlm/accuracy", "value": 0.058, "reference": 0.057, "learned": False}]
@@ -167,7 +167,7 @@ def test_cached_results_are_not_recomputed(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_a_finished_run_is_skipped_on_a_rerun(tiny_shards_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from benchmarks.quality.ttq_data import StudyData
+    from pipeline.study.data import StudyData
 
     repo = Path(__file__).resolve().parents[2]
     monkeypatch.chdir(repo)

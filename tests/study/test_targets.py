@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.quality.quality_targets import EvalPoint, first_reaching, mean_curve, seed_time_to_target, time_to_target
-from benchmarks.common.report import line_chart
-from benchmarks.common.stats import difference_ci, format_ci, mean_ci, t_quantile
+from pipeline.study.targets import EvalPoint, first_reaching, mean_curve, seed_time_to_target, time_to_target
+from pipeline.report_files import line_chart
+from pipeline.stats import difference_ci, format_ci, mean_ci, t_quantile
 
 
 def curve(values: list[float], metric: str = "acc", hours_per_step: float = 0.01) -> list[EvalPoint]:

@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.study.plan import plan
-from benchmarks.study.spec import StudyError, load_study
+from pipeline.study.plan import plan
+from pipeline.study.spec import StudyError, load_study
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _bert_base_output() -> str:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.study.cli", "plan", str(REPO / "studies" / "bert-base.yaml")],
+    out = subprocess.run([sys.executable, "-m", "pipeline.study.cli", "plan", str(REPO / "studies" / "bert-base.yaml")],
                          env={"PATH": "/usr/bin:/bin"}, cwd=REPO,  # no CPT_STUDY_DATA: a plan needs no data
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -85,14 +85,14 @@ def test_study_file_errors_name_the_file_and_field(tmp_path: Path, changes: dict
 
 
 def test_submit_checks_the_data_before_anything_is_queued(tmp_path: Path) -> None:
-    out = subprocess.run([sys.executable, "-m", "benchmarks.study.cli", "submit", str(_study(tmp_path))], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "pipeline.study.cli", "submit", str(_study(tmp_path))], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "shards.train:" in out.stderr and "has no manifest.json" in out.stderr
     assert not (tmp_path / "work").exists()
 
 
 def _cli(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "benchmarks.study.cli", *argv], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "pipeline.study.cli", *argv], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env=env)
 
 
@@ -130,12 +130,15 @@ def test_submit_and_status_without_slurm_on_path_say_so_in_one_line(tmp_path: Pa
     assert out.stderr.strip().splitlines() == [out.stderr.strip()] and "Traceback" not in out.stderr
     assert "SLURM's commands are not on PATH" in out.stderr
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["jobs.jsonl"]  # nothing made or queued
+    if command == "submit":  # what the whole study costs comes first: the plan's two totals, nothing else
+        lines = out.stdout.strip().splitlines()
+        assert [line.split(":")[0] for line in lines] == ["jobs", "estimated GPU-hours"], out.stdout
 
 
 def test_plan_says_where_its_seq_len_comes_from_and_what_it_assumed(tmp_path: Path) -> None:
     """Issue 57: without the data variables the plan estimated at seq_len 128 without a word (5x off for 64-token
     shards). Now the row and a line say where seq_len and vocab_size came from, and ASSUMED when nothing said."""
-    from benchmarks.study.plan import format_plan
+    from pipeline.study.plan import format_plan
 
     bare = {"tokens_per_s": {"mlm": 1000.0}}
     assumed = plan(load_study(_study(tmp_path, cost=bare), check_data=False))

@@ -15,6 +15,10 @@ with theta = arctan(t / sqrt(nu)),
                     + (1*3*...*(nu-3)) / (2*4*...*(nu-2)) cos^(nu-2)(theta))
 
 where A(t) = P(|T| <= t). One value gives the mean and no interval (None), never a made-up one.
+
+The one home of intervals over seeds: the study's report (`pipeline.study`) and the benchmarks' reports use
+it. (`pipeline.eval.metrics` holds the per-evaluation statistics, accuracy to Spearman, and `pipeline.eval.sts`
+the percentile bootstrap over pairs: intervals of another kind.)
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The time-to-quality evaluation (`benchmarks.quality.ttq_eval.heldout_metrics`) evaluates the model a
+"""The time-to-quality evaluation (`pipeline.study.evaluate.heldout_metrics`) evaluates the model a
 converted directory holds, of either family: its masked-LM loss, accuracy and token cosine are the training
 model's own on the same batches (it once loaded every export as `BertForMaskedLM`, which on a ModernBERT
 export evaluates a randomly initialised BERT)."""
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.quality.ttq_eval import heldout_metrics, top_token_of
+from pipeline.study.evaluate import heldout_metrics, top_token_of
 from pipeline.data.corruption import CorruptionCollator
 from pipeline.data.reader import ShardDataset
 from pipeline.monitor.health import mean_token_cosine
@@ -64,7 +64,7 @@ def test_an_electra_export_is_read_through_its_generator_and_its_discriminator(t
     """ELECTRA's export is the discriminator (no masked LM): the study converts it with its generator
     (`convert_once`) and reads every masked-LM number through `generator/` (the training generator's own
     logits) and the token cosine through the discriminator; without `generator/` it refuses by name."""
-    from benchmarks.quality.ttq_eval import convert_once
+    from pipeline.study.evaluate import convert_once
 
     out = tmp_path / "run"
     assert run_inprocess("tiny-electra", tiny_shards_dir, out, "optim.warmup_steps=0", "train.total_steps=2",

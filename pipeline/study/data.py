@@ -7,7 +7,7 @@
   directory with the same tokenizer: `heldout_select` is the one the learning rate may be chosen on
   (when no task is given), `heldout_report` is the one every reported masked-LM number comes from::
 
-      python -m benchmarks.quality.ttq_data TEXT OUT_DIR   # OUT_DIR/select.txt, report.txt, split.json
+      python -m pipeline.study.data TEXT OUT_DIR   # OUT_DIR/select.txt, report.txt, split.json
 
 * SST-2 (a task's `dir`, GLUE format with a labelled `test.tsv`): fine-tuning uses `train_examples`
   examples of `train.tsv` drawn with `pipeline.eval.glue.subset_split` (what `finetune
@@ -29,7 +29,7 @@ from typing import Optional
 
 import numpy as np
 
-from benchmarks.common.report import atomic_write
+from pipeline.io import write_atomic
 
 #: A WikiText article heading: ` = Title = ` (sections are ` = = Section = = `).
 ARTICLE_HEADING = re.compile(r"^ = [^=].* = $")
@@ -61,8 +61,8 @@ def split_halves(text_file: Path, first: Path, second: Path) -> dict:
     sizes = np.cumsum([len(line.encode()) for line in lines])
     half = sizes[-1] / 2
     cut = min(starts[1:], key=lambda i: abs(sizes[i - 1] - half))  # an article start closest to the middle
-    atomic_write(first, "".join(lines[:cut]))
-    atomic_write(second, "".join(lines[cut:]))
+    write_atomic(first, "".join(lines[:cut]), shared=True, parents=True)
+    write_atomic(second, "".join(lines[cut:]), shared=True, parents=True)
     return {"source": str(text_file), "cut_line": cut, "units": len(starts),
             "by": "article" if len(starts) < len(lines) else "line"}
 
@@ -98,21 +98,21 @@ def prepare_sst2(sst2_dir: Optional[str], work: Path, n_train: int, n_select: in
     if not select.is_file():
         columns = [table.columns.index(c) for c in (*spec.text_cols, spec.label_col)]
         rows = [table.rows[rest[i]] for i in chosen]
-        atomic_write(select, "\t".join((*spec.text_cols, spec.label_col)) + "\n"
-                      + "".join("\t".join(r[c] for c in columns) + "\n" for r in rows))
+        write_atomic(select, "\t".join((*spec.text_cols, spec.label_col)) + "\n"
+                     + "".join("\t".join(r[c] for c in columns) + "\n" for r in rows), shared=True, parents=True)
     return root, select, (f"SST-2 from {root}: fine-tuning on {n_train} train examples (subset seed {seed}), "
                           f"selection on {n_select} other train examples, dev reported, test scored once at the end")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m benchmarks.quality.ttq_data TEXT OUT_DIR`: the two held-out halves of TEXT."""
+    """`python -m pipeline.study.data TEXT OUT_DIR`: the two held-out halves of TEXT."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2 or not Path(args[0]).is_file():
-        print("usage: python -m benchmarks.quality.ttq_data TEXT OUT_DIR (TEXT: an existing text file)", file=sys.stderr)
+        print("usage: python -m pipeline.study.data TEXT OUT_DIR (TEXT: an existing text file)", file=sys.stderr)
         return 2
     out = Path(args[1])
     info = split_halves(Path(args[0]), out / "select.txt", out / "report.txt")
-    atomic_write(out / "split.json", json.dumps(info, indent=1))
+    write_atomic(out / "split.json", json.dumps(info, indent=1), shared=True, parents=True)
     print(f"wrote {out / 'select.txt'} and {out / 'report.txt'} (cut at line {info['cut_line']}, by {info['by']})")
     return 0
 

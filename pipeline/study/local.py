@@ -1,8 +1,8 @@
-"""The local executor of a study: every unit of `benchmarks.study.units` in order, in this process.
+"""The local executor of a study: every unit of `pipeline.study.units` in order, in this process.
 
 Each pretraining run is the real `python -m pipeline.train` in a child process (or under a
 `launcher`, e.g. `torchrun --nproc_per_node 8`); its evaluation points, the selection, the seed phase
-and the final test splits follow as the SLURM executor (`benchmarks.study.jobs`) runs them, over the
+and the final test splits follow as the SLURM executor (`pipeline.study.jobs`) runs them, over the
 same units and result files, so a study started by one executor can be finished by the other and
 `cpt-study collect` reports either. Run by `cpt-study run STUDY.yaml` (the CPU study:
 `studies/cpu-small.yaml`).
@@ -16,12 +16,12 @@ import subprocess
 import sys
 from typing import Sequence
 
-from benchmarks.common.report import write_json
-from benchmarks.common.runs import last_error_line
-from benchmarks.study.results import selected_keys, selection, sweep_keys
-from benchmarks.study.spec import Study, StudyError
-from benchmarks.study.units import (EXIT_NONFINITE, RunKey, eval_point, final_test, point_done, pretrain_overrides,
-                                    pretraining_done, train_record)
+from pipeline.report_files import write_json
+from pipeline.study.results import selected_keys, selection, sweep_keys
+from pipeline.study.spec import Study, StudyError
+from pipeline.study.units import (EXIT_NONFINITE, RunKey, eval_point, final_test, point_done, pretrain_overrides,
+                                  pretraining_done, train_record)
+from pipeline.train.exit_record import last_error_line
 
 #: Seconds a stopped training child gets to write its checkpoint before it is killed.
 STOP_GRACE_S = 300
@@ -29,7 +29,7 @@ STOP_GRACE_S = 300
 
 def run_child(cmd: list[str], log) -> int:
     """Run `cmd` to completion; if this process is stopped (SIGTERM, turned into an exception by
-    `benchmarks.common.stop_signal.sigterm_stops`, or Ctrl-C), pass SIGTERM on, so `pipeline.train`
+    `pipeline.study.stop_signal.sigterm_stops`, or Ctrl-C), pass SIGTERM on, so `pipeline.train`
     writes a checkpoint and exits, and the re-run resumes from it."""
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:

@@ -1,7 +1,7 @@
 """Zero-shot STS in the time-to-quality report: does any objective separate from MLM?
 
 Each evaluation point of a study with `sts:` carries STS-B dev and test Spearman x 100
-(`benchmarks.study.units.sts_at`, `pipeline.eval.sts.measure`). Per objective and split, the comparison
+(`pipeline.study.units.sts_at`, `pipeline.eval.sts.measure`). Per objective and split, the comparison
 with MLM is made twice, per pretraining seed (paired: the same seed's MLM run):
 
   * **equal budget**: both runs' final points (the study's step or token budget);
@@ -15,7 +15,7 @@ with MLM is made twice, per pretraining seed (paired: the same seed's MLM run):
     early point of one run is not compared with the late point of the other (the artefact matched compute
     can show when the curves fall with training).
 
-Over the seeds: each side's mean and 95% t-interval (`benchmarks.common.stats.mean_ci`), and the paired
+Over the seeds: each side's mean and 95% t-interval (`pipeline.stats.mean_ci`), and the paired
 difference's. The issue's criterion for a claim is strict: the two intervals do not overlap
 (`separates`); the paired difference is given beside it.
 
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from benchmarks.common.stats import format_ci, mean_ci
-from benchmarks.quality.quality_targets import EvalPoint
+from pipeline.stats import format_ci, mean_ci
+from pipeline.study.targets import EvalPoint
 
 SPLITS = ("test", "dev")
 #: references measured once per study (independent of the checkpoint) -> row label

@@ -120,7 +120,7 @@ class Study:
         return sorted({*range(self.eval_every, steps + 1, self.eval_every), steps})
 
     def args(self, objective: str, task: Optional[Task] = None) -> argparse.Namespace:
-        """The settings in the form `benchmarks.quality` (the CPU study's units) reads them."""
+        """The settings in the form the units' evaluation and report read them (`units`, `evaluate`, `report`)."""
         ft = self.finetune
         return argparse.Namespace(
             steps=self.steps_of[objective], eval_every=self.eval_every, warmup_ratio=self.warmup_ratio,
@@ -371,7 +371,7 @@ def check_work_dir(study: Study, record: bool = True) -> None:
     directory made with other ones before anything runs. Objectives and pretraining or fine-tuning
     seeds may be added (that is how a study grows); the first seed runs the sweep, so it is defining.
     `record` False: check only (`submit` records once its jobs are queued)."""
-    from benchmarks.common.report import write_json
+    from pipeline.report_files import write_json
 
     current = json.loads(json.dumps({
         "objectives": {n: [o.preset, *o.overrides] for n, o in study.objectives.items()}, "sweep_seed": study.seeds[0],

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.study.cli import main
+from pipeline.study.cli import main
 from tests.eval.conftest import write_sts
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,9 +19,9 @@ STUDY = REPO / "studies" / "tiny.yaml"
 
 @pytest.mark.timeout(900)
 def test_the_tiny_study_runs_locally_over_the_slurm_units(tiny_shards_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from benchmarks.study.results import selected_keys, selection, sweep_keys
-    from benchmarks.study.spec import load_study
-    from benchmarks.study.units import final_files, point_done
+    from pipeline.study.results import selected_keys, selection, sweep_keys
+    from pipeline.study.spec import load_study
+    from pipeline.study.units import final_files, point_done
 
     task = tmp_path / "sst2"
     task.mkdir()

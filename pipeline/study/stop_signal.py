@@ -1,5 +1,5 @@
-"""SIGTERM as a clean stop for the long, resumable benchmark drivers (the study's
-executors): `kill PID` raises KeyboardInterrupt in the driver, whose handler says how to resume, while
+"""SIGTERM as a clean stop for the long, resumable study driver (`cpt-study run`, the local
+executor): `kill PID` raises KeyboardInterrupt in the driver, whose handler says how to resume, while
 the running training child checkpoints on its own SIGTERM. The previous handler comes back when the
 driver returns, so calling a driver in process (the tests do) leaves no handler behind: a Python
 handler inherited by later forked workers (`data_prep.build_shards`'s pool) would otherwise turn the

@@ -1,5 +1,5 @@
-"""The SLURM executor of a study: its units (`benchmarks.study.units`) as jobs, only those whose result
-files are missing (`benchmarks.study.local` is the other executor, over the same units and files).
+"""The SLURM executor of a study: its units (`pipeline.study.units`) as jobs, only those whose result
+files are missing (`pipeline.study.local` is the other executor, over the same units and files).
 
 * one `slurm/pretrain.sbatch` job per (objective, lr, seed) (its preemption, requeue and
   resume from `checkpoints/latest`), unless the run is recorded or its final checkpoint complete;
@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from benchmarks.study.spec import Study, StudyError
-from benchmarks.study.units import RunKey, point_done, pretrain_overrides, pretraining_done
+from pipeline.study.spec import Study, StudyError
+from pipeline.study.units import RunKey, point_done, pretrain_overrides, pretraining_done
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def submit_run(study: Study, key: RunKey, curves: bool) -> list[str]:
 
 def submit_study(study: Study) -> list[str]:
     """`cpt-study submit`: the sweep's missing units and the driver job that continues after them."""
-    from benchmarks.study.results import sweep_keys
+    from pipeline.study.results import sweep_keys
 
     _require("sbatch")  # before any directory is made or job queued
     queued = queue_states([j["job"] for j in registered(study)])
@@ -130,8 +130,8 @@ def submit_study(study: Study) -> list[str]:
 
 def submit_seed_phase(study: Study, chosen: dict) -> list[str]:
     """(In the driver job) every seed at each selected learning rate, with curves, then the final job."""
-    from benchmarks.study.results import selected_keys
-    from benchmarks.study.units import final_files
+    from pipeline.study.results import selected_keys
+    from pipeline.study.units import final_files
 
     jobs = [j for key in selected_keys(study, chosen) for j in submit_run(study, key, curves=True)]
     if jobs or not all(p.is_file() for k in selected_keys(study, chosen) for p in final_files(study, k)):
@@ -144,8 +144,8 @@ def submit_seed_phase(study: Study, chosen: dict) -> list[str]:
 
 def status_lines(study: Study) -> list[str]:
     """Units done / missing per phase, and the study's jobs still in the queue."""
-    from benchmarks.study.results import Missing, selected_keys, selection, sweep_keys
-    from benchmarks.study.units import final_files
+    from pipeline.study.results import Missing, selected_keys, selection, sweep_keys
+    from pipeline.study.units import final_files
 
     def count(keys: list[RunKey], curves: bool) -> str:
         pre = sum(pretraining_done(study, k) for k in keys)
@@ -173,9 +173,9 @@ def status_lines(study: Study) -> list[str]:
 def run_unit(argv: list[str]) -> int:
     """Entry of `slurm/study.sbatch`: eval STUDY RUN curves|final (the point: SLURM_ARRAY_TASK_ID),
     driver STUDY, final STUDY."""
-    from benchmarks.study.results import selection, selected_keys
-    from benchmarks.study.spec import load_study
-    from benchmarks.study.units import eval_point, final_test, parse_run
+    from pipeline.study.results import selection, selected_keys
+    from pipeline.study.spec import load_study
+    from pipeline.study.units import eval_point, final_test, parse_run
 
     kind, study = argv[0], load_study(argv[1])
     if kind == "eval":

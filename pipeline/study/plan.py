@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from benchmarks.study.spec import Study, StudyError, run_config
+from pipeline.study.spec import Study, StudyError, run_config
 
 #: fraction of tokens BERT's masking predicts; fine-tuning sequence length assumed by the estimate
 MASK_FRACTION, FINETUNE_SEQ = 0.15, 128
@@ -142,6 +142,6 @@ def format_plan(p: dict[str, Any]) -> str:
 
 
 def write_plan(p: dict[str, Any], path: Path) -> None:
-    from benchmarks.common.report import write_json
+    from pipeline.report_files import write_json
 
     write_json(path, p)

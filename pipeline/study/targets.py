@@ -6,7 +6,7 @@ MLM's GLUE score with 1/5 of the steps") is asked per seed, paired: the target o
 *MLM baseline's final value with seed k* (the same data order, masks and initialisation stream),
 each run reports the first evaluated step at which it is at least as good, and the ratio is
 run / baseline (the baseline's own first step at its final value). Over the seeds the report gives
-the mean and the 95% t-interval (`benchmarks.common.stats`); a mean is only given when every seed
+the mean and the 95% t-interval (`pipeline.stats`); a mean is only given when every seed
 reached the target (an average over the seeds that happened to reach it would flatter the run).
 
 Choice: no interpolation between evaluation points. The reported step is the first *measured*
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
+
+from pipeline.stats import mean_ci
 
 
 @dataclass(frozen=True)
@@ -82,8 +84,6 @@ def time_to_target(baseline: Mapping[int, Sequence[EvalPoint]], runs: Mapping[in
                    metric: str, higher_is_better: bool, confidence: float = 0.95) -> dict:
     """`seed_time_to_target` for every seed both have, and over them the mean / interval of the
     steps, device-hours and ratios (None unless every seed reached the target)."""
-    from benchmarks.common.stats import mean_ci
-
     seeds = sorted(set(baseline) & set(runs))
     per_seed = {seed: seed_time_to_target(baseline[seed], runs[seed], metric, higher_is_better) for seed in seeds}
     reached = sum(1 for r in per_seed.values() if r["steps"] is not None)
@@ -98,8 +98,6 @@ def time_to_target(baseline: Mapping[int, Sequence[EvalPoint]], runs: Mapping[in
 def mean_curve(curves: Sequence[Sequence[EvalPoint]], metric: str, confidence: float = 0.95) -> list[dict]:
     """Per evaluated step that every curve measured: the mean device-hours (and tokens, where every curve
     recorded them) and the mean / interval of `metric` over the curves (seeds)."""
-    from benchmarks.common.stats import mean_ci
-
     by_step: dict[int, list[EvalPoint]] = {}
     for curve in curves:
         for point in curve:

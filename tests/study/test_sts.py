@@ -1,7 +1,7 @@
 """Zero-shot STS in the time-to-quality study: the study file's `sts:` (checked before any compute), the work
-directory's record of it, and the report's comparison with MLM (`benchmarks.quality.ttq_sts`) on curves made here.
+directory's record of it, and the report's comparison with MLM (`pipeline.study.sts_comparison`) on curves made here.
 The whole path (training, conversion, `sts_step_<N>.json` at every point, the report) runs in
-tests/benchmarks/test_study_local.py and, on SLURM, tests/slurm/test_study.py."""
+tests/study/test_local.py and, on SLURM, tests/slurm/test_study.py."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from benchmarks.quality.quality_targets import EvalPoint
-from benchmarks.quality.ttq_sts import comparison_rows, floor_lines, floor_rows, paired_points, separation, verdict
-from benchmarks.study.spec import StudyError, check_work_dir, load_study
+from pipeline.study.targets import EvalPoint
+from pipeline.study.sts_comparison import comparison_rows, floor_lines, floor_rows, paired_points, separation, verdict
+from pipeline.study.spec import StudyError, check_work_dir, load_study
 from tests.eval.conftest import write_sts
 
 

@@ -6,8 +6,8 @@
     cpt-study status  studies/bert-base.yaml   # units done per phase, the study's jobs in the queue
     cpt-study collect studies/bert-base.yaml --out REPORT_DIR   # the CPU study's report, from the files alone
 
-The study file format: `benchmarks/study/spec.py`; the units: `benchmarks/study/units.py`; the executors:
-`benchmarks/study/jobs.py` (SLURM) and `benchmarks/study/local.py` (here; `studies/cpu-small.yaml` is the CPU study);
+The study file format: `pipeline/study/spec.py`; the units: `pipeline/study/units.py`; the executors:
+`pipeline/study/jobs.py` (SLURM) and `pipeline/study/local.py` (here; `studies/cpu-small.yaml` is the CPU study);
 docs/slurm.md#the-time-to-quality-study-on-slurm walks through a run on a cluster.
 """
 from __future__ import annotations
@@ -18,10 +18,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-if __package__ in (None, ""):  # run as a script: make `benchmarks` importable from the repo root
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from benchmarks.study.spec import StudyError, check_work_dir, load_study  # noqa: E402
+from pipeline.study.spec import StudyError, check_work_dir, load_study
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,30 +38,32 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # plan needs no data yet (a study is planned before its shards exist); the others do
         study = load_study(args.study, check_data=args.command != "plan")
         if args.command == "plan":
-            from benchmarks.study.plan import format_plan, plan, write_plan
+            from pipeline.study.plan import format_plan, plan, write_plan
 
             p = plan(study)
             print(format_plan(p))
             if args.out:
                 write_plan(p, Path(args.out) / "plan.json")
         elif args.command == "submit":
-            from benchmarks.study.jobs import submit_study
-            from benchmarks.study.plan import format_plan, plan
+            from pipeline.study.jobs import submit_study
+            from pipeline.study.plan import format_plan, plan
 
-            print("\n".join(format_plan(plan(study)).splitlines()[-3:-1]), flush=True)  # what the whole study costs
+            costs = [line for line in format_plan(plan(study)).splitlines()
+                     if line.startswith(("jobs:", "estimated GPU-hours:"))]
+            print("\n".join(costs), flush=True)  # what the whole study costs
             check_work_dir(study, record=False)  # refused before anything is queued, recorded once it is
             jobs = submit_study(study)
             check_work_dir(study)
             print(f"submitted {len(jobs)} job(s); the driver job submits the seed phase when the sweep ends "
                   f"(`cpt-study status {args.study}`)")
         elif args.command == "status":
-            from benchmarks.study.jobs import status_lines
+            from pipeline.study.jobs import status_lines
 
             print("\n".join(status_lines(study)))
         else:
-            from benchmarks.common.stop_signal import sigterm_stops
-            from benchmarks.study.local import run_study
-            from benchmarks.study.results import collect
+            from pipeline.study.stop_signal import sigterm_stops
+            from pipeline.study.local import run_study
+            from pipeline.study.results import collect
 
             if args.command == "run":
                 check_work_dir(study)

@@ -40,8 +40,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from benchmarks.common.report import write_json
+from pipeline.io import write_atomic
 from pipeline.monitor.health import COLLAPSE_COSINE, mean_token_cosine
+from pipeline.report_files import write_json
 
 
 def cached(path: Path, compute: Callable[[], dict]) -> dict:
@@ -131,7 +132,6 @@ def finetune_sst2(model_dir: Path, sst2_dir: Path, select_file: Path, args, outp
     select (/ test) and their means. The full finetune output (every seed, predictions) is kept at
     `output`."""
     from pipeline.eval.finetune import build_parser, finetune
-    from pipeline.eval.json_cli import write_atomic
 
     eval_files = [str(select_file)] + (["test.tsv"] if with_test else [])
     argv = ["--model", str(model_dir), "--task-dir", str(sst2_dir), "--task", task,
@@ -144,7 +144,7 @@ def finetune_sst2(model_dir: Path, sst2_dir: Path, select_file: Path, args, outp
     if random_init:
         argv.append("--random-init")
     result = finetune(build_parser().parse_args(argv))
-    write_atomic(output, json.dumps(result, indent=2) + "\n")
+    write_atomic(output, json.dumps(result, indent=2) + "\n", shared=True, parents=True)
     out = {"pretrained": summarize_finetune(result["runs"])}
     if random_init:
         out["random_init"] = summarize_finetune(result["random_init"]["runs"])

@@ -15,18 +15,18 @@ those are measured against the baseline's own final quality, which would then me
 
 With zero-shot STS-B (a study's `sts:`), every point also carries `sts_dev` / `sts_test` (Spearman x 100),
 plotted against steps, tokens and device-hours with the floors drawn, and `time_to_quality_sts` compares each
-objective with MLM at equal budget and at matched compute (`benchmarks.quality.ttq_sts`).
+objective with MLM at equal budget and at matched compute (`pipeline.study.sts_comparison`).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.quality.quality_targets import EvalPoint, mean_curve, time_to_target
-from benchmarks.quality.ttq_sts import comparison_rows, floor_lines, floor_rows, sts_values, verdict as sts_verdict
-from benchmarks.common.report import line_chart, write_report
-from benchmarks.common.stats import difference_ci, format_ci, mean_ci
 from pipeline.monitor.health import COLLAPSE_COSINE
+from pipeline.report_files import line_chart, write_report
+from pipeline.stats import difference_ci, format_ci, mean_ci
+from pipeline.study.sts_comparison import comparison_rows, floor_lines, floor_rows, sts_values, verdict as sts_verdict
+from pipeline.study.targets import EvalPoint, mean_curve, time_to_target
 
 #: curve metric -> (higher is better, or None for a health number with no target)
 METRICS = {"sst2_dev_accuracy": True, "heldout_mlm_acc": True, "heldout_mlm_loss": False,
@@ -188,7 +188,7 @@ def run_rows(study: dict) -> list[dict]:
 
 def signals_at_chance(train_health: dict) -> Optional[str]:
     """The learning signals not learned over the last 20% of a run's logged steps (`pipeline.monitor.signals`,
-    recorded by `benchmarks.study.units.run_record`): "none", the terms with value / reference, or None for a run
+    recorded by `pipeline.study.units.run_record`): "none", the terms with value / reference, or None for a run
     recorded before they were."""
     signals = train_health.get("signals")
     if signals is None:

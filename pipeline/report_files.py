@@ -1,8 +1,10 @@
-"""The one writer of every benchmark's output: JSON (with hardware and versions), a Markdown table, a PNG.
+"""The one writer of report files: JSON (with hardware and versions), a Markdown table, a PNG.
 
-Every file a benchmark writes goes through `atomic_write` (a temporary name beside it, then a rename, so a
-killed process never leaves half a file): `write_json` for result records, `write_report` for a
-report, the GPU suite's stage files (`gpu_suite/runner.py` builds their payload, this writes it).
+Used by the study's report (`pipeline.study`) and by every benchmark (`benchmarks/`). Every file goes through
+`pipeline.io.write_atomic` with a temporary of its own (`shared=True`: a killed process never leaves half a
+file, and two processes writing one path never share a temporary): `write_json` for result records,
+`write_report` for a report, `save_figure` for a plot, the GPU suite's stage files (`gpu_suite/runner.py`
+builds their payload).
 
 `write_report(name, rows, out_dir, title, bar=("label_column", "value_column"))` writes
 `<out_dir>/<name>.json`, `<name>.md` and (when `bar` is given) `<name>.png`, each atomically.
@@ -11,6 +13,7 @@ report, the GPU suite's stage files (`gpu_suite/runner.py` builds their payload,
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import platform
@@ -19,6 +22,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Iterable, Sequence
+
+from pipeline.io import write_atomic
 
 
 def hardware_info() -> dict[str, Any]:
@@ -66,28 +71,20 @@ def markdown_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None
     return "\n".join(lines) + "\n"
 
 
-def atomic_write(path: Path, data: bytes | str) -> None:
-    """Write `data` to `path` atomically (parent folders created)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
-
-
 def write_json(path: Path, payload: Any, indent: int = 1) -> None:
-    """A result record as JSON, atomically."""
-    atomic_write(path, json.dumps(payload, indent=indent, default=str) + "\n")
+    """A result record as JSON, atomically (parent folders created)."""
+    write_atomic(path, json.dumps(payload, indent=indent, default=str) + "\n", shared=True, parents=True)
 
 
-def _save_figure(fig, path: Path) -> None:
-    """Write a matplotlib figure as PNG atomically (temp name, then rename) and free it."""
+def save_figure(fig, path: Path) -> None:
+    """Write a matplotlib figure as PNG atomically (rendered in memory, then `write_atomic`) and free it."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout()
-    tmp = path.with_name(path.stem + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
+    write_atomic(path, png.getvalue(), shared=True, parents=True)
 
 
 def bar_chart(rows: Sequence[dict[str, Any]], label: str, value: str, path: Path, title: str) -> None:
@@ -103,7 +100,7 @@ def bar_chart(rows: Sequence[dict[str, Any]], label: str, value: str, path: Path
     ax.set_xticks(range(len(values)), labels, rotation=30, ha="right")
     ax.set_ylabel(value)
     ax.set_title(title)
-    _save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def line_chart(
@@ -141,7 +138,7 @@ def line_chart(
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
-    _save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def panel_chart(
@@ -179,7 +176,7 @@ def panel_chart(
     for ax in list(axes.flat)[len(names):]:
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
-    _save_figure(fig, path)
+    save_figure(fig, path)
 
 
 def write_report(
@@ -207,12 +204,12 @@ def write_report(
         **(extra or {}),
     }
     paths = {"json": out / f"{name}.json", "md": out / f"{name}.md"}
-    atomic_write(paths["json"], json.dumps(payload, indent=2, default=str).encode())
+    write_atomic(paths["json"], json.dumps(payload, indent=2, default=str), shared=True)
     md = [f"# {title}", "", f"Device: {hw['device']} ({hw['cpu_count']} CPU cores); torch {hw['torch']}, "
           f"deepspeed {hw['deepspeed']}, triton {hw['triton']}; command: `{payload['command']}`", ""]
     md.append(markdown_table(rows))
     md += [f"- {n}" for n in notes]
-    atomic_write(paths["md"], ("\n".join(md) + "\n").encode())
+    write_atomic(paths["md"], "\n".join(md) + "\n", shared=True)
     if bar is not None and rows:
         paths["png"] = out / f"{name}.png"
         bar_chart(rows, bar[0], bar[1], paths["png"], title)
