@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from pipeline.eval.glue import TASK_CHOICES, Split, TaskSpec, load_eval_file, resolve_task, subset_split, task_metrics
-from pipeline.eval.json_cli import run_json_command, write_atomic
+from pipeline.eval.json_cli import run_json_command
+from pipeline.io import write_atomic
 
 PRETRAINED, RANDOM_INIT = "pretrained", "random_init"
 #: Tokens per example unless `--max-length` says otherwise (capped by the model's positions).
@@ -284,7 +285,7 @@ def finetune(args: argparse.Namespace) -> dict:
             if predictions_dir is not None:
                 for name, split in splits.items():
                     path = predictions_dir / variant / f"seed_{seed}" / f"{name}.tsv"
-                    write_atomic(path, prediction_tsv(spec, split, predictions[name]))
+                    write_atomic(path, prediction_tsv(spec, split, predictions[name]), shared=True, parents=True)
                     files.append(str(path))
             if save_dir is not None and variant == PRETRAINED:
                 save_model(trained, save_dir if len(args.seeds) == 1 else save_dir / f"seed_{seed}")

@@ -5,21 +5,13 @@ expected failure (bad input, found before any compute) is one line on stderr and
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
-
-def write_atomic(path: Path, text: str) -> None:
-    """`text` to `path` via a temporary sibling (named by this process) and a rename: a reader never sees half
-    a file, and two processes writing the same path never share a temporary."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+from pipeline.io import write_atomic
 
 
 def run_json_command(compute: Callable[[], dict], threads: int, output: Optional[str],
@@ -41,6 +33,6 @@ def run_json_command(compute: Callable[[], dict], threads: int, output: Optional
         torch.set_num_threads(previous_threads)
     text = json.dumps(result, indent=2)
     if output:
-        write_atomic(Path(output), text + "\n")
+        write_atomic(Path(output), text + "\n", shared=True, parents=True)
     print(text if render is None else render(result))
     return 0
