@@ -352,6 +352,7 @@ def _worker_parent(_: int) -> int:
 #: locks are held at any instant; the workers must still start and the build must finish.
 THREADED_PARENT = """
 import logging, os, sys, threading
+sys.setswitchinterval(1e-4)  # why: see the test's docstring
 from data_prep.build_shards import build_shards, worker_pool
 from tests.data.test_build_shards import _worker_parent
 from data_prep.tokenizer_io import load_tokenizer
@@ -385,7 +386,12 @@ def test_shards_build_in_a_parent_that_started_threads_first(tiny_corpus_file, t
     """Issue 42: a forked worker of a threaded parent could inherit a held lock and hang in futex_wait
     (then Pool.terminate -> join hung). The workers are started by a forkserver, not forked from the
     parent (their parent process is not the builder), and the build of a threaded parent finishes with
-    the same shards as an unthreaded one."""
+    the same shards as an unthreaded one.
+
+    The parent's GIL switch interval is 0.1 ms instead of 5 ms: with three threads spinning in Python,
+    each of the builder's (and its pool's handler threads') thousands of GIL hand-offs otherwise waits
+    about 15 ms, so the build took 578 s on two idle cores (11 s with this line) and timed out in CI. The
+    threads still spin and hold their locks at any instant; only the interpreter's scheduling is faster."""
     out = tmp_path / "shards"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", THREADED_PARENT, str(tiny_corpus_file), str(tiny_tokenizer_dir),
