@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from pipeline.io import write_atomic
+
 #: Stdlib folders whose docstrings are test scaffolding or generated tables, not prose.
 SKIPPED_DIRS = frozenset(
     {"test", "tests", "testing", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__",
@@ -192,13 +194,6 @@ def user_sources(paths: Iterable[str | os.PathLike]) -> Iterator[tuple[str, str]
                 yield "user-text", f.read_text(encoding="utf-8", errors="replace")
 
 
-def _write_atomic(path: Path, chunks: list[str]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.writelines(chunks)
-    os.replace(tmp, path)
-
-
 def write_corpus(sources: Iterable[tuple[str, str]], out_path: str | os.PathLike,
                  max_bytes: int = 8_000_000) -> CorpusStats:
     """Clean, de-duplicate and write `sources` to `out_path` (atomically), up to `max_bytes` in all.
@@ -230,7 +225,7 @@ def write_corpus(sources: Iterable[tuple[str, str]], out_path: str | os.PathLike
     stats = CorpusStats(path=out)
     for kind, chunk, paragraphs in documents:
         stats.add(kind, chunk, paragraphs)
-    _write_atomic(out, [chunk for _, chunk, _ in documents])
+    write_atomic(out, "".join(chunk for _, chunk, _ in documents))  # at most max_bytes, joined once
     return stats
 
 
