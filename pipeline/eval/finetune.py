@@ -3,15 +3,18 @@
 A plain torch loop around `AutoModelForSequenceClassification` (CPU is fine for small tasks):
 AdamW, linear warm-up then linear decay, dynamic padding per batch, one run per seed. The dev
 metrics after the last epoch are reported (no checkpoint selection on dev, so the number is not
-tuned on the data it is measured on). Output: one JSON object on stdout (and in `--output`, written
-atomically) with every seed's metrics and, per metric, the mean and the sample standard deviation
-over seeds. A metric with no value on its predictions (`pipeline.eval.metrics`: a Matthews correlation
+tuned on the data it is measured on). Output: a table for a person on stdout (`pipeline.eval.finetune_report`:
+per metric the mean over seeds with its 95% Student-t interval, the random-init baseline and the gain with
+Welch's interval, one verdict line); `--json` prints the JSON record instead and `--output` writes it
+(atomically): every seed's metrics and, per metric, the mean, the sample standard deviation and the interval
+over seeds (`pipeline.stats`). A metric with no value on its predictions (`pipeline.eval.metrics`: a Matthews correlation
 of predictions that are all one class, a correlation of constant scores, a spread of one seed) is
 `null`, never a number, and an `undefined` entry beside it says why.
 
 What pretraining bought: `--random-init` fine-tunes, with the same seeds, data and
 hyperparameters, a randomly initialised model of the same configuration (`from_config`) as well,
-and reports its metrics (`random_init`) and the difference of the means (`pretraining_gain`).
+and reports its metrics (`random_init`), the difference of the means (`pretraining_gain`) and its Welch
+interval (`pretraining_gain_interval`).
 `--train-subset N` trains on N examples drawn once (`--subset-seed`), the same for every seed and
 both models. Predictions of every evaluated split (dev, and each `--eval-file`) are written, one
 TSV per model, seed and split, to `--predictions DIR` (default: beside `--output`);
@@ -34,10 +37,13 @@ import numpy as np
 import torch
 
 from pipeline.eval.glue import TASK_CHOICES, Split, TaskSpec, load_eval_file, resolve_task, subset_split, task_metrics
+from pipeline.eval.finetune_report import render
 from pipeline.eval.json_cli import run_json_command
 from pipeline.io import write_atomic
+from pipeline.stats import difference_ci, mean_ci
 
 PRETRAINED, RANDOM_INIT = "pretrained", "random_init"
+CONFIDENCE = 0.95  # of every interval over seeds
 #: Tokens per example unless `--max-length` says otherwise (capped by the model's positions).
 DEFAULT_MAX_LENGTH = 128
 
@@ -172,12 +178,33 @@ def summarise(runs: list[dict]) -> tuple[dict[str, Optional[float]], dict[str, O
         std[name] = statistics.stdev(values) if len(values) > 1 else None
     if len(runs) == 1:
         undefined["std"] = "one seed: a sample standard deviation needs two"
+        undefined["interval"] = "one seed: an interval over seeds needs two"
     return mean, std, undefined
 
 
 def difference(a: dict[str, Optional[float]], b: dict[str, Optional[float]]) -> dict[str, Optional[float]]:
     """a - b per metric; None where either is undefined."""
     return {k: None if a[k] is None or b.get(k) is None else a[k] - b[k] for k in a}
+
+
+def _bounds(ci: dict) -> Optional[list[float]]:
+    return None if ci["lo"] is None else [ci["lo"], ci["hi"]]
+
+
+def intervals(runs: list[dict], mean: dict[str, Optional[float]]) -> dict[str, Optional[list[float]]]:
+    """Each metric's `CONFIDENCE` Student-t interval of the mean over seeds (`pipeline.stats.mean_ci`:
+    mean +- t_{(1+c)/2, n-1} s / sqrt(n)); None where the mean is undefined or with one seed (`summarise`
+    already says why). Seeds vary the fine-tuning only: the interval covers that spread, not pretraining's."""
+    return {name: None if mean[name] is None else _bounds(mean_ci([r["metrics"][name] for r in runs], CONFIDENCE))
+            for name in mean}
+
+
+def gain_intervals(runs: list[dict], baseline: list[dict],
+                   gain: dict[str, Optional[float]]) -> dict[str, Optional[list[float]]]:
+    """Welch's `CONFIDENCE` interval of pretrained minus random-init means per metric
+    (`pipeline.stats.difference_ci`); None where the gain is undefined or either side has one seed."""
+    return {name: None if gain[name] is None else _bounds(difference_ci(
+        [r["metrics"][name] for r in runs], [r["metrics"][name] for r in baseline], CONFIDENCE)) for name in gain}
 
 
 def prediction_tsv(spec: TaskSpec, split: Split, predictions: np.ndarray) -> str:
@@ -312,6 +339,8 @@ def finetune(args: argparse.Namespace) -> dict:
         "runs": results[PRETRAINED],
         "mean": mean,
         "std": std,
+        "confidence": CONFIDENCE,
+        "interval": intervals(results[PRETRAINED], mean),
         **({"undefined": undefined} if undefined else {}),
         "prediction_files": files,
         "saved_model": str(save_dir) if save_dir is not None else None,
@@ -319,8 +348,11 @@ def finetune(args: argparse.Namespace) -> dict:
     if args.random_init:
         r_mean, r_std, r_undefined = summarise(results[RANDOM_INIT])
         out["random_init"] = {"runs": results[RANDOM_INIT], "mean": r_mean, "std": r_std,
+                              "interval": intervals(results[RANDOM_INIT], r_mean),
                               **({"undefined": r_undefined} if r_undefined else {})}
         out["pretraining_gain"] = difference(mean, r_mean)
+        out["pretraining_gain_interval"] = gain_intervals(results[PRETRAINED], results[RANDOM_INIT],
+                                                          out["pretraining_gain"])
     return out
 
 
@@ -348,6 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0: torch's default)")
     p.add_argument("--output", default=None, help="also write the JSON result to this file")
+    p.add_argument("--json", action="store_true", help="print the JSON result instead of the table")
     p.add_argument("--train-subset", type=int, default=None, metavar="N",
                    help="train on N examples drawn once with --subset-seed (the same for every seed and model)")
     p.add_argument("--subset-seed", type=int, default=0)
@@ -370,7 +403,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"error: --{flag.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
     return run_json_command(lambda: finetune(args), args.threads, args.output,
-                            (FileNotFoundError, FileExistsError, ValueError))
+                            (FileNotFoundError, FileExistsError, ValueError), render=None if args.json else render)
 
 
 if __name__ == "__main__":

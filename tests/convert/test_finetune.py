@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+from scipy.stats import t as scipy_t
 
 from pipeline.eval.finetune import main
 
@@ -37,7 +38,8 @@ def test_keyword_task_accuracy_well_above_chance(converted, tmp_path, capsys):
     task = write_keyword_task(tmp_path / "keyword")
     output = tmp_path / "results" / "keyword.json"
     argv = ["--model", str(model_dir), "--task-dir", str(task), "--seeds", "1", "2", "--lr", "1e-3",
-            "--epochs", "4", "--batch-size", "16", "--max-length", "32", "--threads", "1", "--output", str(output)]
+            "--epochs", "4", "--batch-size", "16", "--max-length", "32", "--threads", "1", "--output", str(output),
+            "--json"]
     capsys.readouterr()  # what building the converted run printed (DeepSpeed's first import, alone in a process)
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
@@ -50,6 +52,11 @@ def test_keyword_task_accuracy_well_above_chance(converted, tmp_path, capsys):
     assert min(accuracies) >= 0.85, accuracies  # chance is 0.5 (balanced labels)
     assert result["mean"]["accuracy"] == pytest.approx(statistics.fmean(accuracies))
     assert result["std"]["accuracy"] == pytest.approx(statistics.stdev(accuracies))
+    # the 95% interval over the two seeds: mean +- t(0.975, 1) s / sqrt(2), t from scipy
+    half = scipy_t.ppf(0.975, 1) * statistics.stdev(accuracies) / 2 ** 0.5
+    assert result["confidence"] == 0.95
+    assert result["interval"]["accuracy"] == pytest.approx([statistics.fmean(accuracies) - half,
+                                                            statistics.fmean(accuracies) + half])
     assert set(result["mean"]) == {"accuracy", "f1", "matthews"}
 
 
@@ -69,13 +76,14 @@ def test_regression_task_reports_correlations(converted, tmp_path, capsys):
         (task / f"{name}.tsv").write_text("\n".join(lines) + "\n")
     argv = ["--model", str(converted("zero0-1rank-mlm")), "--task-dir", str(task), "--task", "stsb",
             "--seeds", "3", "--lr", "1e-3", "--epochs", "8", "--batch-size", "16", "--max-length", "32",
-            "--threads", "1"]
+            "--threads", "1", "--json"]
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["problem"] == "regression" and result["metric"] == "pearson"
     assert result["runs"][0]["metrics"]["pearson"] > 0.7 and result["runs"][0]["metrics"]["spearman"] > 0.7
     # one seed has no spread: null with the reason, never 0
     assert result["std"] == {"pearson": None, "spearman": None} and "one seed" in result["undefined"]["std"]
+    assert result["interval"] == {"pearson": None, "spearman": None} and "one seed" in result["undefined"]["interval"]
 
 
 def test_bad_arguments_are_named(tmp_path, capsys):
@@ -98,7 +106,7 @@ def test_an_undefined_metric_is_null_with_its_reason(converted, tmp_path, capsys
                   f"\t{rng.choice([0.5, 2.5, 4.5])}" for i in range(n)]
         (task / f"{name}.tsv").write_text("\n".join(lines) + "\n")
     argv = ["--model", str(converted("zero0-1rank-mlm")), "--task-dir", str(task), "--task", "stsb", "--seeds", "1",
-            "2", "--epochs", "1", "--batch-size", "8", "--max-length", "16", "--threads", "1", "--random-init"]
+            "2", "--epochs", "1", "--batch-size", "8", "--max-length", "16", "--threads", "1", "--random-init", "--json"]
     capsys.readouterr()
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
@@ -108,3 +116,4 @@ def test_an_undefined_metric_is_null_with_its_reason(converted, tmp_path, capsys
     assert result["mean"] == {"pearson": None, "spearman": None} and result["std"] == result["mean"]
     assert result["undefined"]["pearson"].startswith("undefined on seed(s) 1, 2")
     assert result["pretraining_gain"] == {"pearson": None, "spearman": None}
+    assert result["pretraining_gain_interval"] == result["interval"] == {"pearson": None, "spearman": None}

@@ -25,7 +25,7 @@ def test_subset_predictions_saved_model_and_random_baseline(bert_dir, tmp_path, 
     output, saved = tmp_path / "results" / "kw.json", tmp_path / "saved"
     argv = ["--model", str(bert_dir), "--task-dir", str(task), "--seeds", "1", "--epochs", "1", "--batch-size", "16",
             "--max-length", "24", "--threads", "1", "--lr", "1e-3", "--train-subset", "40", "--eval-file", "test.tsv",
-            "--save-model", str(saved), "--random-init", "--output", str(output)]
+            "--save-model", str(saved), "--random-init", "--output", str(output), "--json"]
     assert main(argv) == 0
     result = json.loads(output.read_text())
     assert result == json.loads(capsys.readouterr().out)

@@ -1,0 +1,68 @@
+"""`cpt-finetune`'s result for a person: one table of every dev metric (the mean over fine-tuning seeds with
+its 95% Student-t interval, the random-init baseline and the pretraining gain with Welch's interval when
+`--random-init` ran), the seeds' own values of the task's main metric, and one verdict line, from the JSON
+record `pipeline.eval.finetune` builds (`--json` prints that record instead).
+
+The verdict reads the gain's interval for the task's main metric: pretraining **helps** when the interval
+lies above 0, **hurts** when below, and is **not told apart** from random init when it holds 0. With one
+seed on either side there is no interval and no side is claimed; an undefined value shows as `undefined`
+with its reason, never as a number.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def cell(mean: Optional[float], interval: Optional[list], signed: bool = False) -> str:
+    """`0.912 [0.880, 0.944]`, `0.912` (no interval), or `undefined`."""
+    if mean is None:
+        return "undefined"
+    text = f"{mean:+.3f}" if signed else f"{mean:.3f}"
+    return f"{text} [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else text
+
+
+def verdict(result: dict) -> str:
+    """One line: whether pretraining bought anything on the task's main metric, read from the gain's interval."""
+    metric = result["metric"]
+    if "pretraining_gain" not in result:
+        return f"verdict: none claimed: --random-init was not run, so there is no baseline for {metric}"
+    gain = result["pretraining_gain"].get(metric)
+    if gain is None:
+        return f"verdict: none: the {metric} gain is undefined ({result.get('undefined', {}).get(metric, 'see the JSON')})"
+    interval = result.get("pretraining_gain_interval", {}).get(metric)
+    if not interval:
+        return (f"verdict: {metric} gain {gain:+.3f}, no side claimed: an interval needs at least two seeds "
+                "for each model")
+    where = ("pretraining helps" if interval[0] > 0 else "pretraining hurts" if interval[1] < 0
+             else "pretrained and random init are not told apart")
+    return f"verdict: {where} on {metric} (gain {cell(gain, interval, signed=True)}, 95% Welch interval over seeds)"
+
+
+def render(result: dict) -> str:
+    """The table, the seeds' main metric, the undefined values' reasons and the verdict."""
+    seeds = result["seeds"]
+    baseline = result.get("random_init")
+    header = ["metric", "pretrained"] + (["random init", "gain"] if baseline else [])
+    rows = [header]
+    for name, mean in result["mean"].items():
+        row = [name, cell(mean, result.get("interval", {}).get(name))]
+        if baseline:
+            row += [cell(baseline["mean"][name], baseline.get("interval", {}).get(name)),
+                    cell(result["pretraining_gain"][name], result.get("pretraining_gain_interval", {}).get(name),
+                         signed=True)]
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [f"cpt-finetune: {result['model']} on {result['task']} ({result['task_dir']}): dev, {result['n_train']} "
+             f"training examples, {len(seeds)} seed(s) {', '.join(map(str, seeds))}; mean [95% t-interval over seeds]"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    metric = result["metric"]
+    per_seed = ", ".join(f"{r['seed']}: {cell(r['metrics'][metric], None)}" for r in result["runs"])
+    lines.append(f"{metric} per seed: {per_seed}")
+    for where, undefined in (("", result.get("undefined", {})), ("random init ", (baseline or {}).get("undefined", {}))):
+        lines += [f"undefined: {where}{name}: {why}" for name, why in undefined.items()]
+    lines.append(verdict(result))
+    if result.get("prediction_files"):
+        lines.append(f"predictions: {len(result['prediction_files'])} file(s), e.g. {result['prediction_files'][0]}")
+    if result.get("saved_model"):
+        lines.append(f"fine-tuned model: {result['saved_model']}")
+    return "\n".join(lines)
