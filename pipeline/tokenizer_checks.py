@@ -37,7 +37,7 @@ TOKENIZER_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "spiece.model", 
 #: Files beside them that change how text is split or numbered (special tokens, casing, added tokens).
 TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt")
 #: Where a converted directory's pipeline_meta.json holds the fingerprint taken at conversion:
-#: `conversion.tokenizer_fingerprint` (`pipeline.export.convert.CONVERSION_KEY`).
+#: `conversion.tokenizer_fingerprint` (`pipeline.export.convert_report.CONVERSION_KEY`).
 CONVERSION_RECORD, FINGERPRINT_KEY = "conversion", "tokenizer_fingerprint"
 #: A vocabulary below this cannot represent text (the special tokens and an alphabet need more).
 MIN_VOCAB = 64

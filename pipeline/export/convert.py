@@ -73,6 +73,7 @@ from pipeline.export.hf_adapter import (
     split_for_hf,
 )
 from pipeline.export.consolidated import consolidated_files, fill_tied, load_consolidated, weights_difference
+from pipeline.export.convert_report import CONVERSION_KEY, GENERATOR_SUBDIR, render, summary
 from pipeline.export.health_check import HealthReport, announce, check_health
 from pipeline.export.model_card import CardInputs, public, render_model_card
 from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objective_heads
@@ -91,18 +92,12 @@ from pipeline.train.checkpoint.tags import CHECKPOINT_DIR, COMPLETE_FILE, Checkp
 from pipeline.train.run_meta import META_FILE, RunMeta
 from pipeline.safe_load import UnsafeCheckpointError, load_pt, safe_unpickling
 
-GENERATOR_SUBDIR = "generator"
 #: Exit code when OUT_DIR cannot be written (training's `EXIT_SAVE_FAILED`); 2 for every other refusal.
 EXIT_WRITE_FAILED = 4
 
 
 class ExportWriteError(OSError):
     """OUT_DIR cannot be written (read-only, full, quota); the message says what survived."""
-#: The key the export's `pipeline_meta.json` (and the printed summary) adds: what conversion changed
-#: (`mlm_head_bias`: the NCE log-q correction of the MLM head, `hf_adapter.HeadBiasCorrection`) and
-#: added (`tokenizer_fingerprint`, read by `tokenizer_checks.converted_tokenizer_problem`;
-#: `sentence_embedding`, the sentence-transformers pooling and why).
-CONVERSION_KEY = "conversion"
 
 
 def resolve_tag_dir(path: str | os.PathLike) -> Path:
@@ -450,6 +445,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pooling", default=None, choices=POOLINGS,
                    help="sentence-transformers pooling (default: the sequence representation the run's objective "
                         "reads in pretraining, else mean; docs/conversion.md#sentence-transformers)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (the directory, its files, what conversion changed) instead of lines")
     p.add_argument("--normalize", default=None, action=argparse.BooleanOptionalAction,
                    help="l2-normalise sentence embeddings (default: when the run's objective compares them by cosine)")
     return p
@@ -485,10 +482,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
-    files = sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
-    summary = {"out_dir": str(out), "files": files}
-    summary.update(json.loads((out / META_FILE).read_text()).get(CONVERSION_KEY, {}))
-    print(json.dumps(summary))
+    print(json.dumps(summary(out)) if args.json else render(out))
     return 0
 
 

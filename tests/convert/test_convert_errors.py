@@ -134,9 +134,21 @@ def test_non_empty_out_dir_needs_overwrite(trained_runs, tmp_path, capsys):
     (out / "keep.txt").write_text("precious")
     assert "--overwrite" in _cli_error(capsys, checkpoints, out)
     assert (out / "keep.txt").read_text() == "precious"
-    assert main([str(checkpoints), str(out), "--overwrite"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    assert main([str(checkpoints), str(out), "--overwrite", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.splitlines()[-1])  # after DeepSpeed's first-import line, if any
     assert "model.safetensors" in summary["files"] and not (out / "keep.txt").exists()
+    assert summary["tokenizer_fingerprint"] and summary["sentence_embedding"]["mode"] == "mean"
+    # without --json: lines for a person, describing the same directory
+    assert main([str(checkpoints), str(out), "--overwrite"]) == 0
+    out_lines = capsys.readouterr().out.splitlines()
+    lines = out_lines[next(i for i, line in enumerate(out_lines) if line.startswith("exported")):]
+    meta = json.loads((out / "pipeline_meta.json").read_text())
+    assert lines[0] == (f"exported step {meta['step']} of a mlm run ({meta['recipe']['preset']}) to {out} "
+                        f"({len(summary['files'])} files) as BertForMaskedLM")
+    assert lines[1] == f"  load with: transformers.BertForMaskedLM.from_pretrained({str(out)!r})"
+    assert lines[2] == f"  the encoder alone: transformers.AutoModel.from_pretrained({str(out / '0_Transformer')!r})"
+    assert lines[3] == f"  sentence embeddings: sentence_transformers.SentenceTransformer({str(out)!r})"
+    assert lines[4].startswith("  sentence pooling: mean (")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert convert(resolve_tag_dir(checkpoints), empty) == empty and (empty / "config.json").is_file()
