@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -46,6 +45,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from pipeline.io import write_atomic
 from pipeline.tokenizer_checks import converted_tokenizer_problem
 
 HELDOUT_ROWS = 256
@@ -267,9 +267,7 @@ def report_lines(result: dict) -> list[str]:
 
 def write_outcome(out: Path, result: dict) -> None:
     """`DEMO_OUT/outcome.json`, atomically."""
-    tmp = out / "outcome.json.tmp"
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, out / "outcome.json")
+    write_atomic(out / "outcome.json", json.dumps(result, indent=2) + "\n")
 
 
 def load_demo(out: Path, objective: Optional[str]) -> tuple[Path, int]:

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from pipeline.io import write_atomic
+
 #: Written last into `--out`; its presence says "this directory is the demo's, safe to clear".
 SUMMARY_FILE = "demo.json"
 STAGE_ENTRIES = ("corpus.txt", "tokenizer", "shards", "runs", "hf", "heldout", "outcome.json")  # heldout: older demos'
@@ -104,9 +106,7 @@ def prepare_out_dir(out: Path) -> None:
 
 
 def write_summary(out: Path, summary: dict) -> None:
-    tmp = out / (SUMMARY_FILE + ".tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    os.replace(tmp, out / SUMMARY_FILE)
+    write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
 
 
 def command_line(module: str, *args: object) -> str:

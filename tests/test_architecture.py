@@ -241,6 +241,16 @@ def test_one_home(pattern, home):
     assert found == [home]
 
 
+def test_whole_file_writes_go_through_the_one_atomic_writer():
+    """A temporary written with `write_text` and renamed by hand is `pipeline.io.write_atomic` without its
+    fsync (six modules did that); binary and directory renames (shards, checkpoint tags, exports) keep
+    their own code, since they stage more than one string."""
+    pattern = re.compile(r"\.write_text\([^\n]*\)\n\s*os\.replace\(")
+    found = sorted(str(p.relative_to(ROOT)) for package in PACKAGES for p in (ROOT / package).rglob("*.py")
+                   if pattern.search(p.read_text()))
+    assert found == ["pipeline/train/checkpoint/load.py"]  # COMPLETE.json inside a staged folder renamed whole
+
+
 if __name__ == "__main__":  # the layer -> layer edges and the upward imports, for a reader of the layout
     _graph = import_graph(_modules())
     for (_a, _b), _n in sorted(package_edges(_graph).items(), key=lambda kv: (layer_of_name(kv[0][0]), kv[0][1])):

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional, TextIO
 
+from pipeline.io import write_atomic
+
 log = logging.getLogger(__name__)
 
 RUN_STATE_FILE = "run_state.json"
@@ -31,9 +33,7 @@ _started: dict[str, Any] = {}
 
 def _write(path: Path, record: dict[str, Any]) -> None:
     try:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(record, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(record, indent=1, sort_keys=True))
     except OSError as err:  # the run's own writes report a full or read-only disk; this one only warns
         log.warning("could not write %s (%s); cpt-status will not know this run's state", path, err)
 

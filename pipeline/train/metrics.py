@@ -41,6 +41,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
+from pipeline.io import write_atomic
 from pipeline.model.encoder import BertLayerStack
 from pipeline.model.heads import PredictionHeadTransform, TiedVocabProjection
 from pipeline.model.modernbert import ModernBertHeadTransform, ModernBertLayerStack
@@ -295,6 +296,4 @@ def truncate_jsonl(path: Path, last_step: int) -> None:
                     "; ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else ""))
     if len(kept) == len(path.read_bytes().splitlines()):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))

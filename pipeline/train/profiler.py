@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional
 import torch
 
 from pipeline.config.checks import ConfigError
+from pipeline.io import write_atomic
 
 log = logging.getLogger(__name__)
 PROFILE_DIR = "profile"
@@ -177,10 +178,7 @@ class StepProfiler:
         prof.export_chrome_trace(str(tmp))
         os.replace(tmp, trace)
         table = self.out_dir / f"{stem}.top_ops.md"
-        text = top_ops_markdown(prof, self._steps)
-        tmp = table.with_name(table.name + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, table)
+        write_atomic(table, top_ops_markdown(prof, self._steps))
         log.info("train.profile: steps %d-%d profiled: %s (open in https://ui.perfetto.dev or "
                  "`tensorboard --logdir %s`), top operators: %s", self._steps[0], self._steps[-1], trace,
                  self.out_dir, table)

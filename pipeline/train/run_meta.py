@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.io import write_atomic
+
 META_FILE = "pipeline_meta.json"
 META_VERSION = 1
 
@@ -44,9 +46,7 @@ class RunMeta:
     def write(self, directory: str | os.PathLike) -> Path:
         """Atomic write of `<directory>/pipeline_meta.json`."""
         path = Path(directory) / META_FILE
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2, sort_keys=True))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(asdict(self), indent=2, sort_keys=True))
         return path
 
     @classmethod

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
+from pipeline.io import write_atomic
 from pipeline.train.preemption import REQUEUE_EXIT_CODE  # standard library only: nothing heavy imported
 
 log = logging.getLogger(__name__)
@@ -155,10 +156,7 @@ def write_ids(output_dir: Path, name: str, ids: dict[str, str]) -> None:
     """Record `name`'s run ids in `<output_dir>/trackers.json` (atomic: temp file + rename)."""
     all_ids = read_ids(output_dir)
     all_ids[name] = ids
-    path = output_dir / IDS_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(all_ids, indent=1, sort_keys=True), encoding="utf-8")
-    os.replace(tmp, path)
+    write_atomic(output_dir / IDS_FILE, json.dumps(all_ids, indent=1, sort_keys=True))
 
 
 class Tracker:
