@@ -80,6 +80,7 @@ from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY, POOLING
     chosen_pooling, pooling_problem, write_sentence_config
 from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
 from pipeline.export.electra_adapter import export_refusal, is_electra_run, split_electra_for_hf
+from pipeline.export.generator_record import GENERATOR_DIR, GENERATOR_FINGERPRINT_KEY, generator_fingerprint
 from pipeline.export.export_tokenizer import clean_tokenizer_config, load_tokenizer
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.pretrain.build import model_from_meta
@@ -91,7 +92,7 @@ from pipeline.train.checkpoint.tags import CHECKPOINT_DIR, COMPLETE_FILE, Checkp
 from pipeline.train.run_meta import META_FILE, RunMeta
 from pipeline.safe_load import UnsafeCheckpointError, load_pt, safe_unpickling
 
-GENERATOR_SUBDIR = "generator"
+GENERATOR_SUBDIR = GENERATOR_DIR  # its fingerprint: `generator_record`
 #: Exit code when OUT_DIR cannot be written (training's `EXIT_SAVE_FAILED`); 2 for every other refusal.
 EXIT_WRITE_FAILED = 4
 
@@ -243,6 +244,8 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
     if export.head_bias is not None:
         conversion["mlm_head_bias"] = export.head_bias.record()
     conversion[FINGERPRINT_KEY] = tokenizer_fingerprint(directory)
+    if with_generator:  # read back by `generator_record.generator_problem` before the generator is used
+        conversion[GENERATOR_FINGERPRINT_KEY] = generator_fingerprint(directory / GENERATOR_SUBDIR)
     conversion[SENTENCE_KEY] = sentence.record()
     (directory / META_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     (directory / "README.md").write_text(render_model_card(meta, export, card, False))

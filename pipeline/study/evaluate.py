@@ -208,10 +208,14 @@ def convert_once(tag_dir: Path, hf_dir: Path) -> Path:
 def masked_lm_dir(model_dir: Path) -> Path:
     """Where a converted directory's masked LM is: the directory itself, or an ELECTRA export's `generator/`."""
     from pipeline.export.electra_adapter import DISCRIMINATOR_CLASS
+    from pipeline.export.generator_record import generator_problem
 
     architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
     if DISCRIMINATOR_CLASS not in architectures:
         return Path(model_dir)
+    swapped = generator_problem(model_dir)  # another run's generator/ would give its numbers as this run's
+    if swapped:
+        raise ValueError(swapped)
     generator = Path(model_dir) / "generator"
     if not (generator / "config.json").is_file():
         raise ValueError(f"{model_dir}: an ELECTRA discriminator without its generator/ (convert with --with-generator): "
