@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from typing import Any, Sequence
 
 
@@ -38,6 +39,26 @@ def check_choice(value: str, options: Sequence[str], where: str) -> None:
 def check_positive(value: float, where: str, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{where}={value}: must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def require_number(value: Any, name: str, *, above: float | None = None, at_least: float | None = None,
+                   at_most: float | None = None, integer: bool = False, hint: str = "") -> Any:
+    """`value` itself when it is a finite number (an `int` when `integer`) within the bounds, else a
+    `ValueError` "NAME must be a finite number > 0 and <= 1HINT, got VALUE".
+
+    A component's numeric option is compared with `<` and used in arithmetic: a string from YAML
+    (`generator_width: 1/4`) or `null` would otherwise fail with a `TypeError` traceback, `true` would
+    pass as 1, and nan / inf would pass range checks written as `value < 0` and turn every loss
+    non-finite (or sampling uniform) after compute has started. Raises a plain `ValueError` (not a
+    `ConfigError`), so the code that builds the component puts it under its config path
+    (`option_error`)."""
+    bounds = [f"{op} {bound:g}" for op, bound in ((">", above), (">=", at_least), ("<=", at_most)) if bound is not None]
+    want = f"{'an integer' if integer else 'a finite number'}{' ' + ' and '.join(bounds) if bounds else ''}{hint}"
+    typed = not isinstance(value, bool) and isinstance(value, int if integer else (int, float))
+    if (not typed or not math.isfinite(value) or (above is not None and not value > above)
+            or (at_least is not None and not value >= at_least) or (at_most is not None and not value <= at_most)):
+        raise ValueError(f"{name} must be {want}, got {value!r}")
+    return value
 
 
 def accepted_keywords(fn: Any, skip: int = 0) -> list[str] | None:

@@ -80,7 +80,8 @@ from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objectiv
 from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY, POOLINGS, TRANSFORMER_DIR, SentencePooling, \
     chosen_pooling, pooling_problem, write_sentence_config
 from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
-from pipeline.export.electra_adapter import is_electra_run, split_electra_for_hf
+from pipeline.export.electra_adapter import export_refusal, is_electra_run, split_electra_for_hf
+from pipeline.export.generator_record import GENERATOR_FINGERPRINT_KEY, generator_fingerprint
 from pipeline.export.export_tokenizer import clean_tokenizer_config, load_tokenizer
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
 from pipeline.pretrain.build import model_from_meta
@@ -238,6 +239,8 @@ def write_export(directory: Path, export: HFExport, meta: RunMeta, tokenizer, ta
     if export.head_bias is not None:
         conversion["mlm_head_bias"] = export.head_bias.record()
     conversion[FINGERPRINT_KEY] = tokenizer_fingerprint(directory)
+    if with_generator:  # read back by `generator_record.generator_problem` before the generator is used
+        conversion[GENERATOR_FINGERPRINT_KEY] = generator_fingerprint(directory / GENERATOR_SUBDIR)
     conversion[SENTENCE_KEY] = sentence.record()
     (directory / META_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     (directory / "README.md").write_text(render_model_card(meta, export, card, False))
@@ -371,6 +374,9 @@ def convert(
     with _pruned_while_reading(tag_dir):
         meta = RunMeta.read(tag_dir)
         encoder = encoder_config_from_dict(meta.encoder_config)
+        refusal = export_refusal(meta.objectives, "modernbert" if is_modernbert(encoder) else "bert", with_generator)
+        if refusal:  # known from the run's config: said before its weights are consolidated
+            raise ExportError(refusal)
         tokenizer = load_tokenizer(meta, tokenizer_dir, encoder)
         sentence = sentence_pooling(meta, encoder, tokenizer, pooling, normalize)
         model = model_from_meta(meta)

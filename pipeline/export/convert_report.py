@@ -9,15 +9,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipeline.export.sentence_embedding import TRANSFORMER_DIR
-from pipeline.train.run_meta import META_FILE
+from pipeline.train.run_meta import META_FILE  # standard library only: generator_record reads these names too
 
 #: The key the export's `pipeline_meta.json` (and the printed summary) adds: what conversion changed
 #: (`mlm_head_bias`: the NCE log-q correction of the MLM head, `hf_adapter.HeadBiasCorrection`) and
 #: added (`tokenizer_fingerprint`, read by `tokenizer_checks.converted_tokenizer_problem`;
 #: `sentence_embedding`, the sentence-transformers pooling and why).
 CONVERSION_KEY = "conversion"
-#: Where `--with-generator` writes the generator (COCO-LM's, ELECTRA's), inside the export.
+#: Where `--with-generator` writes the generator (COCO-LM's, ELECTRA's), inside the export (its fingerprint:
+#: `pipeline.export.generator_record`).
 GENERATOR_SUBDIR = "generator"
 
 
@@ -36,6 +36,8 @@ def _architectures(directory: Path) -> str:
 
 def render(out: Path) -> str:
     """The person's lines: `exported ... to OUT (N files)`, the load line, pooling, health, generator."""
+    from pipeline.export.sentence_embedding import TRANSFORMER_DIR  # torch: only when rendering
+
     meta = json.loads((out / META_FILE).read_text())
     conversion = meta.get(CONVERSION_KEY, {})
     objectives = "+".join(sorted(meta.get("objectives", {}))) or "?"

@@ -106,12 +106,34 @@ def electra_hf_config(encoder: EncoderConfig, special_tokens: Mapping[str, int],
     )
 
 
-def _check_head_untrained(model: PretrainModel) -> None:
-    trained = sorted(n for n in mlm_head_training(model.objectives) if model.weights.get(n, 1.0) != 0)
+#: Why a `model.arch=modernbert` ELECTRA run converts without its generator (`--with-generator` is refused).
+MODERNBERT_GENERATOR_NOTE = ("the ELECTRA generator of a model.arch=modernbert run has no Hugging Face class "
+                             "(ELECTRA's classes are BERT-family); its weights are in objective_heads.safetensors "
+                             "under objectives.electra.*")
+
+
+def export_refusal(objectives: Mapping[str, float], arch: str, with_generator: bool = False) -> str:
+    """'' when a run of `objectives` (name -> weight) and `model.arch` `arch` converts (with its generator when
+    `with_generator`); else the one line `cpt-convert` refuses it with. Decided by the config alone, so a
+    tool that will convert a run it trains (`cpt-study`) refuses a run it could never convert before
+    training it, instead of after: an MLM head trained beside `electra` (no place in `ElectraForPreTraining`),
+    or a ModernBERT ELECTRA's generator (no Hugging Face class). Not an ELECTRA run: ''."""
+    if not is_electra_run(objectives):
+        return ""
+    trained = sorted(n for n in mlm_head_training(objectives) if objectives[n] != 0)
     if trained:
-        raise ExportError(f"objectives {trained} train the MLM head cls.predictions beside electra; an ELECTRA export "
-                          f"({DISCRIMINATOR_CLASS}) has no place for it: train electra alone, or with objectives that "
-                          "do not use the MLM head (e.g. taco)")
+        return (f"objectives {trained} train the MLM head cls.predictions beside electra; an ELECTRA export "
+                f"({DISCRIMINATOR_CLASS}) has no place for it: train electra alone, or with objectives that "
+                "do not use the MLM head (e.g. taco)")
+    if with_generator and arch == "modernbert":
+        return f"--with-generator: {MODERNBERT_GENERATOR_NOTE}"
+    return ""
+
+
+def _check_head_untrained(model: PretrainModel) -> None:
+    refusal = export_refusal({n: model.weights.get(n, 1.0) for n in model.objectives}, "bert")
+    if refusal:
+        raise ExportError(refusal)
 
 
 def split_electra_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFExport:
@@ -132,9 +154,7 @@ def split_electra_for_hf(model: PretrainModel, state: dict[str, Tensor]) -> HFEx
         heads = {k: v for k, v in owned.items() if k.startswith("objectives.")}
         return replace(assemble_export(model, main, None, heads, None), hf_config=config,
                        hf_class=MODERNBERT_BODY_CLASS,
-                       generator_note=("the ELECTRA generator of a model.arch=modernbert run has no Hugging Face class "
-                                       "(ELECTRA's classes are BERT-family); its weights are in "
-                                       "objective_heads.safetensors under objectives.electra.*"))
+                       generator_note=MODERNBERT_GENERATOR_NOTE)
     main = to_electra_hf(owned)
     gen_config = objective.generator_config
     generator = GeneratorExport(OBJECTIVE, gen_config, generator_to_electra_hf(owned),

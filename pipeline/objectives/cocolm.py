@@ -78,11 +78,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.config.checks import require_number
 from pipeline.data.batch import masked_view_keys
 from pipeline.model.arch import layer_stack
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import FULL_SOFTMAX, Objective, StepContext, register, scalar_metric
-from pipeline.objectives.replaced_tokens import SAMPLE_CHUNK, GeneratorHead, corrupt, replaced_token_labels, rtd_metrics
+from pipeline.objectives.replaced_tokens import (SAMPLE_CHUNK, GeneratorHead, check_generator_options, corrupt,
+                                                 replaced_token_labels, rtd_metrics)
 # the sampler's names as they were imported from here before they moved to their shared home
 from pipeline.objectives.replaced_tokens import gumbel_max_sample, sampling_logits  # noqa: F401
 from pipeline.kernels.functional import COPY_PROB_MAX
@@ -143,15 +145,11 @@ class CorrectingContrasting(Objective):
     ) -> None:
         super().__init__()
         self.ids_key, self.labels_key = masked_view_keys(view, ("masked", "wwm_masked"))
-        if sample_mode not in SAMPLE_MODES:
-            raise ValueError(f"sample_mode must be one of {SAMPLE_MODES}, got {sample_mode!r}")
+        check_generator_options(generator_layers, sample_mode, sample_temperature, allowed_modes=SAMPLE_MODES)
         layers = generator_layers if generator_layers is not None else max(1, encoder_config.num_layers // 3)
-        if layers < 1:
-            raise ValueError(f"generator_layers must be >= 1, got {layers}")
-        if tau <= 0:
-            raise ValueError(f"tau must be positive, got {tau}")
-        if not sample_temperature > 0:
-            raise ValueError(f"sample_temperature must be positive, got {sample_temperature}")
+        require_number(tau, "tau", above=0)
+        for name, weight in (("lambda_copy", lambda_copy), ("lambda_gen", lambda_gen), ("lambda_scl", lambda_scl)):
+            require_number(weight, name, at_least=0)
         self.views = (view, "crop")
         self.sample_mode = sample_mode
         self.sample_temperature = float(sample_temperature)

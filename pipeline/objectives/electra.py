@@ -55,12 +55,13 @@ from typing import Mapping, Optional
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from pipeline.config.checks import require_number
 from pipeline.data.batch import masked_view_keys
 from pipeline.model.arch import layer_stack
 from pipeline.model.encoder import EncoderConfig
 from pipeline.objectives.base import Objective, StepContext, register
-from pipeline.objectives.replaced_tokens import (SAMPLE_CHUNK, SAMPLE_MODES, GeneratorHead, corrupt, generator_config,
-                                                 replaced_token_labels, rtd_metrics)
+from pipeline.objectives.replaced_tokens import (SAMPLE_CHUNK, GeneratorHead, check_generator_options, corrupt,
+                                                 generator_config, replaced_token_labels, rtd_metrics)
 
 #: `StepContext.encode_private` name of X^corrupt (`pipeline.monitor.health.HEALTH_INPUTS` reads it).
 CORRUPTED = "corrupted_ids"
@@ -102,16 +103,13 @@ class ReplacedTokenDetection(Objective):
     ) -> None:
         super().__init__()
         self.ids_key, self.labels_key = masked_view_keys(view, ("masked", "wwm_masked"))
-        if sample_mode not in SAMPLE_MODES:
-            raise ValueError(f"sample_mode must be one of {SAMPLE_MODES}, got {sample_mode!r}")
-        if not sample_temperature > 0:
-            raise ValueError(f"sample_temperature must be positive, got {sample_temperature}")
+        check_generator_options(generator_layers, sample_mode, sample_temperature)
         layers = encoder_config.num_layers if generator_layers is None else generator_layers
-        if layers < 1:
-            raise ValueError(f"generator_layers must be >= 1, got {layers}")
         for name, weight in (("lambda_disc", lambda_disc), ("lambda_gen", lambda_gen)):
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-                raise ValueError(f"{name} must be a number >= 0, got {weight!r}")
+            require_number(weight, name, at_least=0)
+        if lambda_disc == 0 and lambda_gen == 0:  # L = 0 * L_MLM + 0 * L_Disc: no gradient reaches anything
+            raise ValueError("lambda_disc and lambda_gen are both 0: electra would train nothing; give either a "
+                             "positive weight, or set objectives.electra to 0 to switch the objective off")
         self.views = (view,)
         self.sample_mode = sample_mode
         self.sample_temperature = float(sample_temperature)

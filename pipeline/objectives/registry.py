@@ -7,6 +7,7 @@ puts them under their config path (`objective_options.capt.tau must be positive`
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Iterable, Mapping
 
 from pipeline.config.checks import ConfigError, accepted_keywords, check_keywords, did_you_mean, option_error
@@ -43,8 +44,9 @@ def check_objectives(objectives: dict, options: dict) -> None:
         if name not in registry:
             raise ConfigError(f"objectives.{name}: unknown objective{did_you_mean(str(name), list(registry))}; "
                               f"registered: {sorted(registry)}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or weight < 0:
-            raise ConfigError(f"objectives.{name}={weight!r}: the weight must be a number >= 0")
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight < 0:
+            # nan passes `weight < 0` and makes every step's loss nan: refused here, not after compute started
+            raise ConfigError(f"objectives.{name}={weight!r}: the weight must be a finite number >= 0")
     for name, opts in options.items():
         if name not in objectives:
             raise ConfigError(f"objective_options.{name}: {name!r} is not in objectives ({sorted(objectives)})"

@@ -39,6 +39,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor, nn
 
+from pipeline.config.checks import require_number
 from pipeline.data.batch import batch_selected
 from pipeline.kernels.functional import binary_auc, fp32_logits
 from pipeline.model.encoder import EncoderConfig
@@ -142,13 +143,26 @@ def eval_mode(*modules: nn.Module) -> Iterator[None]:
             m.train(was_training)
 
 
+def check_generator_options(generator_layers: Any, sample_mode: Any, sample_temperature: Any,
+                            allowed_modes: tuple[str, ...] = SAMPLE_MODES) -> None:
+    """The options both generator objectives (ELECTRA, COCO-LM) share, refused before any compute: a
+    `sample_mode` of `allowed_modes`, a finite `sample_temperature` > 0 (inf would sample uniformly,
+    the generator's logits ignored), and `generator_layers` an integer >= 1 or None (the objective's
+    default depth). Each error starts with the option's name (`registry.build_objective` prefixes its
+    config path)."""
+    if not isinstance(sample_mode, str) or sample_mode not in allowed_modes:
+        raise ValueError(f"sample_mode must be one of {allowed_modes}, got {sample_mode!r}")
+    require_number(sample_temperature, "sample_temperature", above=0)
+    if generator_layers is not None:
+        require_number(generator_layers, "generator_layers", at_least=1, integer=True)
+
+
 def generator_config(main: Any, width: float) -> Any:
     """The config of a generator `width` times as wide as the main model (ELECTRA's `generator_hidden_size`,
     Clark et al. 2020, Table 6: 1/4 small, 1/3 base): hidden H_G = round(width * H); the FFN scaled by the
     same factor (the main model's FFN / hidden ratio: ELECTRA's 4 H_G for BERT); the head size kept, so
     max(1, H_G // head size) heads (ELECTRA's H_G // 64). `width` 1 returns `main` itself (COCO-LM)."""
-    if not 0.0 < width <= 1.0:
-        raise ValueError(f"generator_width must be in (0, 1] (a fraction of the hidden size), got {width}")
+    require_number(width, "generator_width", above=0, at_most=1, hint=" (a fraction of the hidden size)")
     if width == 1.0:
         return main
     hidden = int(round(main.hidden_size * width))

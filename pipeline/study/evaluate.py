@@ -182,6 +182,16 @@ def top_token_of(shards_dir: Path) -> int:
     return int(unigram_counts(ShardDataset(shards_dir)).argmax())
 
 
+def conversion_problem(objectives: dict, arch: str) -> str:
+    """'' when `convert_once` can convert a run of `objectives` (name -> weight) and `model.arch` `arch`, else
+    `cpt-convert`'s refusal (`electra_adapter.export_refusal`): an ELECTRA run is converted with its
+    generator, so a ModernBERT ELECTRA (no Hugging Face generator) or one beside an MLM-head objective cannot be
+    evaluated. `spec.check_conversions` asks before any job, not after the pretraining."""
+    from pipeline.export.electra_adapter import export_refusal, is_electra_run
+
+    return export_refusal(objectives, arch, with_generator=is_electra_run(objectives))
+
+
 def convert_once(tag_dir: Path, hf_dir: Path) -> Path:
     """The Hugging Face conversion of a checkpoint tag, made once (the directory appears complete
     or not at all: `pipeline.export.convert` renames a finished temporary directory); an ELECTRA run's
@@ -198,10 +208,14 @@ def convert_once(tag_dir: Path, hf_dir: Path) -> Path:
 def masked_lm_dir(model_dir: Path) -> Path:
     """Where a converted directory's masked LM is: the directory itself, or an ELECTRA export's `generator/`."""
     from pipeline.export.electra_adapter import DISCRIMINATOR_CLASS
+    from pipeline.export.generator_record import generator_problem
 
     architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
     if DISCRIMINATOR_CLASS not in architectures:
         return Path(model_dir)
+    swapped = generator_problem(model_dir)  # another run's generator/ would give its numbers as this run's
+    if swapped:
+        raise ValueError(swapped)
     generator = Path(model_dir) / "generator"
     if not (generator / "config.json").is_file():
         raise ValueError(f"{model_dir}: an ELECTRA discriminator without its generator/ (convert with --with-generator): "

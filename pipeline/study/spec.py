@@ -256,6 +256,7 @@ def load_study(path: str | Path, check_data: bool = True) -> Study:
                   select=str(raw.get("select") or ""), sts=_sts(raw, base, where, check_data))
     resolve_steps(study)
     check_select(study, check_data)
+    check_conversions(study)  # after select's own refusals of a row's overrides, which name the study's field
     if check_data:
         for key, p in shards.items():
             if not (p / "manifest.json").is_file():
@@ -318,6 +319,20 @@ def resolve_steps(study: Study) -> None:
                              f"(the budget of {name} in steps)")
         study.steps_of[name] = steps
     study.steps = max(study.steps_of.values())
+
+
+def check_conversions(study: Study) -> None:
+    """Every run the study trains must convert as its evaluation converts it (`evaluate.convert_once`):
+    refused before any job, naming the objective and `cpt-convert`'s reason, rather than once its
+    pretraining has been paid for (`evaluate.conversion_problem`)."""
+    from pipeline.study.evaluate import conversion_problem
+
+    for name in study.objectives:
+        cfg = run_config(study, name)
+        problem = conversion_problem(dict(cfg.objectives), cfg.model.arch)
+        if problem:
+            raise StudyError(f"{study.path}: objectives.{name}: its runs could not be converted for the evaluation: "
+                             f"{problem}")
 
 
 def check_select(study: Study, check_data: bool = False) -> None:

@@ -98,3 +98,21 @@ def test_switching_the_optimizer_on_resume_is_refused(small_run, tmp_path, capsy
         == EXIT_CONFIG_ERROR
     assert error_line(capsys.readouterr().err) == expected
     assert [s for s, _ in list_tags(run / "checkpoints")] == [2, 4]
+
+
+def test_an_electra_option_of_the_wrong_type_or_not_finite_is_one_line_before_compute(tiny_shards_dir, tmp_path, capsys):
+    """An option from the command line is YAML: `generator_width=1/4` is a string and `.nan` a float nan. Both
+    used to pass to the objective (the string as a TypeError traceback, exit 1; nan trained steps of nan loss
+    until the non-finite guard stopped the run): now exit 2 with one line naming the option, no step taken.
+    An objective weight of nan is refused at the config stage, before the run directory is created."""
+    for override, line in (
+            ("objective_options.electra.generator_width=1/4",
+             "objective_options.electra.generator_width must be a finite number > 0 and <= 1 (a fraction of the "
+             "hidden size), got '1/4'"),
+            ("objective_options.electra.lambda_disc=.nan",
+             "objective_options.electra.lambda_disc must be a finite number >= 0, got nan"),
+            ("objectives.electra=.nan", "objectives.electra=nan: the weight must be a finite number >= 0")):
+        out = tmp_path / override.replace("=", "_")
+        assert run_inprocess("tiny-electra", tiny_shards_dir, out, *STEPS, override) == EXIT_CONFIG_ERROR
+        assert error_line(capsys.readouterr().err) == line
+        assert not (out / "metrics.jsonl").exists() and not list_tags(out / "checkpoints")

@@ -168,6 +168,19 @@ def test_generator_shape_follows_the_papers_width_rule():
     ({"sample_temperature": 0.0}, "sample_temperature"),
     ({"lambda_disc": -1.0}, "lambda_disc"),
     ({"view": "span_masked"}, "view"),
+    # a wrong type from YAML (`1/4` is a string) or null: one line naming the option, not a TypeError
+    ({"generator_width": "1/4"}, "generator_width must be a finite number > 0 and <= 1 .a fraction of the hidden "
+                                 "size., got '1/4'"),
+    ({"generator_width": None}, "generator_width must be a finite number"),
+    ({"generator_width": True}, "generator_width must be a finite number"),  # YAML's true is not 1
+    ({"generator_layers": 1.5}, "generator_layers must be an integer >= 1, got 1.5"),
+    ({"generator_layers": "2"}, "generator_layers must be an integer"),
+    ({"sample_temperature": "1"}, "sample_temperature must be a finite number > 0"),
+    ({"sample_temperature": math.inf}, "sample_temperature must be a finite number > 0, got inf"),  # uniform draws
+    ({"sample_temperature": math.nan}, "sample_temperature must be a finite number > 0, got nan"),
+    ({"lambda_disc": math.nan}, "lambda_disc must be a finite number >= 0, got nan"),  # every loss nan
+    ({"lambda_gen": math.inf}, "lambda_gen must be a finite number >= 0, got inf"),
+    ({"lambda_disc": 0, "lambda_gen": 0}, "lambda_disc and lambda_gen are both 0: electra would train nothing"),
 ])
 def test_bad_options_name_the_option(options, match):
     with pytest.raises(ValueError, match=r"objective_options\.electra\." + match.split(" ")[0].replace(".", r"\.")):
@@ -175,6 +188,21 @@ def test_bad_options_name_the_option(options, match):
     if " " in match:
         with pytest.raises(ValueError, match=match):
             _model(options=options)
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"generator_layers": 1.5}, "generator_layers must be an integer >= 1, got 1.5"),
+    ({"sample_temperature": "1"}, "sample_temperature must be a finite number > 0, got '1'"),
+    ({"sample_mode": "train"}, "sample_mode must be one of .'eval', 'zero_dropout'., got 'train'"),
+    ({"lambda_copy": math.nan}, "lambda_copy must be a finite number >= 0, got nan"),
+    ({"lambda_scl": -1.0}, "lambda_scl must be a finite number >= 0, got -1.0"),
+    ({"tau": "0.1"}, "tau must be a finite number > 0, got '0.1'"),
+])
+def test_cocolm_refuses_the_shared_generator_options_alike(options, match):
+    """COCO-LM shares the generator options' checks (`replaced_tokens.check_generator_options`) and its weights
+    are checked like ELECTRA's: the same one-line refusals under objective_options.cocolm."""
+    with pytest.raises(ValueError, match=r"^objective_options\.cocolm\." + match):
+        tiny_model({"cocolm": 1.0}, {"cocolm": options})
 
 
 def test_a_width_the_head_size_does_not_divide_is_refused_with_its_numbers():

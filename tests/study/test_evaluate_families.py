@@ -105,3 +105,29 @@ def test_an_electra_export_is_read_through_its_generator_and_its_discriminator(t
     without = convert(out, tmp_path / "hf_no_generator")
     with pytest.raises(ValueError, match="an ELECTRA discriminator without its generator"):
         heldout_metrics(without, tiny_shards_dir, top_token=top, max_sequences=SEQUENCES)
+
+
+def test_an_electra_exports_generator_swapped_for_another_runs_is_refused(tiny_shards_dir, tmp_path):
+    """The masked-LM numbers of an ELECTRA export are its `generator/`'s, and nothing in that directory names its
+    run: another run's generator of the same preset (another seed) copied over it used to be evaluated as this
+    run's. The conversion records the generator's fingerprint; the evaluation refuses a swapped or deleted
+    `generator/` in one line naming it, and reads the untouched export as before."""
+    import shutil
+
+    exports = {}
+    for seed in (1, 2):
+        out = tmp_path / f"run{seed}"
+        assert run_inprocess("tiny-electra", tiny_shards_dir, out, "optim.warmup_steps=0", "train.total_steps=2",
+                             "train.checkpoint_every=2", f"train.seed={seed}") == 0
+        exports[seed] = convert(out, tmp_path / f"hf{seed}", with_generator=True)
+    top = top_token_of(tiny_shards_dir)
+    assert heldout_metrics(exports[1], tiny_shards_dir, top_token=top, max_sequences=BATCH)["masked_tokens"] > 0
+    shutil.rmtree(exports[1] / "generator")
+    shutil.copytree(exports[2] / "generator", exports[1] / "generator")
+    with pytest.raises(ValueError, match=r"^" + str(exports[1] / "generator") + ": its files are not the generator "
+                       r"this model was converted with \(fingerprint [0-9a-f]{16} now, conversion.generator_fingerprint "
+                       r"[0-9a-f]{16} in pipeline_meta.json\)"):
+        heldout_metrics(exports[1], tiny_shards_dir, top_token=top, max_sequences=BATCH)
+    shutil.rmtree(exports[1] / "generator")
+    with pytest.raises(ValueError, match=r"generator: missing, but pipeline_meta.json records a generator"):
+        heldout_metrics(exports[1], tiny_shards_dir, top_token=top, max_sequences=BATCH)

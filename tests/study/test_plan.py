@@ -154,3 +154,24 @@ def test_plan_says_where_its_seq_len_comes_from_and_what_it_assumed(tmp_path: Pa
                                          check_data=False)))
     assert "seq_len: 64 from cost.seq_len" in stated and "vocab_size: 4096 from cost.vocab_size" in stated
     assert "ASSUMED" not in stated
+
+
+@pytest.mark.parametrize("overrides, reason", [
+    (["model.arch=modernbert"], "--with-generator: the ELECTRA generator of a model.arch=modernbert run has no "
+                                "Hugging Face class"),
+    (["objectives.mlm=0.5"], "objectives ['mlm'] train the MLM head cls.predictions beside electra"),
+])
+def test_an_electra_row_the_evaluation_could_not_convert_is_refused_before_any_job(tmp_path: Path, overrides: list,
+                                                                                 reason: str) -> None:
+    """The study converts every run it evaluates, an ELECTRA run with its generator (its masked LM). A ModernBERT
+    ELECTRA has no Hugging Face generator and an MLM head trained beside electra has no place in the export:
+    `cpt-convert` refuses both, so they used to fail in the evaluation jobs after the pretraining was paid for.
+    Refused at load time now, naming the row and the conversion's reason; the same rows without the cause load."""
+    rows = {"mlm": {"preset": "tiny-mlm"}, "electra": {"preset": "tiny-electra", "overrides": overrides}}
+    with pytest.raises(StudyError) as err:
+        load_study(_study(tmp_path, objectives=rows), check_data=False)
+    assert str(err.value).startswith(f"{tmp_path / 'study.yaml'}: objectives.electra: its runs could not be converted "
+                                     f"for the evaluation: {reason}")
+    fine = ["objectives.mlm=0"] if "mlm" in reason else []  # a weight of 0 trains no head
+    rows["electra"]["overrides"] = fine
+    assert "electra" in load_study(_study(tmp_path, objectives=rows), check_data=False).objectives
