@@ -150,12 +150,17 @@ def test_the_command_states_the_head_bias_decision(trained_runs, tmp_path, capsy
     """The printed summary carries `mlm_head_bias`; an uncorrected NCE head is also a note on stderr."""
     from pipeline.export.convert import main as convert_main
 
-    assert convert_main([str(trained_runs("zero2-2ranks-mlm-capt-mlmnce").checkpoints), str(tmp_path / "hf")]) == 0
+    assert convert_main([str(trained_runs("zero2-2ranks-mlm-capt-mlmnce").checkpoints), str(tmp_path / "hf"),
+                         "--json"]) == 0
     captured = capsys.readouterr()
     summary = json.loads(captured.out.strip().splitlines()[-1])
     assert summary["mlm_head_bias"]["corrected"] is False and "model.safetensors" in summary["files"]
     assert "note: the MLM head was trained by a full softmax (mlm)" in captured.err
-    assert convert_main([str(trained_runs("zero3-1rank-mlmnce").checkpoints), str(tmp_path / "hf3")]) == 0
+    assert convert_main([str(trained_runs("zero3-1rank-mlmnce").checkpoints), str(tmp_path / "hf3"), "--json"]) == 0
     captured = capsys.readouterr()
-    assert json.loads(captured.out.strip().splitlines()[-1])["mlm_head_bias"]["corrected"] is True
+    corrected = json.loads(captured.out.strip().splitlines()[-1])["mlm_head_bias"]
+    assert corrected["corrected"] is True
     assert "note:" not in captured.err
+    # for a person (no --json): the same decision, one line
+    assert convert_main([str(trained_runs("zero3-1rank-mlmnce").checkpoints), str(tmp_path / "hf4")]) == 0
+    assert f"  MLM head bias: {corrected['note']}" in capsys.readouterr().out.splitlines()
