@@ -80,7 +80,8 @@ from pipeline.export.objective_heads import OBJECTIVE_HEADS_FILE, write_objectiv
 from pipeline.export.sentence_embedding import META_KEY as SENTENCE_KEY, POOLINGS, TRANSFORMER_DIR, SentencePooling, \
     chosen_pooling, pooling_problem, write_sentence_config
 from pipeline.export.modernbert_adapter import modernbert_hf_config, split_modernbert_for_hf
-from pipeline.export.electra_adapter import export_refusal, is_electra_run, split_electra_for_hf
+from pipeline.export.electra_adapter import (export_refusal, is_electra_run, masked_lm_as_electra,
+                                             split_electra_for_hf)
 from pipeline.export.generator_record import GENERATOR_FINGERPRINT_KEY, generator_fingerprint
 from pipeline.export.export_tokenizer import clean_tokenizer_config, load_tokenizer
 from pipeline.model.arch import AnyEncoderConfig, encoder_config_from_dict
@@ -393,6 +394,8 @@ def convert(
         export = split_electra_for_hf(model, state)
     else:
         export = (split_modernbert_for_hf if is_modernbert(encoder) else split_for_hf)(model, state)
+        if encoder.factorised:  # E != H: BertForMaskedLM cannot hold it
+            export = masked_lm_as_electra(export, encoder, meta.special_tokens)
     if with_generator and export.generator is None:
         raise ExportError(f"--with-generator: {export.generator_note}" if export.generator_note else
                           f"--with-generator: no objective of {sorted(meta.objectives)} has a generator")

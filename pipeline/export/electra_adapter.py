@@ -5,15 +5,17 @@ The discriminator is the main model (`bert.*`, the `model.arch=bert` family: HF'
 plus the objective's `discriminator_predictions`; the names, ours -> HF's:
 
     bert.embeddings.*                                   -> electra.embeddings.*
+    bert.embeddings_project.*                           -> electra.embeddings_project.*   (E != H only)
     bert.encoder.layer.N.* (fused Q/K/V split)          -> electra.encoder.layer.N.*
     objectives.electra.discriminator_predictions.*      -> discriminator_predictions.{dense, dense_prediction}.*
     cls.*                                               -  (no objective of an ELECTRA run trains it: left out)
 
 The generator shares the main model's embeddings (copied), and its width H_G sits behind ELECTRA's
-projection (`ElectraConfig.embedding_size` = H, `hidden_size` = H_G):
+projection (`ElectraConfig.embedding_size` = E, `hidden_size` = H_G; E = `model.embedding_size`, the
+hidden size H unless the embeddings are factorised):
 
     bert.embeddings.*                                   -> electra.embeddings.*
-    objectives.electra.embeddings_project.*             -> electra.embeddings_project.*   (H_G < H only)
+    objectives.electra.embeddings_project.*             -> electra.embeddings_project.*   (H_G != E only)
     objectives.electra.generator.layer.N.*              -> electra.encoder.layer.N.*
     objectives.electra.generator_head.transform.*       -> generator_predictions.{dense, LayerNorm}.*
     objectives.electra.generator_head.bias              -> generator_lm_head.bias  (its weight: the tied embeddings)
@@ -25,6 +27,15 @@ untrained MLM head is left out there too.
 
 The main model's MLM head is refused rather than dropped when an objective beside `electra` trains it
 (`mlm`, `mlm-nce`, ...): `ElectraForPreTraining` has no place for it.
+
+A masked-LM run (no `electra`) with factorised embeddings (`model.embedding_size` E != H: ELECTRA's BERT-Small
+baseline, `mlm-electra-small`) does not fit `BertForMaskedLM` (one width throughout); it is exported as
+`ElectraForMaskedLM`, the class with exactly that shape (`masked_lm_as_electra`): BERT's names from
+`pipeline.model.hf_names.to_hf`, ours -> HF's:
+
+    bert.*                                              -> electra.*  (embeddings, embeddings_project, layers)
+    cls.predictions.transform.*                         -> generator_predictions.{dense, LayerNorm}.*  (H -> E)
+    cls.predictions.bias                                -> generator_lm_head.bias  (its weight: the tied embeddings)
 """
 from __future__ import annotations
 
@@ -34,6 +45,7 @@ from typing import Any, Mapping, Optional
 from torch import Tensor
 
 from pipeline.export.hf_adapter import GeneratorExport, HFExport, assemble_export
+from pipeline.model.hf_names import HF_DECODER_BIAS
 from pipeline.model.encoder import EncoderConfig, split_qkv
 from pipeline.model.hf_names import ExportError, to_modernbert_hf
 from pipeline.model.modernbert import is_modernbert
@@ -87,16 +99,42 @@ def generator_to_electra_hf(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return split_qkv(out)
 
 
+_BERT_TRANSFORM = "cls.predictions.transform."
+
+
+def masked_lm_as_electra(export: HFExport, encoder: EncoderConfig, special_tokens: Mapping[str, int]) -> HFExport:
+    """A `BertForMaskedLM`-named export (`hf_adapter.split_for_hf`) of a factorised model (E != H) renamed to
+    `ElectraForMaskedLM` (module docstring), with its config (`embedding_size` E); the head's bias keeps any
+    log q correction `split_for_hf` folded in. A generator (COCO-LM's) cannot be there: cocolm refuses E != H."""
+    if export.generator is not None:
+        raise ExportError(f"objective {export.generator.objective!r}: a generator beside factorised embeddings "
+                          "(model.embedding_size) has no export")
+    main: dict[str, Tensor] = {}
+    for key, value in export.main.items():
+        if key.startswith("bert."):
+            main["electra." + key[len("bert."):]] = value
+        elif key.startswith(_BERT_TRANSFORM):
+            main["generator_predictions." + key[len(_BERT_TRANSFORM):]] = value
+        elif key == HF_DECODER_BIAS:
+            main["generator_lm_head.bias"] = value
+        else:
+            raise ExportError(f"{key}: no place for it in {GENERATOR_CLASS}")
+    config = electra_hf_config(encoder, special_tokens)
+    config.architectures = [GENERATOR_CLASS]
+    return replace(export, main=main, hf_config=config, hf_class=GENERATOR_CLASS)
+
+
 def electra_hf_config(encoder: EncoderConfig, special_tokens: Mapping[str, int], generator: Optional[EncoderConfig] = None,
                       generator_layers: Optional[int] = None):
     """`transformers.ElectraConfig`: the discriminator's (`generator` None; architectures
-    `ElectraForPreTraining`), or the generator's (`generator`: its shape, `embedding_size` the main
-    model's hidden size; architectures `ElectraForMaskedLM`). GELU: ours is exact, HF's "gelu" the same."""
+    `ElectraForPreTraining`), or the generator's (`generator`: its shape; architectures `ElectraForMaskedLM`).
+    `embedding_size` is the main model's embedding width E for both (`EncoderConfig.embedding_width`).
+    GELU: ours is exact, HF's "gelu" the same."""
     from transformers import ElectraConfig
 
     body = generator or encoder
     return ElectraConfig(
-        vocab_size=encoder.vocab_size, embedding_size=encoder.hidden_size, hidden_size=body.hidden_size,
+        vocab_size=encoder.vocab_size, embedding_size=encoder.embedding_width, hidden_size=body.hidden_size,
         num_hidden_layers=generator_layers or body.num_layers, num_attention_heads=body.num_heads,
         intermediate_size=body.ffn_size, hidden_act="gelu", hidden_dropout_prob=encoder.dropout,
         attention_probs_dropout_prob=encoder.attention_dropout, max_position_embeddings=encoder.max_position,

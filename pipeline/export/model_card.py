@@ -316,7 +316,9 @@ def files_section(export: HFExport) -> list[str]:
                                       "; the MLM head `cls.predictions`, which ELECTRA does not train, is not "
                                       "exported)",
              "ModernBertModel": "`ModernBertModel` (the discriminator's body; its replaced-token head is in "
-                                "`objective_heads.safetensors`, the untrained MLM head is not exported)"}.get(
+                                "`objective_heads.safetensors`, the untrained MLM head is not exported)",
+             "ElectraForMaskedLM": "`ElectraForMaskedLM` (encoder + tied MLM head; the factorised embeddings, "
+                                   "`model.embedding_size`, do not fit `BertForMaskedLM`)"}.get(
         export.hf_class, "`BertForMaskedLM` (encoder + tied MLM head)")
     lines = ["", "## Files", "",
              f"- `config.json`, `model.safetensors`: {model}.",
@@ -375,6 +377,8 @@ def render_model_card(meta: RunMeta, export: HFExport, inputs: CardInputs, gener
         ("family", _FAMILY_ROWS[arch_of(enc)].replace(f"`{HF_MASKED_LM[arch_of(enc)]}`", f"`{exported_as}`")
          if exported_as else _FAMILY_ROWS[arch_of(enc)]),
         ("layers / hidden / heads / FFN", f"{enc.num_layers} / {enc.hidden_size} / {enc.num_heads} / {enc.ffn_size}"),
+        *([("embedding size", f"{enc.embedding_width} (projected to the hidden size)")]
+          if enc.factorised else []),
         ("vocabulary", enc.vocab_size),
         ("max positions", enc.max_position),
         ("activation", "GeGLU with exact GELU (erf)" if is_modernbert(enc) else "exact GELU (erf)"),

@@ -37,6 +37,12 @@ class ModelConfig:
     """Override of the preset's attention-head count."""
     ffn_size: Optional[int] = None
     """Override of the preset's feed-forward inner size."""
+    embedding_size: Optional[int] = None
+    """`arch=bert` only: E, the width of the token / position / type embeddings when it differs from the hidden
+    size H (ELECTRA's factorised embeddings, Clark et al. 2020, Table 6: ELECTRA-Small embeds at 128 under a hidden
+    256): the embeddings and their LayerNorm are E wide, a Linear E -> H (`embeddings_project`) feeds the layers,
+    and the MLM head's transform maps H -> E before the tied projection. Default: the hidden size (no projection).
+    Exports as `ElectraForPreTraining` / `ElectraForMaskedLM` (`embedding_size` in their config)."""
     max_position: Optional[int] = None
     """Position-embedding table size (ModernBERT: the longest row it accepts); default: the shards' `seq_len`."""
     local_attention: Optional[int] = None
@@ -88,6 +94,7 @@ class ModelConfig:
         if self.size not in presets:
             raise ConfigError(f"model.size={self.size!r}: unknown for model.arch={self.arch}"
                               f"{did_you_mean(self.size, list(presets))}; choose one of {sorted(presets)}")
+        self.check_embedding_size()
         for name in MODERNBERT_FIELDS:
             value = getattr(self, name)
             if value is not None and self.arch != "modernbert":
@@ -122,6 +129,20 @@ class ModelConfig:
         if self.arch == "modernbert" and (shape["hidden_size"] // shape["num_heads"]) % 2:
             raise ConfigError(f"model.hidden_size / model.num_heads = {shape['hidden_size'] // shape['num_heads']} "
                               "is odd; rotary position embeddings need an even head size")
+
+    def check_embedding_size(self) -> None:
+        """`embedding_size`: unset, or a positive integer for a BERT-family model trained from scratch."""
+        value = self.embedding_size
+        if value is None:
+            return
+        if type(value) is not int or value <= 0:
+            raise ConfigError(f"model.embedding_size={value!r}: must be a positive integer (or unset: the hidden size)")
+        if self.arch == "modernbert":
+            raise ConfigError(f"model.embedding_size={value}: only for model.arch=bert (ModernBERT's embeddings have "
+                              "the hidden size); drop it")
+        if self.init_from:
+            raise ConfigError(f"model.embedding_size={value}: a warm start (model.init_from) takes its shape from its "
+                              "config.json, whose embeddings have the hidden size; drop it")
 
     def check_activation_checkpointing(self, num_layers: int) -> None:
         """`activation_checkpointing` is none / all / k with 1 <= k <= `num_layers` (the preset's depth with its
@@ -164,7 +185,9 @@ class ModelConfig:
         fields: dict[str, Any] = dict(self.shape(), vocab_size=vocab_size, max_position=max_position,
                                       dropout=self.dropout, attention_dropout=self.attention_dropout,
                                       pad_token_id=special_tokens["pad"])
-        return ModernBertConfig(**fields) if self.arch == "modernbert" else EncoderConfig(**fields)
+        if self.arch == "modernbert":
+            return ModernBertConfig(**fields)
+        return EncoderConfig(**fields, embedding_size=self.embedding_size)
 
     def _base_encoder_config(self, vocab_size: int, seq_len: int, special_tokens: Mapping[str, int]) -> AnyEncoderConfig:
         from pipeline.model.hf_names import HF_CONFIG_FIELDS

@@ -49,8 +49,14 @@ class EncoderConfig:
     layer_norm_eps: float = 1e-12
     initializer_range: float = 0.02
     pad_token_id: int = 0
+    #: E, the width of the token / position / type embeddings (ELECTRA's `embedding_size`, Clark et al. 2020,
+    #: Table 6: 128 for ELECTRA-Small under a hidden size of 256); None: the hidden size, one width throughout.
+    embedding_size: Optional[int] = None
 
     def __post_init__(self) -> None:
+        if self.embedding_size is not None and (type(self.embedding_size) is not int or self.embedding_size <= 0):
+            raise ValueError(f"model.embedding_size={self.embedding_size!r}: must be a positive integer (or unset: "
+                             "the hidden size)")
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"
@@ -59,12 +65,24 @@ class EncoderConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
 
+    @property
+    def embedding_width(self) -> int:
+        """E: `embedding_size`, or the hidden size H when it is unset."""
+        return self.embedding_size or self.hidden_size
+
+    @property
+    def factorised(self) -> bool:
+        """E != H: the embeddings are projected E -> H (`BertEncoder.embeddings_project`) and the MLM head's
+        transform maps H -> E before the tied projection."""
+        return self.embedding_width != self.hidden_size
+
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 #: Size presets (layers / hidden / heads / FFN). Paper recipes: TACO Table 5, CAPT Table 4, ELECTRA Table 6
-#: (ELECTRA-Small: its embeddings are 128 wide there, here the hidden size), BERT.
+#: (ELECTRA-Small's embeddings are 128 wide, projected to the hidden 256: `model.embedding_size: 128` in the
+#: `electra-small` run preset), BERT.
 SIZE_PRESETS: dict[str, dict[str, int]] = {
     "tiny": dict(num_layers=2, hidden_size=64, num_heads=2, ffn_size=128),
     "taco-small": dict(num_layers=4, hidden_size=512, num_heads=8, ffn_size=2048),
@@ -84,16 +102,20 @@ def build_encoder_config(size: str, **overrides) -> EncoderConfig:
 
 class EncoderOutput(NamedTuple):
     last_hidden: Tensor  # [B, L, H]: h, the last layer
-    embedding_output: Tensor  # [B, L, H]: e, word + position + type embeddings after LayerNorm
+    embedding_output: Tensor  # [B, L, H]: e, word + position + type embeddings after LayerNorm (projected to H)
 
 
 class BertEmbeddings(nn.Module):
+    """Word + position + token-type embeddings, LayerNorm, dropout, all E = `cfg.embedding_width` wide
+    (`transformers.ElectraEmbeddings` with `embedding_size`; `BertEmbeddings` when E = H)."""
+
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size, padding_idx=cfg.pad_token_id)
-        self.position_embeddings = nn.Embedding(cfg.max_position, cfg.hidden_size)
-        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        width = cfg.embedding_width
+        self.word_embeddings = nn.Embedding(cfg.vocab_size, width, padding_idx=cfg.pad_token_id)
+        self.position_embeddings = nn.Embedding(cfg.max_position, width)
+        self.token_type_embeddings = nn.Embedding(cfg.type_vocab_size, width)
+        self.LayerNorm = nn.LayerNorm(width, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, input_ids: Tensor, token_type_ids: Optional[Tensor] = None) -> Tensor:
@@ -288,12 +310,19 @@ def configure_layer_stacks(model: nn.Module, attention: str = "auto", compile_la
 
 
 class BertEncoder(nn.Module):
-    """`BertModel` without pooler: embeddings + layer stack. Keys match HF `bert.*` (fused QKV aside)."""
+    """`BertModel` without pooler: embeddings + layer stack. Keys match HF `bert.*` (fused QKV aside).
+
+    Factorised embeddings (`cfg.factorised`, E != H; ELECTRA-Small, Clark et al. 2020, Table 6): the
+    E-wide embeddings go through `embeddings_project` (Linear E -> H), where `transformers.ElectraModel`
+    has its `embeddings_project`, before the layers: e = W_p LN(x_word + x_pos + x_type) + b_p. With E = H
+    there is no projection and no parameter for it (the state dict is the unfactorised one)."""
 
     def __init__(self, cfg: EncoderConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embeddings = BertEmbeddings(cfg)
+        self.embeddings_project: Optional[nn.Linear] = (
+            nn.Linear(cfg.embedding_width, cfg.hidden_size) if cfg.factorised else None)
         self.encoder = BertLayerStack(cfg)
 
     def forward(
@@ -307,6 +336,8 @@ class BertEncoder(nn.Module):
         lets the attention path be chosen without a device sync. Without it, a mask means the
         masked reference path."""
         e = self.embeddings(input_ids, token_type_ids)
+        if self.embeddings_project is not None:
+            e = self.embeddings_project(e)
         return EncoderOutput(self.encoder(e, attention_mask, seqlens), e)
 
 

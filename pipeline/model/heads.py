@@ -39,12 +39,14 @@ class TiedVocabProjection(nn.Module):
 class PredictionHeadTransform(nn.Module):
     """dense -> GELU -> LayerNorm (`cls.predictions.transform`). `in_size`: the width of the states it
     reads when it is not the hidden size (a narrower generator's head, ELECTRA's `generator_predictions`:
-    dense H_G -> H); the output is always H, the tied embeddings' width."""
+    dense H_G -> E). The output is always E = `cfg.embedding_width`, the tied word embeddings' width
+    (H unless the embeddings are factorised: then dense H -> E and LayerNorm at E, as
+    `transformers.ElectraGeneratorPredictions` with `embedding_size`)."""
 
     def __init__(self, cfg: EncoderConfig, in_size: Optional[int] = None) -> None:
         super().__init__()
-        self.dense = nn.Linear(in_size or cfg.hidden_size, cfg.hidden_size)
-        self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dense = nn.Linear(in_size or cfg.hidden_size, cfg.embedding_width)
+        self.LayerNorm = nn.LayerNorm(cfg.embedding_width, eps=cfg.layer_norm_eps)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.LayerNorm(F.gelu(self.dense(x)))

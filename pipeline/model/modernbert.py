@@ -102,6 +102,16 @@ class ModernBertConfig:
         """Half window: the largest |i - j| a local layer attends over."""
         return self.local_attention // 2
 
+    @property
+    def embedding_width(self) -> int:
+        """The token embeddings' width: the hidden size (no factorised embeddings in this family;
+        `EncoderConfig.embedding_width` is the BERT family's)."""
+        return self.hidden_size
+
+    @property
+    def factorised(self) -> bool:
+        return False
+
     def is_global(self, layer: int) -> bool:
         return layer % self.global_attn_every_n_layers == 0
 

@@ -154,6 +154,9 @@ class CorrectingContrasting(Objective):
         self.sample_mode = sample_mode
         self.sample_temperature = float(sample_temperature)
         self.lambda_copy, self.lambda_gen, self.lambda_scl, self.tau = lambda_copy, lambda_gen, lambda_scl, tau
+        if encoder_config.embedding_width != encoder_config.hidden_size:
+            raise ValueError(f"model.embedding_size={encoder_config.embedding_width} (factorised embeddings) is not "
+                             "implemented for cocolm, whose generator reads the embeddings at the hidden size; drop it")
         self.generator = layer_stack(encoder_config, num_layers=layers)  # the main model's family (`model.arch`)
         self.generator_head = GeneratorHead(encoder_config)
         self.sample_chunk = SAMPLE_CHUNK  # vocabulary columns per sampling chunk (the draws depend on it)

@@ -7,8 +7,9 @@ as Discriminators Rather Than Generators", Sec. 2), the baseline COCO-LM states 
    `generator_layers` deep (default: the main model's depth, ELECTRA's `generator_layers` 1.0), on the
    *main model's* embeddings module (token + position embeddings and their LayerNorm shared, the
    paper's Sec. 3.2 "we share the embeddings (both the token and positional embeddings)"), projected
-   H -> H_G by `embeddings_project` when H_G < H. Its MLM head (`GeneratorHead`: dense H_G -> H,
-   GELU, LayerNorm, the tied word embeddings, its own output bias) is trained on the selected
+   E -> H_G by `embeddings_project` when H_G != E (E: the embeddings' width, `model.embedding_size`, H
+   unless factorised). Its MLM head (`GeneratorHead`: dense H_G -> E, GELU, LayerNorm, the tied word
+   embeddings, its own output bias) is trained on the selected
    positions of X^mask:
        L_MLM = mean_{selected i} -log p_G(x_i | X^mask)
 2. X^corrupt: X^mask with every selected position i replaced by x̂_i ~ p_G(. | X^mask), sampled
@@ -35,9 +36,9 @@ Paper defaults (Sec. 3 / Table 6 and `configure_pretraining.py`) and where they 
 `mask`; `data.corruption: {mask_fraction: 0.85, random_fraction: 0.0}` in the presets), generator width
 1/4 (small) or 1/3 (base), full depth, lambda 50, T = 1, sampling from the training pass. Choices the
 paper leaves open are options: `view` (`masked` or `wwm_masked`), `generator_layers`, `sample_mode`,
-`sample_temperature`. Not implemented: ELECTRA-small's factorised embeddings (embedding size 128 below
-the hidden 256: the encoder here has one width, so `electra-small` embeds at 256), the
-`disallow_correct` and `untied_generator_embeddings` ablations.
+`sample_temperature`. ELECTRA-Small's factorised embeddings (embedding size 128 below the hidden 256) are
+`model.embedding_size` (`pipeline.model.encoder.BertEncoder`: the discriminator projects E -> H, the
+generator E -> H_G). Not implemented: the `disallow_correct` and `untied_generator_embeddings` ablations.
 
 The main model's MLM head (`cls.predictions`) is not trained by this objective (`mlm_head` None):
 conversion exports the discriminator as `ElectraForPreTraining` (`pipeline.export.electra_adapter`).
@@ -116,8 +117,9 @@ class ReplacedTokenDetection(Objective):
         self.lambda_disc, self.lambda_gen = float(lambda_disc), float(lambda_gen)
         gen = generator_config(encoder_config, generator_width)
         self.generator_config = gen  # its shape (conversion writes it as ElectraForMaskedLM's config)
-        if gen.hidden_size != encoder_config.hidden_size:  # ELECTRA's `embeddings_project`
-            self.embeddings_project = nn.Linear(encoder_config.hidden_size, gen.hidden_size)
+        width = encoder_config.embedding_width  # E: the shared embeddings' width (H unless factorised)
+        if gen.hidden_size != width:  # ELECTRA's (and `transformers.ElectraModel`'s) generator `embeddings_project`
+            self.embeddings_project = nn.Linear(width, gen.hidden_size)
         else:
             self.embeddings_project = None
         self.generator = layer_stack(gen, num_layers=layers)  # the main model's family (`model.arch`)

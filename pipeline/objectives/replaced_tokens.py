@@ -17,8 +17,9 @@ The generator is a layer stack of the main model's family (`pipeline.model.arch.
 main model's embeddings module, called as `ctx.encoder.embeddings` inside the step (ZeRO-3 gathers it
 there). COCO-LM's has the main model's width and fewer layers; ELECTRA's is narrower
 (`generator_config`: ELECTRA's `generator_hidden_size`, with the FFN size and head count scaled alike,
-head size kept), so its input goes through `embeddings_project` (H -> H_G, ELECTRA's
-`embeddings_project`) and its head's transform maps H_G back to H before the tied projection.
+head size kept), so its input goes through `embeddings_project` (E -> H_G, ELECTRA's
+`embeddings_project`; E the embeddings' width, H unless `model.embedding_size` factorises them) and its
+head's transform maps H_G back to E before the tied projection.
 
 Sampling (`gumbel_max_sample`): argmax_v (z_v / T + G_v), G ~ Gumbel(0, 1) from `ctx.generator` (the
 micro-batch's stream: exact on resume), over vocabulary chunks of `SAMPLE_CHUNK` columns, so the
@@ -182,9 +183,9 @@ def generator_config(main: Any, width: float) -> Any:
 class GeneratorHead(nn.Module):
     """The generator's MLM head: its own transform and output bias, the tied word embeddings.
 
-    The transform is dense(H_G -> H) -> GELU -> LayerNorm(H) (ELECTRA's `generator_predictions`; BERT's
-    `cls.predictions.transform` when H_G = H). The projection is delegated to the main model's
-    `TiedVocabProjection` (which owns the tied weight, ZeRO-3 safe) with a function that swaps in this
+    The transform is dense(H_G -> E) -> GELU -> LayerNorm(E) (ELECTRA's `generator_predictions`; BERT's
+    `cls.predictions.transform` when H_G = E = H; E the tied embeddings' width). The projection is delegated
+    to the main model's `TiedVocabProjection` (which owns the tied weight, ZeRO-3 safe) with a function that swaps in this
     head's bias.
     """
 
@@ -227,7 +228,8 @@ def corrupt(ctx: StepContext, stack: nn.Module, head: GeneratorHead, ids_key: st
     embeddings = ctx.encoder.embeddings
 
     def states() -> Tensor:
-        """Generator hidden states [N, H_G] at the selected positions (flat indices)."""
+        """Generator hidden states [N, H_G] at the selected positions (flat indices); the embeddings module's
+        output is E wide (before the main model's own `embeddings_project`), `project` maps it to H_G."""
         e = embeddings(masked_ids)
         if project is not None:
             e = project(e)

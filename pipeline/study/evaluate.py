@@ -2,7 +2,8 @@
 
 * `heldout_metrics`: on held-out shards the pretraining never saw, with the pipeline's own masking
   and a fixed seed (every checkpoint sees identical masks), through the masked LM class the converted
-  directory names (`AutoModelForMaskedLM`: `BertForMaskedLM` or `ModernBertForMaskedLM`):
+  directory names (`AutoModelForMaskedLM`: `BertForMaskedLM`, `ModernBertForMaskedLM`, or `ElectraForMaskedLM`
+  for a masked-LM run with factorised embeddings, `model.embedding_size`):
     - masked-LM loss and accuracy at the positions the masking replaced by `[MASK]`: what the model
       predicts from the context alone. BERT's masking also keeps 10% of the selected tokens
       unchanged, where a model scores by copying its input: measured at the study's size (seed 1,

@@ -81,7 +81,8 @@ def plan(study: Study) -> dict[str, Any]:
             run_s, how = tokens / float(rates[name]), f"measured {float(rates[name]):,.0f} tokens/s per GPU"
         else:
             flops = steps * mlm_step_flops(batch, seq, shape["hidden_size"], shape["ffn_size"], shape["num_layers"],
-                                           round(MASK_FRACTION * batch * seq), vocab) * float(factors.get(name, 1.0))
+                                           round(MASK_FRACTION * batch * seq), vocab,
+                                           cfg.model.embedding_size) * float(factors.get(name, 1.0))
             run_s, how = flops / (peak * mfu), f"FLOPs x {float(factors.get(name, 1.0)):g} at MFU {mfu:g} of {device} {precision}"
         runs = n_lr + n_seed - 1
         points = len(study.eval_steps(name))

@@ -12,7 +12,8 @@ counted on what the layers really process: a padded batch unpadded for variable-
 4 h sum_b s_b^2 (`layer_work_flops`); dense and masked passes count the full B x s.
 
 The MLM head is counted only on the rows it is applied to (the predicted positions):
-`2 N h^2` for the transform and `2 N h C` for the tied projection, where C is the vocabulary size,
+`2 N h E` for the transform and `2 N E C` for the tied projection, where E is the embedding width
+(h unless `model.embedding_size` factorises the embeddings) and C the vocabulary size,
 or K + 1 for a sampled softmax that scores K negatives (BERT-NCE). Training costs 3x the forward
 (backward = 2x) for passes that build a graph, 1x for no-grad passes (COCO-LM's sampling pass).
 
@@ -61,17 +62,21 @@ def layer_forward_flops(batch: int, seq: int, hidden: int, ffn: int) -> float:
     return layer_work_flops(batch * seq, batch * seq * seq, hidden, ffn)
 
 
-def mlm_step_flops(batch: int, seq: int, hidden: int, ffn: int, layers: int, predicted: int, vocab: int) -> float:
+def mlm_step_flops(batch: int, seq: int, hidden: int, ffn: int, layers: int, predicted: int, vocab: int,
+                   embedding: Optional[int] = None) -> float:
     """Training FLOPs of one BERT MLM micro-batch, Megatron-style with the head on the predicted rows only:
 
-        3 [ layers (2 B s (4 h^2 + 2 h f) + 4 B s^2 h) + 2 N h^2 + 2 N h V ]
+        3 [ layers (2 B s (4 h^2 + 2 h f) + 4 B s^2 h) + 2 N h E + 2 N E V ]
 
-    (N predicted rows, V vocabulary; backward = 2x forward). What `FlopCounter` counts for an MLM
-    step of our model; applied to any implementation of the same model (the Hugging Face baseline
-    of `benchmarks/throughput/bench_throughput.py`), it gives MFU on the same useful work.
+    (N predicted rows, V vocabulary, E = `embedding` the tied embeddings' width, default h; backward = 2x
+    forward; the factorised embeddings' projection E -> h, like the lookups, is not counted). What
+    `FlopCounter` counts for an MLM step of our model; applied to any implementation of the same model
+    (the Hugging Face baseline of `benchmarks/throughput/bench_throughput.py`), it gives MFU on the same
+    useful work.
     """
-    return 3.0 * (layers * layer_forward_flops(batch, seq, hidden, ffn) + 2.0 * predicted * hidden * hidden
-                  + 2.0 * predicted * hidden * vocab)
+    width = embedding or hidden
+    return 3.0 * (layers * layer_forward_flops(batch, seq, hidden, ffn) + 2.0 * predicted * hidden * width
+                  + 2.0 * predicted * width * vocab)
 
 
 def _needs_backward(module: nn.Module, inputs: tuple) -> bool:
@@ -103,7 +108,7 @@ class FlopCounter:
         elif isinstance(module, ModernBertLayerStack):  # model.arch=modernbert: GeGLU, windowed local layers
             self.flops += factor * module.last_flops
         elif isinstance(module, (PredictionHeadTransform, ModernBertHeadTransform)):
-            rows, width = x.reshape(-1, x.shape[-1]).shape  # dense h -> h, or H_G -> H (a narrower generator)
+            rows, width = x.reshape(-1, x.shape[-1]).shape  # dense h -> E, or H_G -> E (a narrower generator)
             self.flops += factor * 2.0 * rows * width * _output.shape[-1]
         else:  # TiedVocabProjection(hidden, fn, *args): a full softmax, or K sampled negatives
             rows, hidden = x.reshape(-1, x.shape[-1]).shape

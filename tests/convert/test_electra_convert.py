@@ -155,3 +155,37 @@ def test_modernbert_electra_exports_its_body_and_refuses_the_generator(tiny_shar
     with torch.no_grad():
         torch.testing.assert_close(body(input_ids=ids, attention_mask=mask).last_hidden_state[real],
                                    ours.bert(ids, mask).last_hidden[real], rtol=0, atol=1e-4)
+
+
+def test_factorised_embeddings_export_with_their_projections(tiny_shards_dir, tmp_path):
+    """`model.embedding_size=24` under the hidden 64 (ELECTRA-Small's shape): `ElectraConfig.embedding_size` is 24
+    for the discriminator and the generator, the projections are `electra.embeddings_project` (24 -> 64 and
+    24 -> 16), and both loaded models give the training model's logits within 1e-4."""
+    from transformers import ElectraForMaskedLM, ElectraForPreTraining
+
+    out = tmp_path / "run"
+    assert run_inprocess("tiny-electra", tiny_shards_dir, out, *SHORT, "model.embedding_size=24") == 0
+    exported = convert(out, tmp_path / "hf", with_generator=True)
+    config = json.loads((exported / "config.json").read_text())
+    assert (config["embedding_size"], config["hidden_size"]) == (24, 64)
+    disc, info = ElectraForPreTraining.from_pretrained(str(exported), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    gen, info = ElectraForMaskedLM.from_pretrained(str(exported / "generator"), output_loading_info=True)
+    assert not info["unexpected_keys"] and set(info["missing_keys"]) <= {"generator_lm_head.weight"}
+    assert (gen.config.embedding_size, gen.config.hidden_size) == (24, 16)
+    assert disc.electra.embeddings_project.weight.shape == (64, 24) and gen.electra.embeddings_project.weight.shape == (16, 24)
+    ours = _ours(out)
+    objective = ours.objectives["electra"]
+    ids, mask, _ = _probe(config["vocab_size"], config["pad_token_id"])
+    real = mask.bool()
+    with torch.no_grad():
+        reference = disc.eval()(input_ids=ids, attention_mask=mask).logits
+        logits = objective.discriminator_predictions(ours.bert(ids, mask).last_hidden)
+        torch.testing.assert_close(logits[real], reference[real], rtol=0, atol=1e-4)
+        h = objective.generator(objective.embeddings_project(ours.bert.embeddings(ids)), mask)
+        head = objective.generator_head
+        gen_logits = F.linear(head.transform(h), ours.bert.embeddings.word_embeddings.weight, head.bias)
+        torch.testing.assert_close(gen_logits[real], gen.eval()(input_ids=ids, attention_mask=mask).logits[real],
+                                   rtol=0, atol=1e-4)
+    assert reference[real].std() > 1e-3
+    assert "| embedding size | 24 (projected to the hidden size) |" in (exported / "README.md").read_text()

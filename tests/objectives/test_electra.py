@@ -1,5 +1,5 @@
 """ELECTRA (`pipeline.objectives.electra`): its loss equals a loop written from the paper's equations (both
-encoder families), its discriminator loss equals `transformers.ElectraForPreTraining`'s on the same weights
+encoder families, and factorised embeddings), its discriminator loss equals `transformers.ElectraForPreTraining`'s on the same weights
 and inputs, a sampled token equal to the original counts as original, the discriminator's loss never reaches
 the generator, the generator's shape follows the paper's width rule, the one-pass sampling modes equal the
 two-pass one, the sampling holds one vocabulary chunk at a time, and bad options are named."""
@@ -26,8 +26,9 @@ SEED = 9
 def _model(arch: str = "bert", options: dict | None = None, dropout: float = 0.0, **objectives) -> PretrainModel:
     opts = {"electra": options or {}}
     names = {"electra": 1.0, **objectives}
-    if arch == "bert":
-        return tiny_model(names, opts, dropout=dropout, attention_dropout=dropout)
+    if arch in ("bert", "factorised"):  # factorised: embeddings 24 wide under the hidden 64 (`model.embedding_size`)
+        factorised = {"embedding_size": 24} if arch == "factorised" else {}
+        return tiny_model(names, opts, dropout=dropout, attention_dropout=dropout, **factorised)
     torch.manual_seed(0)
     config = ModernBertConfig(**MODERNBERT_SIZES["tiny"], vocab_size=VOCAB, max_position=64, dropout=dropout,
                               attention_dropout=dropout)
@@ -49,7 +50,7 @@ def _word_embeddings(model: PretrainModel) -> torch.Tensor:
     return (emb.tok_embeddings if hasattr(emb, "tok_embeddings") else emb.word_embeddings).weight
 
 
-@pytest.mark.parametrize("arch", ["bert", "modernbert"])
+@pytest.mark.parametrize("arch", ["bert", "modernbert", "factorised"])
 def test_loss_equals_a_loop_over_the_papers_equations(arch):
     """Clark et al. 2020, Sec. 2, position by position:
     L_MLM = mean_i -log p_G(x_i | x^masked), x̂_i = argmax_v (z_iv + G_iv) (a softmax sample, the
@@ -158,6 +159,25 @@ def test_generator_shape_follows_the_papers_width_rule():
     assert not any("embeddings." in n for n, _ in obj.named_parameters())  # the embeddings are the main model's
     full = _model(options={"generator_width": 1.0}).objectives["electra"]
     assert full.embeddings_project is None and full.generator.layer[0].intermediate.dense.out_features == 128
+
+
+def test_factorised_embeddings_feed_the_generator_at_their_width():
+    """E = 24 under H = 64: the discriminator projects E -> H, the generator E -> H_G = 16 (ELECTRA's generator
+    `embeddings_project` with `embedding_size`), its head maps H_G -> E before the tied E-wide embeddings; a
+    generator as wide as E has no projection (as `transformers.ElectraModel`); COCO-LM refuses E != H by name."""
+    model = _model("factorised")
+    obj = model.objectives["electra"]
+    assert model.bert.embeddings_project.weight.shape == (64, 24)
+    assert obj.embeddings_project.weight.shape == (16, 24) and obj.generator_head.transform.dense.weight.shape == (24, 16)
+    assert tiny_model({"electra": 1.0}, {"electra": {"generator_width": 0.375}}, embedding_size=24
+                      ).objectives["electra"].embeddings_project is None  # H_G = 24 = E
+    loss, _ = model(make_batch(seed=2), sampling_seed=SEED)
+    loss.backward()
+    for name in ("bert.embeddings.word_embeddings.weight", "bert.embeddings_project.weight",
+                 "objectives.electra.embeddings_project.weight"):
+        assert dict(model.named_parameters())[name].grad.abs().sum() > 0, name
+    with pytest.raises(ValueError, match=r"model\.embedding_size=24 .factorised embeddings. is not implemented for cocolm"):
+        tiny_model({"cocolm": 1.0}, embedding_size=24)
 
 
 @pytest.mark.parametrize("options, match", [

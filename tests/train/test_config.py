@@ -271,3 +271,11 @@ def test_deepspeed_ops_build_in_a_directory_of_this_environment(tiny_shards_dir,
     assert main(["--config", "tiny-mlm", f"data.shards_dir={tiny_shards_dir}", f"train.output_dir={tmp_path}",
                  "--check"]) == 0
     assert os.environ["TORCH_EXTENSIONS_DIR"] == str(tmp_path / "chosen")  # an explicit choice is kept
+
+
+def test_electra_small_embeds_at_128_like_the_paper():
+    """ELECTRA-Small (Clark et al. 2020, Table 6) and its BERT-Small baseline: embeddings 128 wide under the hidden 256."""
+    for name in ("electra-small", "mlm-electra-small"):
+        encoder = load_config(name).model.encoder_config(30522, 128, {"pad": 0})
+        assert (encoder.embedding_width, encoder.hidden_size) == (128, 256), name
+    assert load_config("electra-base").model.embedding_size is None  # base: one width (the paper's 768)
