@@ -49,7 +49,7 @@ from pipeline.model.hf_names import HF_DECODER_BIAS
 from pipeline.model.encoder import EncoderConfig, split_qkv
 from pipeline.model.hf_names import ExportError, to_modernbert_hf
 from pipeline.model.modernbert import is_modernbert
-from pipeline.objectives.registry import mlm_head_training
+from pipeline.objectives.registry import mlm_head_beside_electra
 from pipeline.pretrain.pretrainer import PretrainModel
 
 OBJECTIVE = "electra"
@@ -158,7 +158,7 @@ def export_refusal(objectives: Mapping[str, float], arch: str, with_generator: b
     or a ModernBERT ELECTRA's generator (no Hugging Face class). Not an ELECTRA run: ''."""
     if not is_electra_run(objectives):
         return ""
-    trained = sorted(n for n in mlm_head_training(objectives) if objectives[n] != 0)
+    trained = mlm_head_beside_electra(objectives)
     if trained:
         return (f"objectives {trained} train the MLM head cls.predictions beside electra; an ELECTRA export "
                 f"({DISCRIMINATOR_CLASS}) has no place for it: train electra alone, or with objectives that "

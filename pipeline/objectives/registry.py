@@ -72,3 +72,13 @@ def mlm_head_training(objectives: Iterable[str]) -> dict[str, str]:
     `objectives` that train the shared MLM head `cls.predictions`: whether its scores are a masked LM's
     logits, or log p - log q (sampled negatives, `mlm_nce`) whose log q the run model must hold."""
     return {name: OBJECTIVES[name].mlm_head for name in objectives if OBJECTIVES[name].mlm_head is not None}
+
+
+def mlm_head_beside_electra(objectives: Mapping[str, float]) -> list[str]:
+    """The objectives of non-zero weight that train the MLM head `cls.predictions` beside `electra` (sorted;
+    [] without electra). An ELECTRA export (`ElectraForPreTraining`) has no MLM head, so `cpt-convert`
+    refuses such a run (`pipeline.export.electra_adapter.export_refusal`) and training warns at its start
+    (`pipeline.train.run_config`): the combination trains, but converts to nothing."""
+    if "electra" not in objectives:
+        return []
+    return sorted(n for n in mlm_head_training(objectives) if objectives[n] != 0)

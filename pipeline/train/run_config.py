@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -37,13 +38,15 @@ from pipeline.data.shards import Manifest
 from pipeline.data.sources import data_directories
 from pipeline.train.eval_config import EvalConfig, check_eval_set, check_keep_best
 from pipeline.model.config import ModelConfig
-from pipeline.objectives.registry import check_objectives, check_objectives_under_stage
+from pipeline.objectives.registry import check_objectives, check_objectives_under_stage, mlm_head_beside_electra
 from pipeline.train.config import TrainConfig
 from pipeline.train.engine import DeepSpeedConfig, zero_stage_of
 from pipeline.train.optim import OptimConfig, warn_ineffective_decay
 from pipeline.train.phases.schedule import Schedule, plan_schedule
 
 __all__ = ["ConfigError", "RunConfig", "RunPlan", "load_config", "check_run", "describe_run_config"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -160,7 +163,27 @@ def _check_run(cfg: RunConfig, world_size: int, cuda_available: bool, fresh_star
     cfg.model.check_device(cuda_available)
     cfg.optim.check_device(cuda_available)
     warn_ineffective_decay(cfg.optim)  # a decay too small for float32 (pipeline.train.optim)
+    warn_unconvertible(cfg.objectives)
     return RunPlan(batch, engine, stage, manifest, data_hash, schedule)
+
+
+def unconvertible_warning(objectives: dict[str, float]) -> Optional[str]:
+    """The line training starts with when its checkpoints will not convert: an MLM head trained beside
+    `electra` (`mlm_head_beside_electra`; `cpt-convert` refuses it). A valid multi-task run, so a warning
+    before compute rather than a refusal: the user learns it now, not after the GPU-hours."""
+    trained = mlm_head_beside_electra(objectives)
+    if not trained:
+        return None
+    return (f"objectives: electra with {trained}, which train the MLM head: an ELECTRA export "
+            "(ElectraForPreTraining) has no place for that head, so cpt-convert will refuse this run's checkpoints; "
+            "train electra alone or beside objectives that do not use the MLM head (e.g. taco), or set the "
+            f"weight of {trained} to 0")
+
+
+def warn_unconvertible(objectives: dict[str, float]) -> None:
+    """Log `unconvertible_warning`, if any (once per run, before compute: `check_run`)."""
+    if (message := unconvertible_warning(objectives)) is not None:
+        log.warning("%s", message)
 
 
 # --------------------------------------------------------------------------------------------

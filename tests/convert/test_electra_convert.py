@@ -6,6 +6,7 @@ a `ModernBertModel` and refuses `--with-generator` by name; an MLM head trained 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 from pipeline.export.convert import convert
 from pipeline.model.hf_names import ExportError
 from pipeline.pretrain.build import model_from_meta
+from pipeline.train.run_config import unconvertible_warning
 from pipeline.train.run_meta import RunMeta
 from tests.train.runs import module_state, run_inprocess, tag_dir
 
@@ -127,9 +129,17 @@ def test_sentence_transformers_reads_the_export(electra_export):
     assert embeddings.shape == (2, 64)
 
 
-def test_an_mlm_head_trained_beside_electra_is_refused(tiny_shards_dir, tmp_path):
+def test_an_mlm_head_trained_beside_electra_is_refused(tiny_shards_dir, tmp_path, caplog):
+    """The combination trains (a valid multi-task run) but converts to nothing: training says so at its start,
+    before compute, and `cpt-convert` refuses it in one line."""
     out = tmp_path / "run"
-    assert run_inprocess("tiny-electra", tiny_shards_dir, out, *SHORT, "objectives={electra: 1.0, mlm: 1.0}") == 0
+    with caplog.at_level(logging.WARNING, logger="pipeline.train.run_config"):
+        assert run_inprocess("tiny-electra", tiny_shards_dir, out, *SHORT, "objectives={electra: 1.0, mlm: 1.0}") == 0
+    warned = [r.getMessage() for r in caplog.records if r.name == "pipeline.train.run_config"]
+    assert len(warned) == 1 and warned[0].startswith("objectives: electra with ['mlm'], which train the MLM head")
+    assert "cpt-convert will refuse this run's checkpoints" in warned[0]
+    assert unconvertible_warning({"electra": 1.0}) is None and unconvertible_warning({"electra": 1.0, "taco": 1.0}) is None
+    assert unconvertible_warning({"electra": 1.0, "mlm": 0.0}) is None  # a zero weight trains nothing
     with pytest.raises(ExportError, match=r"\['mlm'\] train the MLM head cls.predictions beside electra"):
         convert(out, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
