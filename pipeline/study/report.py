@@ -11,7 +11,11 @@ Baseline health check (`baseline_health`), on MLM's final checkpoints at the sel
      (`stats.difference_ci`) must lie above 0. With a single floor value (one fine-tuning seed) its
      spread is unknown, and MLM's lower bound must exceed that value instead (a weaker check, said so).
 If any check fails, the report says which and prints no time-to-target step or ratio at all:
-those are measured against the baseline's own final quality, which would then mean nothing.
+those are measured against the baseline's own final quality, which would then mean nothing. A claim stated
+against another baseline (`PAPER_BASELINES`: COCO-LM against ELECTRA) is held to the same rule with that
+baseline's own health check (the same three checks on its curves: ELECTRA's held-out masked accuracy is
+its generator's, its token cosine the discriminator's): an ELECTRA that collapsed (its paper's T = 1
+sampling does at small scale, docs/objectives.md) gives no COCO-LM-vs-ELECTRA ratio, whatever MLM did.
 
 With zero-shot STS-B (a study's `sts:`), every point also carries `sts_dev` / `sts_test` (Spearman x 100),
 plotted against steps, tokens and device-hours with the floors drawn, and `time_to_quality_sts` compares each
@@ -129,13 +133,29 @@ def summary_rows(study: dict, curves: dict, floor: Optional[dict]) -> list[dict]
 PAPER_BASELINES = (("cocolm", "electra"),)
 
 
-def target_rows(curves: dict, health: dict) -> list[dict]:
+def paper_baseline_health(curves: dict, floor_dev: Optional[list[float]], margin: float) -> dict[str, dict]:
+    """`baseline_health` of each `PAPER_BASELINES` baseline the study trained (with the objective that
+    claims against it), by name."""
+    return {against: baseline_health(curves[against], floor_dev, margin)
+            for objective, against in PAPER_BASELINES if objective in curves and against in curves}
+
+
+def target_rows(curves: dict, health: dict, paper_health: Optional[dict[str, dict]] = None) -> list[dict]:
     """Paired time to MLM's final quality, per objective and metric, and to the paper's own baseline for the
-    claims made against another one (`PAPER_BASELINES`); refused when MLM is unhealthy (the study's check)."""
+    claims made against another one (`PAPER_BASELINES`); refused when that row's baseline is unhealthy:
+    MLM's check (`health`) for the MLM rows, the paper baseline's own (`paper_health[name]`, refused when
+    absent) for the others."""
     pairs = [(objective, "mlm") for objective in curves]
     pairs += [(objective, against) for objective, against in PAPER_BASELINES if objective in curves and against in curves]
     rows = []
     for objective, against in pairs:
+        if against == "mlm":
+            passed, refusal = health["passed"], "refused: baseline failed its health check"
+        else:
+            own = (paper_health or {}).get(against)
+            passed = bool(own and own["passed"])
+            refusal = (f"refused: {against} (the baseline) failed its health check" if own
+                       else f"refused: {against} (the baseline) has no health check")
         by_seed, baseline = curves[objective], curves.get(against, {})
         for metric, higher in METRICS.items():
             if higher is None:
@@ -146,8 +166,8 @@ def target_rows(curves: dict, health: dict) -> list[dict]:
             row = {"objective": objective, "against": against, "metric": metric, "target": format_ci(result["target"]),
                    "reached": f"{result['reached']}/{len(result['seeds'])}"}
             for field in ("steps", "hours", "step_ratio", "hours_ratio"):
-                if not health["passed"]:
-                    row[field] = "refused: baseline failed its health check"
+                if not passed:
+                    row[field] = refusal
                 else:
                     row[field] = format_ci(result[field], 4 if field == "hours" else 3) if result[field] else "not reached"
             rows.append(row)
@@ -238,9 +258,15 @@ def write_study_report(study: dict, args, data_notes: list[str], out: Path, extr
     floor = study["floor"]
     floor_dev = list(floor["dev"]["seeds"]) if floor else None
     health = baseline_health(curves.get("mlm", {}), floor_dev, args.plateau_margin)
+    paper_health = paper_baseline_health(curves, floor_dev, args.plateau_margin)
     verdict = ("baseline health check PASSED: " if health["passed"] else
                "baseline health check FAILED, no ratio is reported: ")
     verdict += "; ".join(f"{c['check']}: {'ok' if c['passed'] else 'FAILED'} ({c['detail']})" for c in health["checks"])
+    for against, own in paper_health.items():  # after every other note: notes[1] may become the STS verdict
+        data_notes = [*data_notes, f"{against} (a paper's baseline) health check "
+                      + ("PASSED: " if own["passed"] else f"FAILED, no ratio against {against} is reported: ")
+                      + "; ".join(f"{c['check']}: {'ok' if c['passed'] else 'FAILED'} ({c['detail']})"
+                                  for c in own["checks"])]
     selection = study["selection"]
     notes = [verdict,
              f"learning rate per objective chosen on {study['metric']} (a selection split, never reported) among "
@@ -256,18 +282,19 @@ def write_study_report(study: dict, args, data_notes: list[str], out: Path, extr
              "comparison that is fair to every objective",
              *data_notes]
     rows = summary_rows(study, curves, floor)
-    targets = target_rows(curves, health)
+    targets = target_rows(curves, health, paper_health)
     runs = run_rows(study)
     curve_table = curve_rows(curves)
     sts_rows = comparison_rows(curves)
     if sts_rows:
         notes.insert(1, sts_verdict(sts_rows, health["passed"]))
-    payload = {**extra, "baseline_health": health, "selection": selection, "floor": floor, "targets": targets,
-               "runs": runs, "selection_metric": study["metric"], "sts_comparison": sts_rows or None}
+    payload = {**extra, "baseline_health": health, "paper_baseline_health": paper_health, "selection": selection,
+               "floor": floor, "targets": targets, "runs": runs, "selection_metric": study["metric"], "sts_comparison": sts_rows or None}
     paths = write_report("time_to_quality", rows, out, "Time to quality (selected learning rates)", notes=notes,
                          extra=payload)
     write_report("time_to_quality_targets", targets, out, "Time to the baseline's final quality (paired per seed)",
-                 notes=notes[:1] + [n for n in notes if n.startswith("time to target")])
+                 notes=notes[:1] + [n for n in notes if n.startswith("time to target")
+                                    or "(a paper's baseline) health check" in n])
     if sts_rows:
         write_report("time_to_quality_sts", sts_rows, out, "Zero-shot STS-B against MLM (Spearman x 100)",
                      notes=[notes[1], "equal budget: both runs' final points; matched compute: each run's last point "

@@ -78,3 +78,49 @@ def test_the_tiny_study_runs_locally_over_the_slurm_units(tiny_shards_dir: Path,
     assert len(logs) == 4 and main(["run", str(STUDY)]) == 0  # finished: nothing trains or evaluates again
     assert {p: p.stat().st_size for p in logs} == logs
     assert {p: p.stat().st_mtime_ns for p in results} == results
+
+
+@pytest.mark.timeout(900)
+def test_cocolm_against_electra_is_one_local_study(tiny_shards_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """Issue 59: COCO-LM vs ELECTRA is one `cpt-study` — the tiny study with `electra` and `cocolm` beside `mlm`
+    runs end to end: each ELECTRA run is converted with its generator (`generator/`, fingerprinted), its
+    held-out masked-LM numbers are read through that generator, and the report holds the COCO-LM-vs-ELECTRA
+    row beside every objective's row against MLM."""
+    task = tmp_path / "sst2"
+    task.mkdir()
+    rows = [(f"sentence number {i} is {'good' if i % 2 else 'bad'}", i % 2) for i in range(40)]
+    for split, part in (("train", rows), ("dev", rows[:10]), ("test", rows[10:20])):
+        (task / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in part))
+    study_file = tmp_path / "tiny-electra.yaml"
+    text = STUDY.read_text()
+    assert "  taco: {preset: tiny-taco}\n" in text
+    study_file.write_text(text.replace("name: tiny\n", "name: tiny-electra\n").replace(
+        "  taco: {preset: tiny-taco}\n", "  electra: {preset: tiny-electra}\n  cocolm: {preset: tiny-cocolm}\n"))
+    work = tmp_path / "work"
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    sts = write_sts(tmp_path / "sts-b", n_pairs=30)
+    for name, value in (("CPT_STUDY_SHARDS", tiny_shards_dir), ("CPT_STUDY_TASK", task), ("CPT_STUDY_WORK", work),
+                        ("CPT_STUDY_STS", sts)):
+        monkeypatch.setenv(name, str(value))
+
+    assert main(["run", str(study_file)]) == 0
+    electra_runs = sorted(work.glob("runs/electra/*/*"))
+    assert len(electra_runs) == 2
+    for run_dir in electra_runs:
+        assert json.loads((run_dir / "train.json").read_text())["status"] == "ok"
+        exports = [p.parent.parent for p in run_dir.glob("**/generator/config.json")]
+        assert exports, f"{run_dir}: no ELECTRA export with its generator"
+        architectures = json.loads((exports[0] / "config.json").read_text())["architectures"]
+        assert architectures == ["ElectraForPreTraining"]
+    report = json.loads((work / "report" / "sst2" / "time_to_quality.json").read_text())
+    pairs = {(r["objective"], r["against"]) for r in report["targets"]}
+    assert ("cocolm", "electra") in pairs and ("electra", "mlm") in pairs and ("cocolm", "mlm") in pairs
+    assert ("mlm", "electra") not in pairs
+    # the COCO-LM-vs-ELECTRA ratios follow ELECTRA's own health check, not MLM's
+    assert set(report["paper_baseline_health"]) == {"electra"}
+    electra_healthy = report["paper_baseline_health"]["electra"]["passed"]
+    for row in (r for r in report["targets"] if r["against"] == "electra"):
+        assert (row["hours_ratio"] == "refused: electra (the baseline) failed its health check") != electra_healthy
+    finals = {r["objective"]: r for r in report["rows"]}
+    assert finals["electra"]["heldout_mlm_acc"] and finals["cocolm"]["heldout_mlm_acc"]

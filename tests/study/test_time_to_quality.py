@@ -13,7 +13,7 @@ from pipeline.study.targets import EvalPoint
 from pipeline.study.data import main as split_main
 from pipeline.study.data import prepare_sst2, split_halves
 from pipeline.study.evaluate import cached, heldout_metrics, merge_finetune_summaries, top_token_of
-from pipeline.study.report import baseline_health, target_rows
+from pipeline.study.report import baseline_health, paper_baseline_health, target_rows
 from pipeline.study.local import evaluate_run
 from pipeline.study.spec import StudyError, Task, check_work_dir, load_study
 from pipeline.study.units import RunKey, cumulative_hours, downstream_at, select_lrs
@@ -271,10 +271,36 @@ def test_cocolm_gets_a_row_against_electra_the_baseline_of_its_papers_claim() ->
     electra = _curves([[0.05, 0.15, 0.25], [0.06, 0.16, 0.24], [0.05, 0.15, 0.26]])
     cocolm = _curves([[0.20, 0.25, 0.33], [0.19, 0.24, 0.32], [0.21, 0.26, 0.31]])
     health = baseline_health(mlm, floor_dev=[0.69, 0.7, 0.71], margin=0.05)
-    rows = {(r["objective"], r["against"], r["metric"]): r
-            for r in target_rows({"mlm": mlm, "electra": electra, "cocolm": cocolm}, health)}
+    curves = {"mlm": mlm, "electra": electra, "cocolm": cocolm}
+    paper_health = paper_baseline_health(curves, floor_dev=[0.69, 0.7, 0.71], margin=0.05)
+    assert set(paper_health) == {"electra"} and paper_health["electra"]["passed"]
+    rows = {(r["objective"], r["against"], r["metric"]): r for r in target_rows(curves, health, paper_health)}
     row = rows[("cocolm", "electra", "heldout_mlm_acc")]
     assert row["reached"] == "3/3" and row["hours_ratio"] == "0.667 [0.667, 0.667]"  # step 200 of ELECTRA's 300
     assert rows[("cocolm", "mlm", "heldout_mlm_acc")]["reached"] == "3/3"
     assert ("electra", "electra", "heldout_mlm_acc") not in rows and ("mlm", "electra", "heldout_mlm_acc") not in rows
     assert not any(r["against"] == "electra" for r in target_rows({"mlm": mlm, "cocolm": cocolm}, health))
+
+
+def test_a_collapsed_electra_gives_no_cocolm_ratio_against_it_whatever_mlm_did() -> None:
+    """The rule of every comparison — no speed-up against a baseline that did not learn — holds for the paper's
+    own baseline with its own check: ELECTRA collapsed (token cosine 0.97, as its T = 1 sampling does at small
+    scale) refuses the COCO-LM-vs-ELECTRA ratios and keeps COCO-LM's against a healthy MLM; a paper baseline
+    without a health record is refused too."""
+    mlm = _curves([[0.10, 0.20, 0.30], [0.12, 0.22, 0.31], [0.11, 0.21, 0.29]])
+    electra = _curves([[0.05, 0.15, 0.25], [0.06, 0.16, 0.24], [0.05, 0.15, 0.26]], cosine=0.97)
+    cocolm = _curves([[0.20, 0.25, 0.33], [0.19, 0.24, 0.32], [0.21, 0.26, 0.31]])
+    curves = {"mlm": mlm, "electra": electra, "cocolm": cocolm}
+    health = baseline_health(mlm, floor_dev=[0.69, 0.7, 0.71], margin=0.05)
+    paper_health = paper_baseline_health(curves, floor_dev=[0.69, 0.7, 0.71], margin=0.05)
+    assert health["passed"] and not paper_health["electra"]["passed"]
+    assert [c["passed"] for c in paper_health["electra"]["checks"]] == [False, True, True]
+    rows = target_rows(curves, health, paper_health)
+    against_electra = [r for r in rows if r["against"] == "electra"]
+    assert against_electra and all(r[f] == "refused: electra (the baseline) failed its health check"
+                                   for r in against_electra for f in ("steps", "hours", "step_ratio", "hours_ratio"))
+    assert all(not r["hours_ratio"].startswith("refused") for r in rows if r["against"] == "mlm")
+    unchecked = [r for r in target_rows(curves, health) if r["against"] == "electra"]
+    assert unchecked and all(r["hours_ratio"] == "refused: electra (the baseline) has no health check"
+                             for r in unchecked)
+
