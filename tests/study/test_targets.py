@@ -95,12 +95,30 @@ def test_line_chart_draws_bands_and_reference_lines(tmp_path: Path) -> None:
 def test_welch_difference_interval_matches_a_hand_computation() -> None:
     a, b = [0.705, 0.711, 0.683], [0.493, 0.708, 0.667]
     va, vb = 0.000217333 / 3, 0.013030333 / 3  # sample variances / n, computed by hand
-    nu = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 2)  # 2.07 -> 2 degrees of freedom
+    nu = (va + vb) ** 2 / (va ** 2 / 2 + vb ** 2 / 2)  # 2.067 degrees of freedom, used as they are
     ci = difference_ci(a, b)
-    assert ci["df"] == math.floor(nu) == 2
+    assert ci["df"] == pytest.approx(nu, rel=1e-5) and 2.06 < ci["df"] < 2.07
     assert ci["mean"] == pytest.approx(sum(a) / 3 - sum(b) / 3)
-    assert ci["half_width"] == pytest.approx(t_quantile(0.95, 2) * math.sqrt(va + vb), rel=1e-5)
+    assert ci["half_width"] == pytest.approx(t_quantile(0.95, nu) * math.sqrt(va + vb), rel=1e-5)
+    assert t_quantile(0.95, 3) < t_quantile(0.95, nu) < t_quantile(0.95, 2)
     assert ci["lo"] < 0 < ci["mean"]  # the study's floor spreads too widely for its gain to count
     assert difference_ci([0.8, 0.81, 0.79], [0.5, 0.51, 0.49])["lo"] > 0.25
     single = difference_ci(a, [0.5])
     assert single["mean"] == pytest.approx(sum(a) / 3 - 0.5) and single["lo"] is None
+
+
+@pytest.mark.parametrize("a, b", [([0.80, 0.82, 0.85], [0.60, 0.70, 0.65]), ([0.80, 0.82, 0.85, 0.83], [0.60, 0.75]),
+                                  ([0.80, 0.81], [0.50, 0.70, 0.90, 0.60]), ([0.705, 0.711, 0.683], [0.493, 0.708, 0.667])])
+def test_welch_interval_and_t_interval_equal_scipys(a: list[float], b: list[float]) -> None:
+    """Welch's nu is fractional; the interval is scipy's (its t quantile at that nu), not the wider one of
+    floor(nu) (at 3 seeds a side nu = 2.95 -> 2 made it 25% wider: t 4.30 instead of 3.19)."""
+    scipy_stats = pytest.importorskip("scipy.stats")
+    ci = difference_ci(a, b)
+    expected = scipy_stats.ttest_ind(a, b, equal_var=False).confidence_interval(0.95)
+    assert (ci["lo"], ci["hi"]) == pytest.approx((expected.low, expected.high), rel=1e-9, abs=1e-12)
+    for xs in (a, b):
+        m = mean_ci(xs)
+        low, high = scipy_stats.t.interval(0.95, len(xs) - 1, loc=sum(xs) / len(xs), scale=scipy_stats.sem(xs))
+        assert (m["lo"], m["hi"]) == pytest.approx((low, high), rel=1e-9, abs=1e-12)
+    for df in (1.04, 2.07, 2.95, 10.5, 57.2):
+        assert t_quantile(0.95, df) == pytest.approx(scipy_stats.t.ppf(0.975, df), rel=1e-9)
