@@ -5,8 +5,9 @@ record `pipeline.eval.finetune` builds (`--json` prints that record instead).
 
 The verdict reads the gain's interval for the task's main metric: pretraining **helps** when the interval
 lies above 0, **hurts** when below, and is **not told apart** from random init when it holds 0. With one
-seed on either side there is no interval and no side is claimed; an undefined value shows as `undefined`
-with its reason, never as a number.
+seed on either side there is no interval and no side is claimed, nor when every seed of both models gave the
+same value (a zero-width interval: the seeds measured no spread); an undefined value shows as `undefined`
+with its reason (the pretrained side's, else random init's), never as a number.
 """
 from __future__ import annotations
 
@@ -28,14 +29,27 @@ def verdict(result: dict) -> str:
         return f"verdict: none claimed: --random-init was not run, so there is no baseline for {metric}"
     gain = result["pretraining_gain"].get(metric)
     if gain is None:
-        return f"verdict: none: the {metric} gain is undefined ({result.get('undefined', {}).get(metric, 'see the JSON')})"
+        return f"verdict: none: the {metric} gain is undefined ({_why_undefined(result, metric)})"
     interval = result.get("pretraining_gain_interval", {}).get(metric)
     if not interval:
         return (f"verdict: {metric} gain {gain:+.3f}, no side claimed: an interval needs at least two seeds "
                 "for each model")
+    if interval[0] == interval[1]:  # Welch's se is 0: every seed of both models gave one value
+        return (f"verdict: {metric} gain {gain:+.3f}, no side claimed: every seed gave the same {metric} on both "
+                "sides, so the seeds measured no spread to judge the gain by (a zero-width interval); check that "
+                "the seeds reach the fine-tuning")
     where = ("pretraining helps" if interval[0] > 0 else "pretraining hurts" if interval[1] < 0
              else "pretrained and random init are not told apart")
     return f"verdict: {where} on {metric} (gain {cell(gain, interval, signed=True)}, 95% Welch interval over seeds)"
+
+
+def _why_undefined(result: dict, metric: str) -> str:
+    """Why the gain of `metric` is undefined: the pretrained side's reason, else the random-init side's."""
+    for where, record in (("", result), ("random init: ", result.get("random_init") or {})):
+        why = (record.get("undefined") or {}).get(metric)
+        if why:
+            return f"{where}{why}"
+    return "see the JSON"
 
 
 def render(result: dict) -> str:

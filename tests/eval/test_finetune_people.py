@@ -68,3 +68,20 @@ def test_without_a_random_init_baseline_no_verdict_is_claimed():
     assert "random init" not in text.split("\n")[1] and "--random-init was not run" in text.splitlines()[-1]
     lo, hi = _record([0.9, 0.8], None)["interval"]["accuracy"]
     assert not math.isnan(lo) and lo < 0.85 < hi
+
+
+def test_identical_seeds_on_both_sides_claim_no_side():
+    """Every seed of both models at one value: Welch's interval has zero width (scipy's too), which would read
+    as 'helps' with certainty; the seeds measured no spread, so no side is claimed and the line says why."""
+    record = _record([0.90, 0.90, 0.90], [0.50, 0.50, 0.50])
+    assert record["pretraining_gain_interval"]["accuracy"] == pytest.approx([0.4, 0.4])
+    line = verdict(record)
+    assert line.startswith("verdict: accuracy gain +0.400, no side claimed: every seed gave the same accuracy")
+    assert "helps" not in line
+    assert verdict(_record([0.90, 0.90, 0.91], [0.50, 0.50, 0.50])).startswith("verdict: pretraining helps")
+
+
+def test_a_gain_undefined_on_the_random_init_side_gives_that_sides_reason():
+    line = verdict(_record([0.90, 0.80], [0.50, None]))
+    assert line == ("verdict: none: the accuracy gain is undefined (random init: undefined on seed(s) 2 "
+                    "(their `undefined` says why))")
