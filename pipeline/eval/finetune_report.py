@@ -36,8 +36,8 @@ def verdict(result: dict) -> str:
                 "for each model")
     if interval[0] == interval[1]:  # Welch's se is 0: every seed of both models gave one value
         return (f"verdict: {metric} gain {gain:+.3f}, no side claimed: every seed gave the same {metric} on both "
-                "sides, so the seeds measured no spread to judge the gain by (a zero-width interval); check that "
-                "the seeds reach the fine-tuning")
+                "sides, so the seeds measured no spread to judge the gain by (a zero-width interval; e.g. each "
+                "model predicts one class whatever the seed)")
     where = ("pretraining helps" if interval[0] > 0 else "pretraining hurts" if interval[1] < 0
              else "pretrained and random init are not told apart")
     return f"verdict: {where} on {metric} (gain {cell(gain, interval, signed=True)}, 95% Welch interval over seeds)"
@@ -52,8 +52,27 @@ def _why_undefined(result: dict, metric: str) -> str:
     return "see the JSON"
 
 
+def _seed_reasons(runs: list[dict], where: str) -> list[str]:
+    """The seeds' own reasons for an undefined metric (the summary lines say 'their `undefined` says why':
+    here is what it says), one line per metric and reason with the seeds that gave it."""
+    seeds_of: dict[tuple[str, str], list[str]] = {}
+    for run in runs:
+        for name, why in (run.get("undefined") or {}).items():
+            seeds_of.setdefault((name, why), []).append(str(run["seed"]))
+    return [f"  {where}{name} on seed(s) {', '.join(seeds)}: {why}" for (name, why), seeds in seeds_of.items()]
+
+
+def _eval_file_lines(runs: list[dict], metric: str) -> list[str]:
+    """The main metric per seed on each labelled `--eval-file` (its full metrics are in the JSON record)."""
+    names = list(dict.fromkeys(name for run in runs for name in run.get("eval_file_metrics") or {}))
+    return [f"{metric} per seed on eval file {name}: " + ", ".join(
+        f"{run['seed']}: {cell((run.get('eval_file_metrics') or {}).get(name, {}).get(metric), None)}" for run in runs)
+        for name in names]
+
+
 def render(result: dict) -> str:
-    """The table, the seeds' main metric, the undefined values' reasons and the verdict."""
+    """The table, the seeds' main metric (dev, then each labelled eval file), the undefined values' reasons
+    (the seeds' own too) and the verdict."""
     seeds = result["seeds"]
     baseline = result.get("random_init")
     header = ["metric", "pretrained"] + (["random init", "gain"] if baseline else [])
@@ -72,8 +91,10 @@ def render(result: dict) -> str:
     metric = result["metric"]
     per_seed = ", ".join(f"{r['seed']}: {cell(r['metrics'][metric], None)}" for r in result["runs"])
     lines.append(f"{metric} per seed: {per_seed}")
-    for where, undefined in (("", result.get("undefined", {})), ("random init ", (baseline or {}).get("undefined", {}))):
-        lines += [f"undefined: {where}{name}: {why}" for name, why in undefined.items()]
+    lines += _eval_file_lines(result["runs"], metric)
+    for where, record in (("", result), ("random init ", baseline or {})):
+        lines += [f"undefined: {where}{name}: {why}" for name, why in record.get("undefined", {}).items()]
+        lines += _seed_reasons(record.get("runs", []), where)
     lines.append(verdict(result))
     if result.get("prediction_files"):
         lines.append(f"predictions: {len(result['prediction_files'])} file(s), e.g. {result['prediction_files'][0]}")

@@ -58,7 +58,7 @@ def matthews(pred: np.ndarray, gold: np.ndarray) -> float:
 
     _count(pred, gold)
     if len(np.unique(pred)) < 2:
-        raise Undefined(f"every prediction is the same class ({np.asarray(pred)[0]!r}): the correlation's "
+        raise Undefined(f"every prediction is the same class ({np.asarray(pred)[0].item()!r}): the correlation's "
                         "denominator is 0 (scikit-learn and GLUE's scorer report 0)")
     if len(np.unique(gold)) < 2:
         raise Undefined(f"every label is the same class ({np.asarray(gold)[0]!r}): the correlation's denominator is 0")

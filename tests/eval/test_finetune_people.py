@@ -85,3 +85,17 @@ def test_a_gain_undefined_on_the_random_init_side_gives_that_sides_reason():
     line = verdict(_record([0.90, 0.80], [0.50, None]))
     assert line == ("verdict: none: the accuracy gain is undefined (random init: undefined on seed(s) 2 "
                     "(their `undefined` says why))")
+
+
+def test_the_seeds_own_reasons_and_the_eval_files_main_metric_are_printed():
+    """The summary line says 'their `undefined` says why': the seeds' reasons follow it (one line per reason), and
+    a labelled --eval-file's main metric per seed is in the person's output, not only in the JSON."""
+    record = _record([0.90, None, None], None)
+    why = "every prediction is the same class (0): the correlation's denominator is 0"
+    for run in record["runs"][1:]:
+        run["undefined"] = {"accuracy": why}
+    for run, value in zip(record["runs"], (0.8, None, 0.6)):
+        run["eval_file_metrics"] = {"extra": {"accuracy": value}}
+    text = render(record)
+    assert f"  accuracy on seed(s) 2, 3: {why}" in text.splitlines()
+    assert "accuracy per seed on eval file extra: 1: 0.800, 2: undefined, 3: 0.600" in text.splitlines()
