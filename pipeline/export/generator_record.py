@@ -17,10 +17,9 @@ import json
 import os
 from pathlib import Path
 
-from pipeline.export.convert_report import CONVERSION_KEY as CONVERSION_RECORD
-from pipeline.export.convert_report import GENERATOR_SUBDIR as GENERATOR_DIR
+from pipeline.export.convert_report import CONVERSION_KEY, GENERATOR_SUBDIR
 from pipeline.io import sha256_file
-from pipeline.train.run_meta import META_FILE as META_NAME
+from pipeline.train.run_meta import META_FILE
 
 #: `conversion.generator_fingerprint` in the export's pipeline_meta.json.
 GENERATOR_FINGERPRINT_KEY = "generator_fingerprint"
@@ -42,21 +41,21 @@ def generator_problem(model_dir: str | os.PathLike) -> str:
     """'' when `model_dir`'s `generator/` is the one it was converted with, or the export records none
     (converted without `--with-generator`, or before fingerprints); else one line naming the directory:
     its `generator/` is gone, or its files are not the recorded ones (both fingerprints)."""
-    meta = Path(model_dir) / META_NAME
-    generator = Path(model_dir) / GENERATOR_DIR
+    meta = Path(model_dir) / META_FILE
+    generator = Path(model_dir) / GENERATOR_SUBDIR
     try:
         record = json.loads(meta.read_text()) if meta.is_file() else {}
-        recorded = (record.get(CONVERSION_RECORD) or {}).get(GENERATOR_FINGERPRINT_KEY)
+        recorded = (record.get(CONVERSION_KEY) or {}).get(GENERATOR_FINGERPRINT_KEY)
     except (OSError, ValueError, AttributeError):
-        return f"{model_dir}: {META_NAME} is not readable JSON; convert the checkpoint again"
+        return f"{model_dir}: {META_FILE} is not readable JSON; convert the checkpoint again"
     if not recorded:
         return ""
     if not generator.is_dir():
-        return (f"{generator}: missing, but {META_NAME} records a generator converted with this model; restore it or "
+        return (f"{generator}: missing, but {META_FILE} records a generator converted with this model; restore it or "
                 "convert the checkpoint again with --with-generator")
     current = generator_fingerprint(generator)
     if current == recorded:
         return ""
     return (f"{generator}: its files are not the generator this model was converted with (fingerprint {current[:16]} "
-            f"now, {CONVERSION_RECORD}.{GENERATOR_FINGERPRINT_KEY} {str(recorded)[:16]} in {META_NAME}); restore it "
+            f"now, {CONVERSION_KEY}.{GENERATOR_FINGERPRINT_KEY} {str(recorded)[:16]} in {META_FILE}); restore it "
             "or convert the checkpoint again with --with-generator")

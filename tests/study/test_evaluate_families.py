@@ -4,6 +4,8 @@ model's own on the same batches (it once loaded every export as `BertForMaskedLM
 export evaluates a randomly initialised BERT)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,14 @@ from tests.train.runs import module_state, run_inprocess, tag_dir
 SEQUENCES, BATCH, COS_ROWS = 16, 8, 6
 
 
+def _trained_model(tag: Path) -> torch.nn.Module:
+    """The training model of checkpoint `tag` with its weights, in eval mode (the reference the export is read
+    against)."""
+    ours = model_from_meta(RunMeta.read(tag))
+    ours.load_state_dict(module_state(tag), strict=False)
+    return ours.eval()
+
+
 @pytest.mark.parametrize("arch", ["modernbert", "bert"])
 def test_heldout_metrics_are_the_training_models_own(arch, tiny_shards_dir, tmp_path):
     out = tmp_path / "run"
@@ -30,10 +40,7 @@ def test_heldout_metrics_are_the_training_models_own(arch, tiny_shards_dir, tmp_
     metrics = heldout_metrics(exported, tiny_shards_dir, top_token=top, max_sequences=SEQUENCES, cos_rows=COS_ROWS,
                               batch_size=BATCH)
 
-    tag = tag_dir(out, 2)
-    ours = model_from_meta(RunMeta.read(tag))
-    ours.load_state_dict(module_state(tag), strict=False)
-    ours.eval()
+    ours = _trained_model(tag_dir(out, 2))
     dataset = ShardDataset(tiny_shards_dir)
     collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, 0)
     loss, correct, count = 0.0, 0, 0
@@ -74,10 +81,7 @@ def test_an_electra_export_is_read_through_its_generator_and_its_discriminator(t
     top = top_token_of(tiny_shards_dir)
     metrics = heldout_metrics(exported, tiny_shards_dir, top_token=top, max_sequences=SEQUENCES, cos_rows=COS_ROWS,
                               batch_size=BATCH)
-    tag = tag_dir(out, 2)
-    ours = model_from_meta(RunMeta.read(tag))
-    ours.load_state_dict(module_state(tag), strict=False)
-    ours.eval()
+    ours = _trained_model(tag_dir(out, 2))
     electra = ours.objectives["electra"]
     dataset = ShardDataset(tiny_shards_dir)
     collator = CorruptionCollator({"masked"}, dataset.special_tokens, dataset.vocab_size, 0)

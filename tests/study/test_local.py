@@ -17,12 +17,9 @@ REPO = Path(__file__).resolve().parents[2]
 STUDY = REPO / "studies" / "tiny.yaml"
 
 
-@pytest.mark.timeout(900)
-def test_the_tiny_study_runs_locally_over_the_slurm_units(tiny_shards_dir: Path, tmp_path: Path, monkeypatch) -> None:
-    from pipeline.study.results import selected_keys, selection, sweep_keys
-    from pipeline.study.spec import load_study
-    from pipeline.study.units import final_files, point_done
-
+def _study_environment(shards: Path, tmp_path: Path, monkeypatch) -> Path:
+    """The tiny study's data (an SST-2-layout task, an STS-B dir, the shards) in its environment variables, run
+    from the checkout; returns the work directory."""
     task = tmp_path / "sst2"
     task.mkdir()
     rows = [(f"sentence number {i} is {'good' if i % 2 else 'bad'}", i % 2) for i in range(40)]
@@ -32,9 +29,19 @@ def test_the_tiny_study_runs_locally_over_the_slurm_units(tiny_shards_dir: Path,
     monkeypatch.chdir(REPO)  # the training children import `pipeline` from the checkout
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     sts = write_sts(tmp_path / "sts-b", n_pairs=30)
-    for name, value in (("CPT_STUDY_SHARDS", tiny_shards_dir), ("CPT_STUDY_TASK", task), ("CPT_STUDY_WORK", work),
+    for name, value in (("CPT_STUDY_SHARDS", shards), ("CPT_STUDY_TASK", task), ("CPT_STUDY_WORK", work),
                         ("CPT_STUDY_STS", sts)):
         monkeypatch.setenv(name, str(value))
+    return work
+
+
+@pytest.mark.timeout(900)
+def test_the_tiny_study_runs_locally_over_the_slurm_units(tiny_shards_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    from pipeline.study.results import selected_keys, selection, sweep_keys
+    from pipeline.study.spec import load_study
+    from pipeline.study.units import final_files, point_done
+
+    work = _study_environment(tiny_shards_dir, tmp_path, monkeypatch)
 
     assert main(["run", str(STUDY)]) == 0
     study = load_study(STUDY)
@@ -86,23 +93,12 @@ def test_cocolm_against_electra_is_one_local_study(tiny_shards_dir: Path, tmp_pa
     runs end to end: each ELECTRA run is converted with its generator (`generator/`, fingerprinted), its
     held-out masked-LM numbers are read through that generator, and the report holds the COCO-LM-vs-ELECTRA
     row beside every objective's row against MLM."""
-    task = tmp_path / "sst2"
-    task.mkdir()
-    rows = [(f"sentence number {i} is {'good' if i % 2 else 'bad'}", i % 2) for i in range(40)]
-    for split, part in (("train", rows), ("dev", rows[:10]), ("test", rows[10:20])):
-        (task / f"{split}.tsv").write_text("sentence\tlabel\n" + "".join(f"{t}\t{y}\n" for t, y in part))
     study_file = tmp_path / "tiny-electra.yaml"
     text = STUDY.read_text()
     assert "  taco: {preset: tiny-taco}\n" in text
     study_file.write_text(text.replace("name: tiny\n", "name: tiny-electra\n").replace(
         "  taco: {preset: tiny-taco}\n", "  electra: {preset: tiny-electra}\n  cocolm: {preset: tiny-cocolm}\n"))
-    work = tmp_path / "work"
-    monkeypatch.chdir(REPO)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    sts = write_sts(tmp_path / "sts-b", n_pairs=30)
-    for name, value in (("CPT_STUDY_SHARDS", tiny_shards_dir), ("CPT_STUDY_TASK", task), ("CPT_STUDY_WORK", work),
-                        ("CPT_STUDY_STS", sts)):
-        monkeypatch.setenv(name, str(value))
+    work = _study_environment(tiny_shards_dir, tmp_path, monkeypatch)
 
     assert main(["run", str(study_file)]) == 0
     electra_runs = sorted(work.glob("runs/electra/*/*"))
